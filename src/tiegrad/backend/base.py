@@ -1,0 +1,154 @@
+"""The backend interface: the array operations the differentiable ops are written against.
+
+Ops call these methods and never import an array library (DESIGN: layers). A backend
+wraps one array library: ``numpy`` on the host (the default) or ``torch`` on a device.
+Methods follow NumPy's names and broadcasting rules; ``axis`` arguments take an int, a
+tuple of ints or ``None``. Arrays are the library's own type (``np.ndarray``,
+``torch.Tensor``); dtypes are the library's dtype objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Array = Any
+DType = Any
+Shape = tuple[int, ...]
+
+
+class Backend:
+    """Abstract array backend. Subclasses implement every method below."""
+
+    name: str
+    device: str
+    float32: DType
+    float64: DType
+    int64: DType
+    bool_: DType
+
+    # -- creation and conversion -------------------------------------------------
+    def asarray(self, x: Any, dtype: DType | None = None) -> Array:
+        """An array of this backend holding ``x`` (no copy when already one of ours)."""
+        raise NotImplementedError
+
+    def copy(self, x: Array) -> Array:
+        """A fresh, writable copy of ``x``."""
+        raise NotImplementedError
+
+    def to_numpy(self, x: Array) -> Any:
+        """A NumPy array with the values of ``x`` (downloads from a device)."""
+        raise NotImplementedError
+
+    def is_array(self, x: Any) -> bool:
+        raise NotImplementedError
+
+    def zeros(self, shape: Shape, dtype: DType) -> Array:
+        raise NotImplementedError
+
+    def ones(self, shape: Shape, dtype: DType) -> Array:
+        raise NotImplementedError
+
+    def full(self, shape: Shape, value: float, dtype: DType) -> Array:
+        raise NotImplementedError
+
+    def arange(self, n: int, dtype: DType) -> Array:
+        raise NotImplementedError
+
+    def astype(self, x: Array, dtype: DType) -> Array:
+        raise NotImplementedError
+
+    def dtype_name(self, dtype: DType) -> str:
+        """The NumPy-style name of ``dtype`` (``"float32"``), used in errors and checkpoints."""
+        raise NotImplementedError
+
+    def dtype_of(self, name: str) -> DType:
+        raise NotImplementedError
+
+    def is_floating(self, dtype: DType) -> bool:
+        raise NotImplementedError
+
+    # -- elementwise ---------------------------------------------------------------
+    def exp(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def log(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def sqrt(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def tanh(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def erf(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def abs(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def maximum(self, x: Array, y: Array | float) -> Array:
+        raise NotImplementedError
+
+    def where(self, cond: Array, x: Array | float, y: Array | float) -> Array:
+        raise NotImplementedError
+
+    def isfinite_all(self, x: Array) -> bool:
+        raise NotImplementedError
+
+    # -- reductions and shape ------------------------------------------------------
+    def sum(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
+        raise NotImplementedError
+
+    def max(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
+        raise NotImplementedError
+
+    def argmax(self, x: Array, axis: int) -> Array:
+        raise NotImplementedError
+
+    def reshape(self, x: Array, shape: Shape) -> Array:
+        raise NotImplementedError
+
+    def transpose(self, x: Array, axes: Shape) -> Array:
+        raise NotImplementedError
+
+    def broadcast_to(self, x: Array, shape: Shape) -> Array:
+        raise NotImplementedError
+
+    def expand_dims(self, x: Array, axis: int) -> Array:
+        raise NotImplementedError
+
+    def concat(self, xs: list[Array], axis: int) -> Array:
+        raise NotImplementedError
+
+    def stack(self, xs: list[Array], axis: int) -> Array:
+        raise NotImplementedError
+
+    def pad(self, x: Array, widths: list[tuple[int, int]]) -> Array:
+        """Zero padding; ``widths`` has one ``(before, after)`` pair per axis."""
+        raise NotImplementedError
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        raise NotImplementedError
+
+    def einsum(self, subscripts: str, *operands: Array) -> Array:
+        raise NotImplementedError
+
+    # -- indexing --------------------------------------------------------------------
+    def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
+        raise NotImplementedError
+
+    def take_along_axis(self, x: Array, indices: Array, axis: int) -> Array:
+        raise NotImplementedError
+
+    def accumulate_at(self, out: Array, index: Any, values: Array) -> None:
+        """``out[index] += values`` in place, accumulating repeated indices."""
+        raise NotImplementedError
+
+    def sliding_windows(self, x: Array, kh: int, kw: int, stride: int) -> Array:
+        """View (N, C, OH, OW, kh, kw) of the kh x kw windows of (N, C, H, W) ``x``."""
+        raise NotImplementedError
+
+    # -- randomness ------------------------------------------------------------------
+    def random_uniform(self, generator: Any, shape: Shape, dtype: DType) -> Array:
+        """Uniform [0, 1) samples drawn from a NumPy ``Generator`` (the session's RNG)."""
+        raise NotImplementedError

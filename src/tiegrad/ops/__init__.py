@@ -1,0 +1,74 @@
+"""Differentiable operations, each a forward and its vector-Jacobian product.
+
+Every op takes ``TensorRef`` operands of one session (arrays and Python numbers are
+accepted where documented), records one node and returns its ``TensorRef``. Ops are
+written against the session's backend (``tiegrad.backend``), never against an array
+library directly, so the same op runs on NumPy and on torch devices.
+
+Importing this package also installs the operators of ``TensorRef``.
+"""
+
+from ..session import TensorRef
+from .arithmetic import add, div, matmul, mul, neg, pow, sub
+from .elementwise import exp, gelu, log, relu, sigmoid, sqrt, tanh
+from .reduce import max, mean, sum
+from .shape import concat, getitem, permute, reshape, stack, transpose, where
+
+__all__ = [
+    "add",
+    "concat",
+    "div",
+    "exp",
+    "gelu",
+    "getitem",
+    "log",
+    "matmul",
+    "max",
+    "mean",
+    "mul",
+    "neg",
+    "permute",
+    "pow",
+    "relu",
+    "reshape",
+    "sigmoid",
+    "sqrt",
+    "stack",
+    "sub",
+    "sum",
+    "tanh",
+    "transpose",
+    "where",
+]
+
+
+def _install_operators() -> None:
+    """Give ``TensorRef`` its Python operators and methods (each records one op)."""
+    t = TensorRef
+    t.__add__ = add
+    t.__radd__ = lambda self, other: add(other, self)
+    t.__sub__ = sub
+    t.__rsub__ = lambda self, other: sub(other, self)
+    t.__mul__ = mul
+    t.__rmul__ = lambda self, other: mul(other, self)
+    t.__truediv__ = div
+    t.__rtruediv__ = lambda self, other: div(other, self)
+    t.__neg__ = neg
+    t.__pow__ = pow
+    t.__matmul__ = matmul
+    t.__rmatmul__ = lambda self, other: matmul(other, self)
+    t.__getitem__ = getitem
+    t.T = property(lambda self: permute(self, tuple(reversed(range(self.ndim)))))
+    t.reshape = lambda self, *shape: reshape(
+        self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+    )
+    t.transpose = transpose
+    t.permute = lambda self, *axes: permute(
+        self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+    )
+    t.sum = sum
+    t.mean = mean
+    t.max = max
+
+
+_install_operators()

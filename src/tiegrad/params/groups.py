@@ -1,0 +1,169 @@
+"""Shared-parameter groups of a session: uses grouped by storage identity (C4).
+
+Seed ``000``: each use records the value observed at that call; optimizers combine
+the cotangents of leaves whose storage is shared and update that storage once,
+starting from its current value (C3), never from a leaf snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..backend import dtype_name
+from ..errors import (
+    DTypeError,
+    HyperparameterError,
+    MissingGradientError,
+    ShapeError,
+    TiegradError,
+)
+from .canonical import canonical_indices
+from .storage import ParameterStorage, check_host_array
+
+
+@dataclass(frozen=True)
+class ParameterGroup:
+    """The trainable leaves of one storage, in recording order (C4).
+
+    ``id`` is the first leaf and keys the optimizer slot. ``storage`` is None for a
+    registration without a storage descriptor; such a group always has one leaf.
+    """
+
+    id: int
+    parameter: Any
+    leaves: tuple[int, ...]
+    storage: ParameterStorage | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.parameter.shape)
+
+    def current_host_value(self) -> np.ndarray:
+        """The value an update starts from (C3): synced storage, or the handle's ``get()``."""
+        if self.storage is not None:
+            return self.storage.current_host_value()
+        value = np.asarray(self.parameter.get())
+        if value.shape != self.shape:
+            raise ShapeError(
+                f"group {self.id}: the getter returned shape {value.shape}, expected {self.shape}"
+            )
+        return value
+
+
+def group_parameter_registrations(
+    parameters: Mapping[int, Any], storages: Mapping[int, ParameterStorage]
+) -> list[ParameterGroup]:
+    """Group trainable registrations by storage identity without reading tensor data.
+
+    Registrations whose handle is frozen are left out. A storage whose shape differs
+    from its handle's raises before any grouping. Entries without a storage stay
+    separate, even when they are the same handle. Groups come in order of first leaf.
+    """
+    regs = sorted((i, p) for i, p in parameters.items() if p.requires_grad)
+    descs = []
+    for i, p in regs:
+        st = storages.get(i)
+        if st is not None and tuple(st.shape) != tuple(p.shape):
+            raise ShapeError(
+                f"leaf {i}: its storage has shape {tuple(st.shape)}, the parameter {tuple(p.shape)}"
+            )
+        descs.append(st)
+    canon = canonical_indices(descs)
+    groups: list[list[Any]] = []
+    by_position: dict[int, list[Any]] = {}
+    for pos, ((leaf, p), st, c) in enumerate(zip(regs, descs, canon)):
+        if c is None or c == pos:
+            entry = [leaf, p, [leaf], st]
+            groups.append(entry)
+            by_position[pos] = entry
+        elif c < pos:
+            by_position[c][2].append(leaf)
+        else:
+            raise TiegradError(f"internal: canonical index {c} after position {pos}")
+    return [ParameterGroup(g[0], g[1], tuple(g[2]), g[3]) for g in groups]
+
+
+def _leaf_gradient(group: ParameterGroup, gradients: Mapping[int, Any], leaf: int) -> Any:
+    try:
+        g = gradients[leaf]
+    except (KeyError, IndexError):
+        raise MissingGradientError(
+            f"group {group.id}: no gradient for leaf {leaf} (shape {group.shape})"
+        ) from None
+    if tuple(g.shape) != group.shape:
+        raise ShapeError(
+            f"group {group.id}: gradient of leaf {leaf} has shape {tuple(g.shape)}, "
+            f"expected {group.shape}"
+        )
+    dtype = getattr(group.parameter, "dtype", None)
+    if dtype is not None and dtype_name(g) != np.dtype(dtype).name:
+        raise DTypeError(
+            f"group {group.id}: gradient of leaf {leaf} has dtype {g.dtype}, expected {dtype}"
+        )
+    return g
+
+
+def check_group_gradients(group: ParameterGroup, gradients: Mapping[int, Any]) -> None:
+    """Validate every leaf gradient of ``group`` (presence, shape, dtype) without summing."""
+    for leaf in group.leaves:
+        _leaf_gradient(group, gradients, leaf)
+
+
+def dense_group_gradient(group: ParameterGroup, gradients: Mapping[int, Any]) -> Any:
+    """The summed gradient of a group, in leaf order: ((g0 + g1) + g2) (C4).
+
+    A group of one returns its gradient object itself: no copy, no arithmetic.
+    Every leaf is validated before the first addition; ``gradients`` is never
+    written into.
+    """
+    check_group_gradients(group, gradients)
+    total = gradients[group.leaves[0]]
+    if len(group.leaves) == 1:
+        return total
+    total = total + gradients[group.leaves[1]]
+    for leaf in group.leaves[2:]:
+        total += gradients[leaf]
+    return total
+
+
+def check_learning_rate(lr: Any) -> float:
+    """``lr`` as a float, or a HyperparameterError unless it is finite and >= 0."""
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise HyperparameterError(f"lr: expected a number, got {lr!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise HyperparameterError(f"lr: expected a finite value >= 0, got {lr!r}")
+    return value
+
+
+def write_group_value(group: ParameterGroup, value: np.ndarray) -> None:
+    """Write a new host value for a group's storage (or through its handle's ``set``)."""
+    if group.storage is not None:
+        group.storage.commit_host(value)
+    else:
+        group.parameter.set(value)
+
+
+def sgd_step_groups(session: Any, lr: float, gradients: Mapping[int, Any] | None) -> None:
+    """Plain SGD over a session's groups: validate everything, then write each storage once."""
+    lr = check_learning_rate(lr)
+    if gradients is None:
+        raise MissingGradientError("sgd_step: no gradients given and no backward has run")
+    groups = session.parameter_groups()
+    for group in groups:
+        check_group_gradients(group, gradients)
+    for group in groups:
+        g = session.backend.to_numpy(dense_group_gradient(group, gradients))
+        if group.storage is not None:
+            arr = group.storage.host_for_update()
+            arr -= lr * g
+        else:
+            arr = group.current_host_value() - lr * g
+            check_host_array(f"group {group.id}", arr, group.shape, arr.dtype)
+        write_group_value(group, arr)

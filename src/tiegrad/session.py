@@ -1,0 +1,345 @@
+"""The eager tape: ``EagerSession`` records every op as a node and runs reverse sweeps.
+
+A node is its index on the tape. Each node stores its forward value, its parents'
+ids, whether it requires a gradient and, only if it does, its vector-Jacobian
+product (a closure from the op that made it). Recording is append-only and costs a
+few list appends: no per-op dictionaries on the hot path (DESIGN: performance).
+
+Parameters enter a session through ``use`` (C2): every call records a new leaf
+holding the value the storage has at that moment and registers the parameter and
+its storage for that leaf, so optimizers can group uses by storage (C4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from .backend import NUMPY, Array, Backend
+from .errors import DTypeError, ShapeError, TapeError
+
+VJP = Any  # Callable[[Array], tuple[Array | None, ...]]
+
+
+class TensorRef:
+    """A handle on one node of a session's tape.
+
+    Carries its session, node id and forward value. Operators (``+ - * / @ **``,
+    indexing, ``.T``, ``.reshape``, ``.sum``, ``.mean``) record new nodes through
+    ``tiegrad.ops``. A ref is valid only in its own session and only until that
+    session is reset; using it elsewhere raises ``TapeError``.
+    """
+
+    __slots__ = ("session", "id", "value", "_gen")
+
+    def __init__(self, session: EagerSession, id: int, value: Array, gen: int) -> None:
+        self.session = session
+        self.id = id
+        self.value = value
+        self._gen = gen
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.value.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.value.ndim
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.session._rg[self.id]
+
+    def numpy(self) -> np.ndarray:
+        """The forward value as a NumPy array (downloads from a device)."""
+        return self.session.backend.to_numpy(self.value)
+
+    def item(self) -> float:
+        return self.numpy().item()
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"TensorRef(id={self.id}, shape={self.shape}, dtype={self.dtype})"
+
+
+class EagerSession:
+    """An append-only tape with sparse reverse-mode differentiation.
+
+    ``device=None`` (or ``"cpu"``) records on the NumPy host backend. ``seed`` seeds
+    the session's generator ``rng``, the only source of randomness of its ops
+    (dropout). ``backward`` returns gradients by node id and also keeps them as
+    ``last_gradients`` for ``optimizer.step()``.
+    """
+
+    def __init__(self, device: str | None = None, seed: int = 0, backend: Backend | None = None):
+        if backend is None:
+            backend = _backend_for(device)
+        self.backend = backend
+        self.device = backend.device
+        self.rng = np.random.default_rng(seed)
+        self.grad_enabled = True
+        self.last_gradients: Mapping[int, Array] | None = None
+        self._generation = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self._values: list[Array] = []
+        self._parents: list[tuple[int, ...] | None] = []
+        self._vjps: list[VJP | None] = []
+        self._rg: list[bool] = []
+        self._grad_leaves: list[int] = []
+        self._params: dict[int, Any] = {}
+        self._storages: dict[int, Any] = {}
+
+    # -- recording -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def _leaf(self, value: Array, requires_grad: bool) -> TensorRef:
+        i = len(self._values)
+        rg = requires_grad and self.grad_enabled
+        self._values.append(value)
+        self._parents.append(None)
+        self._vjps.append(None)
+        self._rg.append(rg)
+        if rg:
+            self._grad_leaves.append(i)
+        return TensorRef(self, i, value, self._generation)
+
+    def _record(self, value: Array, parents: tuple[int, ...], vjp: VJP) -> TensorRef:
+        """Append an op node; ``vjp(g)`` returns one cotangent (or None) per parent."""
+        rg = self._rg
+        requires = False
+        if self.grad_enabled:
+            for p in parents:
+                if rg[p]:
+                    requires = True
+                    break
+        i = len(self._values)
+        self._values.append(value)
+        if requires:
+            self._parents.append(parents)
+            self._vjps.append(vjp)
+        else:
+            self._parents.append(None)
+            self._vjps.append(None)
+        rg.append(requires)
+        return TensorRef(self, i, value, self._generation)
+
+    def _array(self, data: Any) -> Array:
+        """Convert input data; Python numbers and lists of floats become float32."""
+        bk = self.backend
+        if bk.is_array(data):
+            return data
+        if isinstance(data, TensorRef):
+            raise TapeError("expected array data, got a TensorRef; use the ref directly")
+        if isinstance(data, np.ndarray):
+            return bk.asarray(data)
+        arr = np.asarray(data)
+        if arr.dtype.kind == "f":
+            arr = arr.astype(np.float32)
+        return bk.asarray(arr)
+
+    def constant(self, data: Any) -> TensorRef:
+        """Record a leaf that never requires a gradient (inputs, targets, masks)."""
+        return self._leaf(self._array(data), False)
+
+    def leaf(self, data: Any, requires_grad: bool = True) -> TensorRef:
+        """Record a leaf; a differentiable leaf must have a floating dtype."""
+        arr = self._array(data)
+        if requires_grad and not self.backend.is_floating(arr.dtype):
+            raise DTypeError(
+                f"leaf: a leaf that requires grad needs a floating dtype, got {arr.dtype}"
+            )
+        return self._leaf(arr, requires_grad)
+
+    def use(self, param: Any) -> TensorRef:
+        """Record a use of ``param`` (C2): a new leaf holding its current value.
+
+        ``param`` is a ``tiegrad.Param`` (or any handle with a ``storage``), or any
+        object with ``get()``, ``set(array)``, ``shape``, ``dtype`` and
+        ``requires_grad``; the latter has no storage descriptor and is never grouped
+        with anything (C1). The registration is kept even when the use is frozen or
+        gradients are disabled; only trainable registrations are grouped (C4).
+        """
+        storage = getattr(param, "storage", None)
+        if storage is not None:
+            value = storage._value_for(self)
+        else:
+            value = self.backend.asarray(param.get())
+            if tuple(value.shape) != tuple(param.shape):
+                raise ShapeError(
+                    f"use: the getter of {param!r} returned shape {tuple(value.shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+        ref = self._leaf(value, bool(param.requires_grad))
+        self._params[ref.id] = param
+        if storage is not None:
+            self._storages[ref.id] = storage
+        return ref
+
+    def reset(self) -> None:
+        """Clear the tape and registrations; refs recorded so far become stale.
+
+        The generator, ``last_gradients`` and every parameter are kept. Storages are
+        unpinned, so optimizers may update them in place again (DESIGN: snapshots).
+        """
+        self._generation += 1
+        self._clear()
+
+    @contextlib.contextmanager
+    def no_grad(self) -> Iterator[None]:
+        """Record without gradients inside the block (evaluation)."""
+        prev = self.grad_enabled
+        self.grad_enabled = False
+        try:
+            yield
+        finally:
+            self.grad_enabled = prev
+
+    # -- references ------------------------------------------------------------------
+    def check(self, ref: TensorRef) -> int:
+        """The id of ``ref`` after checking it belongs to this session and is not stale."""
+        if not isinstance(ref, TensorRef):
+            raise TapeError(f"expected a TensorRef, got {type(ref).__name__}")
+        if ref.session is not self:
+            raise TapeError(f"ref {ref.id} belongs to another session")
+        if ref._gen != self._generation:
+            raise TapeError(f"ref {ref.id} is stale: its session was reset after it was recorded")
+        return ref.id
+
+    def _resolve_id(self, key: TensorRef | int) -> int:
+        if isinstance(key, TensorRef):
+            return self.check(key)
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if 0 <= key < len(self._values):
+                return int(key)
+            raise TapeError(f"id {key} is not on the tape (tape has {len(self._values)} nodes)")
+        raise TapeError(f"expected a TensorRef or a node id, got {type(key).__name__}")
+
+    def value(self, key: TensorRef | int) -> Array:
+        """The forward value of a node."""
+        return self._values[self._resolve_id(key)]
+
+    def parameter_registrations(self) -> dict[int, Any]:
+        """Leaf id -> registered parameter, for every ``use`` since the last reset."""
+        return dict(self._params)
+
+    def storage_registrations(self) -> dict[int, Any]:
+        """Leaf id -> storage descriptor, for every ``use`` of a handle with a storage."""
+        return dict(self._storages)
+
+    # -- backward --------------------------------------------------------------------
+    def backward(
+        self,
+        out: TensorRef,
+        seed: Any = None,
+        retain: Iterable[TensorRef | int] | None = None,
+    ) -> Mapping[int, Array]:
+        """Sparse reverse sweep from ``out``; returns a read-only map id -> gradient.
+
+        A node's VJP runs only if it received a cotangent; each cotangent is dropped
+        once propagated unless its id is retained. ``retain`` defaults to every leaf
+        that requires grad. A retained node that requires grad but is not reached
+        gets zeros (its gradient is zero). Contributions from several uses of one
+        node are summed (a value used by two ops receives both cotangents).
+        """
+        bk = self.backend
+        oid = self.check(out)
+        ov = self._values[oid]
+        if seed is None:
+            if int(np.prod(tuple(ov.shape))) != 1:
+                raise TapeError(
+                    f"backward: output {oid} has shape {tuple(ov.shape)}; a non-scalar "
+                    "output needs a seed of the same shape"
+                )
+            seed = bk.ones(tuple(ov.shape), ov.dtype)
+        else:
+            seed = self._array(seed)
+            if tuple(seed.shape) != tuple(ov.shape):
+                raise TapeError(
+                    f"backward: seed has shape {tuple(seed.shape)}, expected the output's "
+                    f"shape {tuple(ov.shape)}"
+                )
+            seed = bk.astype(seed, ov.dtype)
+        keep = set(self._grad_leaves) if retain is None else {self._resolve_id(r) for r in retain}
+        values, parents, vjps, rg = self._values, self._parents, self._vjps, self._rg
+        result: dict[int, Array] = {}
+        cot: dict[int, Array] = {oid: seed} if rg[oid] or oid in keep else {}
+        owned: set[int] = set()
+        for i in range(oid, -1, -1):
+            g = cot.pop(i, None)
+            if g is None:
+                continue
+            if i in keep:
+                result[i] = g
+            vjp = vjps[i]
+            if vjp is None:
+                continue
+            for pid, pg in zip(parents[i], vjp(g)):
+                if pg is None or not rg[pid]:
+                    continue
+                if pg.shape != values[pid].shape:
+                    raise ShapeError(
+                        f"backward: node {i} sent a cotangent of shape {tuple(pg.shape)} to "
+                        f"node {pid} of shape {tuple(values[pid].shape)}"
+                    )
+                prev = cot.get(pid)
+                if prev is None:
+                    cot[pid] = pg
+                elif pid in owned:
+                    prev += pg
+                else:
+                    cot[pid] = prev + pg
+                    owned.add(pid)
+        for i in keep:
+            if i not in result and rg[i]:
+                v = values[i]
+                result[i] = bk.zeros(tuple(v.shape), v.dtype)
+        grads = MappingProxyType(result)
+        self.last_gradients = grads
+        return grads
+
+    def grad(self, grads: Mapping[int, Array], ref: TensorRef) -> Array:
+        """The gradient of ``ref`` in ``grads`` (checked to be present)."""
+        i = self.check(ref)
+        if i not in grads:
+            raise TapeError(
+                f"no gradient for node {i}: it was not retained or does not require grad"
+            )
+        return grads[i]
+
+    # -- parameters (grouping lives in tiegrad.params) -------------------------------
+    def parameter_groups(self) -> list[Any]:
+        """Trainable uses grouped by storage identity, in order of first use (C4)."""
+        from .params.groups import group_parameter_registrations
+
+        return group_parameter_registrations(self._params, self._storages)
+
+    def sgd_step(self, lr: float, gradients: Mapping[int, Array] | None = None) -> None:
+        """One plain SGD update of every used storage from its summed gradient (C3, C4)."""
+        from .params.groups import sgd_step_groups
+
+        sgd_step_groups(self, lr, self.last_gradients if gradients is None else gradients)
+
+
+def _backend_for(device: str | None) -> Backend:
+    if device in (None, "cpu", "host", "numpy"):
+        return NUMPY
+    from .backend import device_backend
+
+    return device_backend(device)
