@@ -23,7 +23,7 @@ from .params import (
     dense_group_gradient,
     parameter_of_storage,
 )
-from .session import EagerSession, TensorRef
+from .session import EagerSession, Gradients, TensorRef, latest_gradients
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,8 @@ __all__ = [
     "DTypeError",
     "DeviceError",
     "EagerSession",
+    "Gradients",
+    "latest_gradients",
     "HyperparameterError",
     "Param",
     "ParamList",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -76,6 +75,47 @@ class TensorRef:
         return f"TensorRef(id={self.id}, shape={self.shape}, dtype={self.dtype})"
 
 
+class Gradients(Mapping):
+    """The read-only result of ``EagerSession.backward``: node id -> gradient array.
+
+    Keys may be given as ids or as ``TensorRef``s of the same session. ``session`` is
+    the session that produced it, so optimizers can group the uses by storage (C4).
+    """
+
+    __slots__ = ("session", "_grads")
+
+    def __init__(self, session: EagerSession, grads: dict[int, Array]) -> None:
+        self.session = session
+        self._grads = grads
+
+    def __getitem__(self, key: TensorRef | int) -> Array:
+        if isinstance(key, TensorRef):
+            key = self.session.check(key)
+        return self._grads[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._grads)
+
+    def __len__(self) -> int:
+        return len(self._grads)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, TensorRef):
+            return key.session is self.session and key.id in self._grads
+        return key in self._grads
+
+    def __repr__(self) -> str:
+        return f"Gradients({len(self)} ids: {sorted(self._grads)})"
+
+
+_latest: list[Gradients | None] = [None]
+
+
+def latest_gradients() -> Gradients | None:
+    """The result of the most recent ``backward`` of any session (for ``optimizer.step()``)."""
+    return _latest[0]
+
+
 class EagerSession:
     """An append-only tape with sparse reverse-mode differentiation.
 
@@ -92,7 +132,7 @@ class EagerSession:
         self.device = backend.device
         self.rng = np.random.default_rng(seed)
         self.grad_enabled = True
-        self.last_gradients: Mapping[int, Array] | None = None
+        self.last_gradients: Gradients | None = None
         self._generation = 0
         self._clear()
 
@@ -249,7 +289,7 @@ class EagerSession:
         out: TensorRef,
         seed: Any = None,
         retain: Iterable[TensorRef | int] | None = None,
-    ) -> Mapping[int, Array]:
+    ) -> Gradients:
         """Sparse reverse sweep from ``out``; returns a read-only map id -> gradient.
 
         A node's VJP runs only if it received a cotangent; each cotangent is dropped
@@ -310,8 +350,9 @@ class EagerSession:
             if i not in result and rg[i]:
                 v = values[i]
                 result[i] = bk.zeros(tuple(v.shape), v.dtype)
-        grads = MappingProxyType(result)
+        grads = Gradients(self, result)
         self.last_gradients = grads
+        _latest[0] = grads
         return grads
 
     def grad(self, grads: Mapping[int, Array], ref: TensorRef) -> Array:
