@@ -13,13 +13,15 @@ its storage for that leaf, so optimizers can group uses by storage (C4).
 from __future__ import annotations
 
 import contextlib
+import math
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from .backend import NUMPY, Array, Backend
-from .errors import DTypeError, ShapeError, TapeError
+from .errors import DeviceError, DTypeError, ShapeError, TapeError
 
 VJP = Any  # Callable[[Array], tuple[Array | None, ...]]
 
@@ -34,6 +36,9 @@ class TensorRef:
     """
 
     __slots__ = ("session", "id", "value", "_gen")
+    # NumPy must defer to TensorRef's reflected operators (``array * ref``) instead of
+    # iterating over the ref element by element.
+    __array_ufunc__ = None
 
     def __init__(self, session: EagerSession, id: int, value: Array, gen: int) -> None:
         self.session = session
@@ -137,7 +142,10 @@ class EagerSession:
         self._clear()
 
     def _clear(self) -> None:
-        self._values: list[Array] = []
+        # A leaf keeps its array; an op node only a weak reference to its output, so an
+        # output that neither a ref nor a VJP holds is freed at once (memory is reused).
+        self._values: list[Array | weakref.ref] = []
+        self._meta: list[tuple[tuple[int, ...], Any]] = []  # (shape, dtype) per node
         self._parents: list[tuple[int, ...] | None] = []
         self._vjps: list[VJP | None] = []
         self._rg: list[bool] = []
@@ -153,6 +161,7 @@ class EagerSession:
         i = len(self._values)
         rg = requires_grad and self.grad_enabled
         self._values.append(value)
+        self._meta.append((tuple(value.shape), value.dtype))
         self._parents.append(None)
         self._vjps.append(None)
         self._rg.append(rg)
@@ -161,23 +170,27 @@ class EagerSession:
         return TensorRef(self, i, value, self._generation)
 
     def _record(self, value: Array, parents: tuple[int, ...], vjp: VJP) -> TensorRef:
-        """Append an op node; ``vjp(g)`` returns one cotangent (or None) per parent."""
+        """Append an op node; ``vjp(g)`` returns one cotangent (or None) per parent.
+
+        The hot path of every op (DESIGN: performance): a few appends, no dictionaries.
+        """
         rg = self._rg
-        requires = False
+        i = len(rg)
+        try:
+            self._values.append(_weak(value))
+        except TypeError:  # a NumPy scalar (a 0-d result) has no weak references; it is tiny
+            self._values.append(value)
+        self._meta.append((value.shape, value.dtype))
         if self.grad_enabled:
             for p in parents:
                 if rg[p]:
-                    requires = True
-                    break
-        i = len(self._values)
-        self._values.append(value)
-        if requires:
-            self._parents.append(parents)
-            self._vjps.append(vjp)
-        else:
-            self._parents.append(None)
-            self._vjps.append(None)
-        rg.append(requires)
+                    self._parents.append(parents)
+                    self._vjps.append(vjp)
+                    rg.append(True)
+                    return TensorRef(self, i, value, self._generation)
+        self._parents.append(None)
+        self._vjps.append(None)
+        rg.append(False)
         return TensorRef(self, i, value, self._generation)
 
     def _array(self, data: Any) -> Array:
@@ -257,6 +270,11 @@ class EagerSession:
         if not isinstance(ref, TensorRef):
             raise TapeError(f"expected a TensorRef, got {type(ref).__name__}")
         if ref.session is not self:
+            if ref.session.backend is not self.backend:
+                raise DeviceError(
+                    f"ref {ref.id} lives on device {ref.session.device!r}, this session on "
+                    f"{self.device!r}: host and device values do not mix (C7)"
+                )
             raise TapeError(f"ref {ref.id} belongs to another session")
         if ref._gen != self._generation:
             raise TapeError(f"ref {ref.id} is stale: its session was reset after it was recorded")
@@ -272,8 +290,23 @@ class EagerSession:
         raise TapeError(f"expected a TensorRef or a node id, got {type(key).__name__}")
 
     def value(self, key: TensorRef | int) -> Array:
-        """The forward value of a node."""
-        return self._values[self._resolve_id(key)]
+        """The forward value of a node.
+
+        An op node's output lives as long as its ``TensorRef`` or a VJP holds it; asking
+        for a released one by id is a ``TapeError``.
+        """
+        if isinstance(key, TensorRef):
+            self.check(key)
+            return key.value
+        i = self._resolve_id(key)
+        v = self._values[i]
+        if type(v) is weakref.ref:
+            v = v()
+            if v is None:
+                raise TapeError(
+                    f"value of node {i} was released: no TensorRef or VJP holds it any more"
+                )
+        return v
 
     def parameter_registrations(self) -> dict[int, Any]:
         """Leaf id -> registered parameter, for every ``use`` since the last reset."""
@@ -300,9 +333,9 @@ class EagerSession:
         """
         bk = self.backend
         oid = self.check(out)
-        ov = self._values[oid]
+        ov = out.value
         if seed is None:
-            if int(np.prod(tuple(ov.shape))) != 1:
+            if math.prod(tuple(ov.shape)) != 1:
                 raise TapeError(
                     f"backward: output {oid} has shape {tuple(ov.shape)}; a non-scalar "
                     "output needs a seed of the same shape"
@@ -317,7 +350,7 @@ class EagerSession:
                 )
             seed = bk.astype(seed, ov.dtype)
         keep = set(self._grad_leaves) if retain is None else {self._resolve_id(r) for r in retain}
-        values, parents, vjps, rg = self._values, self._parents, self._vjps, self._rg
+        meta, parents, vjps, rg = self._meta, self._parents, self._vjps, self._rg
         result: dict[int, Array] = {}
         cot: dict[int, Array] = {oid: seed} if rg[oid] or oid in keep else {}
         owned: set[int] = set()
@@ -333,10 +366,10 @@ class EagerSession:
             for pid, pg in zip(parents[i], vjp(g)):
                 if pg is None or not rg[pid]:
                     continue
-                if pg.shape != values[pid].shape:
+                if pg.shape != meta[pid][0]:
                     raise ShapeError(
                         f"backward: node {i} sent a cotangent of shape {tuple(pg.shape)} to "
-                        f"node {pid} of shape {tuple(values[pid].shape)}"
+                        f"node {pid} of shape {tuple(meta[pid][0])}"
                     )
                 prev = cot.get(pid)
                 if prev is None:
@@ -348,8 +381,8 @@ class EagerSession:
                     owned.add(pid)
         for i in keep:
             if i not in result and rg[i]:
-                v = values[i]
-                result[i] = bk.zeros(tuple(v.shape), v.dtype)
+                shape, dtype = meta[i]
+                result[i] = bk.zeros(tuple(shape), dtype)
         grads = Gradients(self, result)
         self.last_gradients = grads
         _latest[0] = grads
@@ -373,9 +406,14 @@ class EagerSession:
 
     def sgd_step(self, lr: float, gradients: Mapping[int, Array] | None = None) -> None:
         """One plain SGD update of every used storage from its summed gradient (C3, C4)."""
+        from .params.device import sgd_step_device_groups
         from .params.groups import sgd_step_groups
 
-        sgd_step_groups(self, lr, self.last_gradients if gradients is None else gradients)
+        step = sgd_step_groups if self.backend is NUMPY else sgd_step_device_groups
+        step(self, lr, self.last_gradients if gradients is None else gradients)
+
+
+_weak = weakref.ref
 
 
 def _backend_for(device: str | None) -> Backend:

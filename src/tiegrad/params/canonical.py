@@ -11,15 +11,12 @@ def canonical_indices(storages: Sequence[ParameterStorage | None]) -> list[int |
     """Map each position to the first position holding the same storage object.
 
     ``None`` entries (frozen slots, or registrations without a storage) map to None
-    and are never a representative. Built with one hash index on storage identity,
-    linear in the number of positions, rebuilt on every call so re-tying and untying
-    are always honoured (C5). Values are never read (C1).
+    and are never a representative. Every result ``c`` of position ``i`` satisfies
+    ``c <= i`` and maps to itself, so there are no chains. Built with one hash index
+    keyed by the storage objects, whose hash and equality are object identity (C1),
+    so the map is linear in the number of positions, reads no values and is rebuilt
+    on every call: re-tying and untying are always honoured (C5).
     """
-    first: dict[int, int] = {}
-    out: list[int | None] = []
-    for i, st in enumerate(storages):
-        if st is None:
-            out.append(None)
-        else:
-            out.append(first.setdefault(id(st), i))
-    return out
+    first: dict[ParameterStorage, int] = {}
+    index = first.setdefault
+    return [None if st is None else index(st, i) for i, st in enumerate(storages)]

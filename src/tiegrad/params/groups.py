@@ -14,16 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import dtype_name
+from ..backend import NUMPY, Backend, backend_of, device_backend, dtype_name
 from ..errors import (
+    DeviceError,
     DTypeError,
     HyperparameterError,
     MissingGradientError,
     ShapeError,
+    TapeError,
     TiegradError,
 )
 from .canonical import canonical_indices
-from .storage import ParameterStorage, check_host_array
+from .storage import ParameterStorage
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,35 @@ class ParameterGroup:
         if value.shape != self.shape:
             raise ShapeError(
                 f"group {self.id}: the getter returned shape {value.shape}, expected {self.shape}"
+            )
+        return value
+
+    def current_device_value(self, device: str | Backend | None = None) -> Any:
+        """The value a device update starts from (C3, C7).
+
+        With a storage: its current mirror, uploaded only when there is none (a stale
+        host without a mirror raises). Without one: the handle's ``get()`` uploaded,
+        shape checked. ``device`` (a name or a backend) defaults to the mirror's device.
+        """
+        if isinstance(device, Backend):
+            bk = device
+        elif device is not None:
+            bk = device_backend(device)
+        elif self.storage is not None and self.storage.mirror is not None:
+            bk = backend_of(self.storage.mirror)
+        else:
+            raise DeviceError(
+                f"group {self.id}: no device mirror to read; pass the device to upload to"
+            )
+        if bk is NUMPY:
+            raise DeviceError(f"group {self.id}: {bk.device!r} is the host, not a device")
+        if self.storage is not None:
+            return self.storage.device_value(bk)
+        value = bk.upload(self.parameter.get())
+        if tuple(value.shape) != self.shape:
+            raise ShapeError(
+                f"group {self.id}: the getter returned shape {tuple(value.shape)}, "
+                f"expected {self.shape}"
             )
         return value
 
@@ -92,9 +123,16 @@ def _leaf_gradient(group: ParameterGroup, gradients: Mapping[int, Any], leaf: in
     try:
         g = gradients[leaf]
     except (KeyError, IndexError):
+        g = None
+    if g is None:
         raise MissingGradientError(
-            f"group {group.id}: no gradient for leaf {leaf} (shape {group.shape})"
-        ) from None
+            f"group {group.id}: no gradient for leaf {leaf} (expected shape {group.shape})"
+        )
+    if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+        raise DTypeError(
+            f"group {group.id}: gradient of leaf {leaf} is a {type(g).__name__}, "
+            f"expected an array of shape {group.shape}"
+        )
     if tuple(g.shape) != group.shape:
         raise ShapeError(
             f"group {group.id}: gradient of leaf {leaf} has shape {tuple(g.shape)}, "
@@ -151,19 +189,28 @@ def write_group_value(group: ParameterGroup, value: np.ndarray) -> None:
 
 
 def sgd_step_groups(session: Any, lr: float, gradients: Mapping[int, Any] | None) -> None:
-    """Plain SGD over a session's groups: validate everything, then write each storage once."""
+    """Plain SGD over a session's groups: ``p -= lr * sum`` once per storage (C3, C4, C6).
+
+    Everything is checked before the first write: the learning rate, that the
+    gradients come from this session, every leaf gradient (presence, shape, dtype),
+    every mirror sync and every storage-less getter. Each update starts from the
+    group's current value (C3), read in the write loop so that a storage-less handle
+    used twice (two groups, C1) receives both updates.
+    """
     lr = check_learning_rate(lr)
     if gradients is None:
         raise MissingGradientError("sgd_step: no gradients given and no backward has run")
+    owner = getattr(gradients, "session", session)
+    if owner is not session:
+        raise TapeError("sgd_step: the gradients were computed by another session")
     groups = session.parameter_groups()
+    sums = [session.backend.to_numpy(dense_group_gradient(g, gradients)) for g in groups]
     for group in groups:
-        check_group_gradients(group, gradients)
-    for group in groups:
-        g = session.backend.to_numpy(dense_group_gradient(group, gradients))
+        group.current_host_value()
+    for group, g in zip(groups, sums):
         if group.storage is not None:
             arr = group.storage.host_for_update()
             arr -= lr * g
         else:
             arr = group.current_host_value() - lr * g
-            check_host_array(f"group {group.id}", arr, group.shape, arr.dtype)
         write_group_value(group, arr)

@@ -7,17 +7,17 @@ on every call, so it always reflects the current layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..backend import dtype_name
+from ..backend import device_backend, dtype_name
 from ..errors import DTypeError, MissingGradientError, ShapeError, SlotError
 from .canonical import canonical_indices
 from .groups import check_learning_rate
 from .param import Param
-from .storage import ParameterStorage, check_host_array
+from .storage import HOST_DEVICES, ParameterStorage, check_host_array
 
 
 class ParamList:
@@ -86,12 +86,35 @@ class ParamList:
         return [p.requires_grad for p in self._params]
 
     def values(self) -> list[np.ndarray]:
-        """Host values in slot order, without syncing newer mirrors (may be stale, C7)."""
+        """Host values in slot order, without syncing newer mirrors (may be stale, C7).
+
+        These are the live read-only host arrays, not copies: an optimizer update made
+        while no tape holds an array writes into it in place. Copy to keep a snapshot.
+        """
         return [p.storage.host for p in self._params]
 
     def values_synced(self) -> list[np.ndarray]:
         """Host values after syncing every newer mirror (C7)."""
         return [p.storage.current_host_value() for p in self._params]
+
+    def sync(self) -> None:
+        """Download every newer mirror so each host value is current; mirrors are kept (C7)."""
+        for st in self._unique_storages():
+            st.sync()
+
+    def to(self, device: str | None) -> ParamList:
+        """Mirror every storage on ``device`` once (``"cpu"``: sync, drop mirrors); returns self.
+
+        An unknown or unavailable device raises before any storage moves (C6, C7).
+        """
+        if device not in HOST_DEVICES:
+            device_backend(device)
+        for st in self._unique_storages():
+            st.to(device)
+        return self
+
+    def _unique_storages(self) -> list[ParameterStorage]:
+        return list({id(p.storage): p.storage for p in self._params}.values())
 
     def set_values(self, values: Sequence[Any]) -> None:
         """Replace every slot's value; all lengths, shapes and dtypes are checked first (C6).
@@ -132,6 +155,11 @@ class ParamList:
         shapes and dtypes are all validated before any addition; inputs are never
         written into.
         """
+        if isinstance(gradients, Mapping):
+            raise SlotError(
+                f"canonical_gradients: expected one gradient per slot in slot order, got a "
+                f"{type(gradients).__name__} (a mapping); pass [grads[ref] for ref in refs]"
+            )
         slots = list(slots)
         gradients = list(gradients)
         n = len(self)
@@ -147,13 +175,22 @@ class ParamList:
                     f"canonical_gradients: slot {i} points at {c!r}, expected an index in [0, {i}]"
                 )
             if slots[c] != c:
-                state = "a frozen slot" if slots[c] is None else f"slot {c} -> {slots[c]}"
+                state = "a frozen slot" if slots[c] is None else f"mapped to {slots[c]}"
                 raise SlotError(
-                    f"canonical_gradients: slot {i} points at {c}, which is not canonical ({state})"
+                    f"canonical_gradients: slot {i} points at slot {c}, which is {state}; "
+                    f"expected a canonical slot (one that maps to itself)"
                 )
             g = gradients[i]
             if g is None:
-                raise MissingGradientError(f"canonical_gradients: slot {i} has no gradient")
+                raise MissingGradientError(
+                    f"canonical_gradients: slot {i} has no gradient, "
+                    f"expected an array of shape {self._params[i].shape}"
+                )
+            if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+                raise DTypeError(
+                    f"canonical_gradients: slot {i} gradient is a {type(g).__name__}, "
+                    f"expected an array of shape {self._params[i].shape}"
+                )
             shape = self._params[c].shape
             if tuple(g.shape) != self._params[i].shape or tuple(g.shape) != shape:
                 raise ShapeError(
@@ -183,7 +220,11 @@ class ParamList:
     @staticmethod
     def canonical_gradient(shape: Sequence[int], sums: Sequence[Any | None], index: int) -> Any:
         """The summed gradient at canonical slot ``index``, checked against ``shape``."""
-        if not 0 <= index < len(sums):
+        if (
+            not isinstance(index, (int, np.integer))
+            or isinstance(index, bool)
+            or not 0 <= index < len(sums)
+        ):
             raise SlotError(f"canonical_gradient: index {index} outside [0, {len(sums)})")
         g = sums[index]
         if g is None:
@@ -210,32 +251,41 @@ class ParamList:
 
     # -- reporting ---------------------------------------------------------------------
     def describe(self) -> str:
-        """A table of slots: shape, trainability, canonical slot and shared storages.
+        """A table of slots: name, shape, trainability, canonical slot (C5) and storage.
 
-        Storages used by both a frozen and a trainable slot are flagged ``mixed``.
+        Storages are numbered ``S0, S1, ...`` in order of first slot. A storage held by
+        several slots lists them (a tie, C1); one held by both a frozen and a trainable
+        slot is flagged ``mixed``. The last line counts slots, storages and optimizer
+        slots (canonical representatives).
         """
         slots = self.canonical_slot_indices()
-        storage_ids: dict[int, int] = {}
-        members: dict[int, list[int]] = {}
+        number: dict[ParameterStorage, int] = {}
+        members: list[list[int]] = []
+        trainable: list[set[bool]] = []
         for i, p in enumerate(self._params):
-            k = storage_ids.setdefault(id(p.storage), len(storage_ids))
-            members.setdefault(k, []).append(i)
-        lines = [f"{'slot':>4}  {'name':<24} {'shape':<16} {'trainable':<9} canonical  storage"]
+            k = number.setdefault(p.storage, len(number))
+            if k == len(members):
+                members.append([])
+                trainable.append(set())
+            members[k].append(i)
+            trainable[k].add(p.requires_grad)
+        rows = [("slot", "name", "shape", "trainable", "canonical", "storage")]
         for i, p in enumerate(self._params):
-            k = storage_ids[id(p.storage)]
-            flags = {self._params[j].requires_grad for j in members[k]}
+            k = number[p.storage]
             note = f"S{k}"
             if len(members[k]) > 1:
                 note += f" shared by slots {members[k]}"
-            if len(flags) == 2:
-                note += " (mixed: frozen and trainable uses)"
-            lines.append(
-                f"{i:>4}  {p.name or '-':<24} {str(p.shape):<16} {str(p.requires_grad):<9} "
-                f"{str(slots[i]):<10} {note}"
+            if len(trainable[k]) == 2:
+                note += " (mixed: frozen and trainable)"
+            rows.append(
+                (str(i), p.name or "-", str(p.shape), str(p.requires_grad), str(slots[i]), note)
             )
-        unique = len(storage_ids)
+        widths = [max(len(row[c]) for row in rows) for c in range(5)]
+        lines = [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5] for row in rows
+        ]
         lines.append(
-            f"{len(self)} slots, {unique} storages, "
+            f"{len(self)} slots, {len(number)} storages, "
             f"{sum(1 for i, c in enumerate(slots) if c == i)} optimizer slots"
         )
         return "\n".join(lines)

@@ -1,0 +1,8 @@
+"""Reference models (issue 5), each rebuildable from its ``config``: ``type(m)(**m.config)``."""
+
+from .mlp_classifier import MLPClassifier
+from .shared_block_lm import SharedBlockLM
+from .siamese import SiameseEncoder
+from .tied_lm import TiedLM
+
+__all__ = ["MLPClassifier", "SharedBlockLM", "SiameseEncoder", "TiedLM"]

@@ -1,0 +1,140 @@
+"""The skeleton shared by the tied language models: embeddings, tied head, loss, sampling.
+
+Layout (slot order): ``embed.weight`` (token embedding, V x d), ``pos_embed.weight``
+(learned positions), the model's blocks, ``ln_f`` (final LayerNorm), then
+``lm_head.weight``, tied to ``embed.weight`` (C1): ``logits = h @ embed.weight.T`` is
+the ``lm_head`` Linear (weight layout (out, in) = (V, d)) over the same storage. The
+embedding tables start from ``N(0, 0.02**2)`` (GPT-2), so the tied output starts with
+small logits; every other layer keeps its PyTorch default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..errors import DTypeError, HyperparameterError, ShapeError
+from ..nn import init
+from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
+from ..nn.module import Module
+from ..nn.tying import tie
+from ..session import EagerSession, TensorRef
+
+EMBED_STD = 0.02
+
+
+class TiedCausalLM(Module):
+    """Base of ``TiedLM`` and ``SharedBlockLM``; subclasses build blocks and ``_body``."""
+
+    config: dict[str, Any]
+
+    def _build_input(
+        self, vocab_size: int, d_model: int, max_seq_len: int, dropout: float, rng: Any, dtype: Any
+    ) -> None:
+        self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
+        self.embed = Embedding(vocab_size, d_model, rng=rng, dtype=dtype)
+        self.embed.weight = init.normal(rng, (vocab_size, d_model), EMBED_STD, dtype)
+        self.pos_embed = Embedding(max_seq_len, d_model, rng=rng, dtype=dtype)
+        self.pos_embed.weight = init.normal(rng, (max_seq_len, d_model), EMBED_STD, dtype)
+        self.drop = Dropout(dropout)
+
+    def _build_output(self, vocab_size: int, d_model: int, rng: Any, dtype: Any) -> None:
+        self.ln_f = LayerNorm(d_model, dtype=dtype)
+        self.lm_head = Linear(d_model, vocab_size, bias=False, rng=rng, dtype=dtype)
+        tie(self, "lm_head.weight", "embed.weight")
+
+    def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
+        raise NotImplementedError
+
+    def forward(self, session: EagerSession, idx: Any) -> TensorRef:
+        """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= max_seq_len."""
+        if not isinstance(idx, TensorRef):
+            idx = np.asarray(idx)
+        shape = tuple(idx.shape)
+        if len(shape) != 2 or not 1 <= shape[1] <= self.max_seq_len:
+            raise ShapeError(
+                f"{self.label()}: input has shape {shape}, expected (B, T) with "
+                f"1 <= T <= max_seq_len = {self.max_seq_len}"
+            )
+        h = self.embed(session, idx) + self.pos_embed(session, np.arange(shape[1]))
+        h = self._body(session, self.drop(session, h))
+        return self.lm_head(session, self.ln_f(session, h))
+
+    def loss(
+        self, session: EagerSession, idx: Any, targets: Any, ignore_index: int = -100
+    ) -> TensorRef:
+        """Mean cross entropy of the next-token logits against ``targets`` (B, T)."""
+        return ops.cross_entropy(self(session, idx), targets, ignore_index=ignore_index)
+
+    def generate(
+        self,
+        idx: Any,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        rng: np.random.Generator | None = None,
+        top_k: int | None = None,
+    ) -> np.ndarray:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` ((B, T) or (T,)); no gradients.
+
+        Each step feeds the last ``max_seq_len`` tokens, divides the last logits by
+        ``temperature`` (0 = greedy), keeps the ``top_k`` largest if given and samples
+        with ``rng`` (``None``: ``default_rng(0)``). Runs in eval mode on a host session;
+        the training flag is restored afterwards. Returns the ids as a NumPy array.
+        """
+        out = np.asarray(idx)
+        if not np.issubdtype(out.dtype, np.integer):
+            raise DTypeError(f"{self.label()}: generate needs integer ids, got {out.dtype.name}")
+        single = out.ndim == 1
+        out = out[None] if single else out
+        if out.ndim != 2 or out.shape[1] < 1:
+            raise ShapeError(
+                f"{self.label()}: generate input has shape {np.shape(idx)}, expected (B, T) or (T,)"
+            )
+        if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 0):
+            raise HyperparameterError(
+                f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}"
+            )
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise HyperparameterError(
+                f"generate: temperature must be finite and >= 0, got {temperature!r}"
+            )
+        if top_k is not None and not 1 <= top_k <= self.vocab_size:
+            raise HyperparameterError(
+                f"generate: top_k must be in [1, {self.vocab_size}], got {top_k!r}"
+            )
+        rng = init.generator(rng)
+        session = EagerSession()
+        was_training = self.training
+        self.eval()
+        try:
+            with session.no_grad():
+                for _ in range(int(max_new_tokens)):
+                    session.reset()
+                    logits = self(session, out[:, -self.max_seq_len :]).numpy()[:, -1, :]
+                    out = np.concatenate([out, _sample(logits, temperature, top_k, rng)], 1)
+        finally:
+            self.train(was_training)
+        return out[0] if single else out
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+
+
+def _sample(
+    logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator
+) -> np.ndarray:
+    """One token id per row (B, 1) from last-position logits (B, V)."""
+    z = logits.astype(np.float64)
+    if temperature == 0:
+        return np.argmax(z, axis=-1)[:, None]
+    z = z / temperature
+    if top_k is not None:
+        kth = np.sort(z, axis=-1)[:, -top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    cdf = np.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)
+    u = rng.random((z.shape[0], 1))
+    return np.minimum((cdf < u).sum(axis=-1), z.shape[1] - 1)[:, None]

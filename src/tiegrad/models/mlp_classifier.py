@@ -1,0 +1,68 @@
+"""``MLPClassifier``: an MLP over feature vectors with a cross-entropy loss."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..nn import init
+from ..nn.layers import MLP
+from ..nn.module import Module
+from ..session import EagerSession, TensorRef
+
+
+class MLPClassifier(Module):
+    """``mlp``: ``in_features -> hidden... -> n_classes`` logits (see ``tiegrad.nn.MLP``).
+
+    ``loss(session, x, y)`` is the mean cross entropy against integer labels ``y`` (B,);
+    ``predict(x)`` returns the arg-max classes without recording gradients. ``config``
+    holds the constructor arguments.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden: int | Sequence[int],
+        n_classes: int,
+        activation: str = "relu",
+        dropout: float = 0.0,
+        seed: int = 0,
+        dtype: Any = "float32",
+    ) -> None:
+        super().__init__()
+        dt = init.float_dtype(dtype)
+        self.config = dict(
+            in_features=in_features,
+            hidden=hidden if isinstance(hidden, int) else list(hidden),
+            n_classes=n_classes,
+            activation=activation,
+            dropout=dropout,
+            seed=seed,
+            dtype=dt.name,
+        )
+        rng = np.random.default_rng(seed)
+        self.mlp = MLP(in_features, hidden, n_classes, activation, dropout, rng=rng, dtype=dt)
+
+    def forward(self, session: EagerSession, x: Any) -> TensorRef:
+        return self.mlp(session, x)
+
+    def loss(self, session: EagerSession, x: Any, y: Any) -> TensorRef:
+        return ops.cross_entropy(self(session, x), y)
+
+    def predict(self, x: Any) -> np.ndarray:
+        """Arg-max classes (B,) in eval mode on a host session; the training flag is restored."""
+        session = EagerSession()
+        was_training = self.training
+        self.eval()
+        try:
+            with session.no_grad():
+                logits = self(session, x).numpy()
+        finally:
+            self.train(was_training)
+        return np.argmax(logits, axis=-1)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())

@@ -1,0 +1,60 @@
+"""``SharedBlockLM``: one transformer block applied ``n_repeats`` times (cross-layer sharing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..nn import init
+from ..nn.attention import TransformerBlock
+from ..session import EagerSession, TensorRef
+from ._causal_lm import TiedCausalLM
+
+
+class SharedBlockLM(TiedCausalLM):
+    """As ``TiedLM``, but its body is ONE pre-LN causal block (``block``) applied
+    ``n_repeats`` times, ALBERT-style, with the output tied to the token embedding.
+
+    Every application records new uses of the block's storages (C2); each storage gets
+    the sum of its uses' gradients and one update per step (C4), and a checkpoint stores
+    the block once (C9). ``config`` holds the constructor arguments.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int = 128,
+        n_heads: int = 4,
+        n_repeats: int = 4,
+        max_seq_len: int = 64,
+        dropout: float = 0.0,
+        mlp_ratio: int = 4,
+        seed: int = 0,
+        dtype: Any = "float32",
+    ) -> None:
+        super().__init__()
+        dt = init.float_dtype(dtype)
+        self.config = dict(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            n_heads=n_heads,
+            n_repeats=n_repeats,
+            max_seq_len=max_seq_len,
+            dropout=dropout,
+            mlp_ratio=mlp_ratio,
+            seed=seed,
+            dtype=dt.name,
+        )
+        self.n_repeats = int(n_repeats)
+        rng = np.random.default_rng(seed)
+        self._build_input(vocab_size, d_model, max_seq_len, dropout, rng, dt)
+        self.block = TransformerBlock(
+            d_model, n_heads, mlp_ratio, dropout, causal=True, rng=rng, dtype=dt
+        )
+        self._build_output(vocab_size, d_model, rng, dt)
+
+    def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
+        for _ in range(self.n_repeats):
+            h = self.block(session, h)
+        return h

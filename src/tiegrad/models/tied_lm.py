@@ -1,0 +1,65 @@
+"""``TiedLM``: a decoder-only transformer whose output projection is its token embedding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..nn import init
+from ..nn.attention import TransformerBlock
+from ..nn.module import ModuleList
+from ..session import EagerSession, TensorRef
+from ._causal_lm import TiedCausalLM
+
+
+class TiedLM(TiedCausalLM):
+    """Token embedding + learned positions, ``n_layers`` pre-LN causal blocks, final LayerNorm,
+    and ``lm_head.weight`` tied to ``embed.weight`` (C1): ``model(session, idx)`` gives
+    logits (B, T, V); ``loss`` and ``generate`` as in ``TiedCausalLM``.
+
+    The embedding storage receives the sum of the gradients of its two uses (C4) and is
+    updated once per step; ``tie(model, "lm_head.weight", "embed.weight",
+    requires_grad=False)`` or ``model.freeze("embed.weight")`` makes one use frozen
+    while the other still trains it. ``config`` holds the constructor arguments, so
+    ``TiedLM(**model.config)`` rebuilds the architecture; ``seed`` fixes every initial
+    value (layers draw in construction order from ``default_rng(seed)``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        max_seq_len: int = 64,
+        dropout: float = 0.0,
+        mlp_ratio: int = 4,
+        seed: int = 0,
+        dtype: Any = "float32",
+    ) -> None:
+        super().__init__()
+        dt = init.float_dtype(dtype)
+        self.config = dict(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            max_seq_len=max_seq_len,
+            dropout=dropout,
+            mlp_ratio=mlp_ratio,
+            seed=seed,
+            dtype=dt.name,
+        )
+        rng = np.random.default_rng(seed)
+        self._build_input(vocab_size, d_model, max_seq_len, dropout, rng, dt)
+        self.blocks = ModuleList(
+            TransformerBlock(d_model, n_heads, mlp_ratio, dropout, causal=True, rng=rng, dtype=dt)
+            for _ in range(n_layers)
+        )
+        self._build_output(vocab_size, d_model, rng, dt)
+
+    def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
+        for block in self.blocks:
+            h = block(session, h)
+        return h

@@ -1,0 +1,37 @@
+"""Modules, layers, tying and freezing (issue 5).
+
+``Module`` registers ``Param``s and submodules by attribute; ``tie``/``untie`` and
+``Module.freeze``/``unfreeze`` work on dotted paths; ``summary`` reports storages,
+paths, frozen uses, optimizer slots and checkpoint copies. Layer constructors take
+``rng`` (a ``numpy.random.Generator``; see ``tiegrad.nn.init``).
+"""
+
+from .attention import MultiHeadAttention, TransformerBlock
+from .conv import Conv2d, MaxPool2d
+from .layers import GELU, MLP, Dropout, Embedding, Flatten, LayerNorm, Linear, ReLU, Tanh
+from .module import Module, ModuleList, Sequential
+from .summary import summary
+from .tying import set_trainable, tie, untie
+
+__all__ = [
+    "Conv2d",
+    "Dropout",
+    "Embedding",
+    "Flatten",
+    "GELU",
+    "LayerNorm",
+    "Linear",
+    "MLP",
+    "MaxPool2d",
+    "Module",
+    "ModuleList",
+    "MultiHeadAttention",
+    "ReLU",
+    "Sequential",
+    "Tanh",
+    "TransformerBlock",
+    "set_trainable",
+    "summary",
+    "tie",
+    "untie",
+]

@@ -1,0 +1,43 @@
+"""Input checks of layers: a wrong shape is a ShapeError naming the layer and both shapes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ShapeError
+from ..ops._core import lift
+from ..session import EagerSession, TensorRef
+
+if TYPE_CHECKING:
+    from .module import Module
+
+Pattern = tuple[Any, ...]
+
+
+def describe(pattern: Pattern) -> str:
+    """``(..., 4)`` or ``(N, 3, H, W)``: ints are exact sizes, names any size."""
+    cells = ["..." if p is Ellipsis else str(p) for p in pattern]
+    return (
+        f"({cells[0]},)"
+        if len(cells) == 1 and pattern[0] is not Ellipsis
+        else f"({', '.join(cells)})"
+    )
+
+
+def check_shape(layer: Module, what: str, shape: tuple[int, ...], pattern: Pattern) -> None:
+    """Raise unless ``shape`` fits ``pattern`` (an optional leading ``...``, ints, names)."""
+    lead = bool(pattern) and pattern[0] is Ellipsis
+    fixed = pattern[1:] if lead else pattern
+    fits = len(shape) >= len(fixed) if lead else len(shape) == len(fixed)
+    if fits and fixed:
+        tail = shape[len(shape) - len(fixed) :]
+        fits = all(not isinstance(p, int) or p == n for p, n in zip(fixed, tail))
+    if not fits:
+        raise ShapeError(f"{layer.label()}: {what} has shape {shape}, expected {describe(pattern)}")
+
+
+def layer_input(layer: Module, session: EagerSession, x: Any, pattern: Pattern) -> TensorRef:
+    """``x`` as a ref of ``session`` (arrays become constants), its shape checked."""
+    ref = lift(session, x)
+    check_shape(layer, "input", ref.shape, pattern)
+    return ref

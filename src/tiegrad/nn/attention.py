@@ -1,0 +1,108 @@
+"""Multi-head self-attention and the pre-LN transformer block."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..errors import ConfigError
+from ..session import EagerSession, TensorRef
+from . import init
+from ._input import check_shape, layer_input
+from .layers import MLP, Dropout, LayerNorm, Linear
+from .module import Module
+
+
+class MultiHeadAttention(Module):
+    """Self-attention over (B, T, d_model) with ``n_heads`` heads.
+
+    ``qkv`` projects to queries, keys and values at once (weight (3 d_model, d_model),
+    laid out as PyTorch's ``in_proj_weight``: rows of q, then k, then v), ``proj`` is
+    the output projection (PyTorch's ``out_proj``). Initialisation as
+    ``torch.nn.MultiheadAttention``: ``qkv.weight`` xavier-uniform, ``proj.weight``
+    ``U(-1/sqrt(d_model), 1/sqrt(d_model))``, both biases zero. ``causal`` hides later
+    keys; ``key_padding_mask`` (B, T), True = ignore that key, is given per call.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        causal: bool = False,
+        bias: bool = True,
+        rng: np.random.Generator | None = None,
+        dtype: Any = np.float32,
+    ) -> None:
+        super().__init__()
+        rng, dtype = init.generator(rng), init.float_dtype(dtype)
+        d_model, n_heads = int(d_model), int(n_heads)
+        if n_heads < 1 or d_model % n_heads:
+            raise ConfigError(
+                f"MultiHeadAttention: d_model={d_model} must be a multiple of n_heads={n_heads}"
+            )
+        self.d_model, self.n_heads, self.causal = d_model, n_heads, bool(causal)
+        self.qkv = Linear(d_model, 3 * d_model, bias=bias, rng=rng, dtype=dtype)
+        self.qkv.weight = init.uniform(
+            rng, (3 * d_model, d_model), init.xavier_bound(d_model, 3 * d_model), dtype
+        )
+        self.proj = Linear(d_model, d_model, bias=bias, rng=rng, dtype=dtype)
+        if bias:
+            self.qkv.bias = init.constant((3 * d_model,), 0.0, dtype)
+            self.proj.bias = init.constant((d_model,), 0.0, dtype)
+
+    def forward(self, session: EagerSession, x: Any, key_padding_mask: Any = None) -> TensorRef:
+        x = layer_input(self, session, x, ("B", "T", self.d_model))
+        b, t, d = x.shape
+        if key_padding_mask is not None:
+            mask = np.asarray(key_padding_mask)
+            check_shape(self, "key_padding_mask", mask.shape, (b, t))
+            key_padding_mask = session.backend.asarray(mask)
+        h = self.n_heads
+        qkv = self.qkv(session, x).reshape(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        y = ops.scaled_dot_product_attention(
+            qkv[0], qkv[1], qkv[2], causal=self.causal, key_padding_mask=key_padding_mask
+        )
+        return self.proj(session, y.permute(0, 2, 1, 3).reshape(b, t, d))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, causal={self.causal}"
+
+
+class TransformerBlock(Module):
+    """Pre-LN block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``.
+
+    The MLP is ``d_model -> mlp_ratio * d_model -> d_model`` with GELU (erf form), as
+    ``torch.nn.TransformerEncoderLayer(norm_first=True, activation="gelu")`` with
+    ``dim_feedforward = mlp_ratio * d_model``; ``causal`` is passed to the attention.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        causal: bool = True,
+        rng: np.random.Generator | None = None,
+        dtype: Any = np.float32,
+    ) -> None:
+        super().__init__()
+        rng = init.generator(rng)
+        self.d_model = int(d_model)
+        self.ln1 = LayerNorm(d_model, dtype=dtype)
+        self.attn = MultiHeadAttention(d_model, n_heads, causal=causal, rng=rng, dtype=dtype)
+        self.ln2 = LayerNorm(d_model, dtype=dtype)
+        self.mlp = MLP(
+            d_model, mlp_ratio * d_model, d_model, "gelu", dropout=dropout, rng=rng, dtype=dtype
+        )
+        self.drop = Dropout(dropout)
+
+    def forward(self, session: EagerSession, x: Any, key_padding_mask: Any = None) -> TensorRef:
+        x = layer_input(self, session, x, ("B", "T", self.d_model))
+        x = x + self.drop(session, self.attn(session, self.ln1(session, x), key_padding_mask))
+        return x + self.drop(session, self.mlp(session, self.ln2(session, x)))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}"

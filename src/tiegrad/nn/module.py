@@ -1,0 +1,356 @@
+"""``Module``: parameters and submodules registered by attribute, enumerated by path.
+
+A module holds ``Param`` handles and submodules. Assigning a ``Param`` or a ``Module``
+to an attribute registers it under that name; ``ModuleList`` and ``Sequential`` register
+their items under ``"0"``, ``"1"``, ... . A parameter's *path* is its dotted attribute
+path from the module enumerating it (``"blocks.0.attn.qkv.weight"``).
+
+Slot order (``named_slots``, ``param_list``): a module's own parameters in registration
+order, then each submodule's slots in registration order, depth first. That is PyTorch's
+``named_parameters(remove_duplicate=False)`` order, so state dicts line up.
+
+A handle's ``name`` is its path: set when it is registered (prefixed as its module is
+registered in a parent) and refreshed by every enumeration from the root.
+
+Ties are storage identity (C1), never handle identity. Every path owns its handle, with
+its own ``requires_grad`` flag and ``name`` (its path): when enumeration finds the handle
+of an earlier path assigned to a later one (``head.weight = embed.weight``), the later
+path gets an alias handle on the same storage (``Param.alias``), so one use of a tied
+storage can be frozen while another trains it (C4, C5). A submodule registered at two
+paths is one object: its handles are shared by both paths.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import DTypeError, ShapeError, SlotError, TapeError, TiegradError
+from ..params import Param, ParamList, dense_group_gradient
+from ..session import EagerSession, Gradients
+
+
+class Module:
+    """Base class of layers and models.
+
+    Subclasses call ``super().__init__()`` first, assign ``Param``s and submodules as
+    attributes, and define ``forward(session, ...)``, which records its computation on
+    ``session`` and reads every parameter through ``session.use(param)`` at each use, so
+    each use is a tape leaf holding the value of that moment (C2).
+    """
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_params", {})
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "training", True)
+
+    # -- registration ----------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        d = self.__dict__
+        if "_params" not in d:
+            raise TiegradError(
+                f"{type(self).__name__}: call super().__init__() before assigning attributes"
+            )
+        params: dict[str, Param] = d["_params"]
+        modules: dict[str, Module] = d["_modules"]
+        if isinstance(value, Param):
+            modules.pop(name, None)
+            d.pop(name, None)
+            if value.name is None:
+                value.name = name
+            params[name] = value
+        elif isinstance(value, Module):
+            params.pop(name, None)
+            d.pop(name, None)
+            for path, p in value.named_slots():
+                p.name = f"{name}.{path}"
+            modules[name] = value
+        else:
+            params.pop(name, None)
+            modules.pop(name, None)
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        d = self.__dict__
+        for registry in ("_params", "_modules"):
+            entries = d.get(registry)
+            if entries is not None and name in entries:
+                return entries[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        d = self.__dict__
+        if name in d["_params"]:
+            del d["_params"][name]
+        elif name in d["_modules"]:
+            del d["_modules"][name]
+        else:
+            object.__delattr__(self, name)
+
+    # -- running -----------------------------------------------------------------------
+    def __call__(self, session: EagerSession, *args: Any, **kwargs: Any) -> Any:
+        """Record ``forward(session, *args, **kwargs)`` on ``session``."""
+        if not isinstance(session, EagerSession):
+            raise TapeError(
+                f"{self.label()}: the first argument must be an EagerSession, got "
+                f"{type(session).__name__}; call it as module(session, x, ...)"
+            )
+        return self.forward(session, *args, **kwargs)
+
+    def forward(self, session: EagerSession, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no forward")
+
+    def train(self, mode: bool = True) -> Module:
+        """Set ``training`` on this module and every submodule (dropout reads it)."""
+        for _, m in self.named_modules():
+            object.__setattr__(m, "training", bool(mode))
+        return self
+
+    def to(self, device: str | None) -> Module:
+        """Mirror every storage on ``device``, each once (C1, C7); ``"cpu"`` syncs and drops.
+
+        A session on that device then reads the mirrors; ``Param.to`` does the work.
+        """
+        for _, p in self.named_parameters():
+            p.to(device)
+        return self
+
+    def eval(self) -> Module:
+        """``train(False)``."""
+        return self.train(False)
+
+    # -- enumeration -------------------------------------------------------------------
+    def named_modules(self) -> Iterator[tuple[str, Module]]:
+        """``(path, module)`` for this module (path ``""``) and each submodule once."""
+        seen: set[int] = set()
+        stack: list[tuple[str, Module]] = [("", self)]
+        while stack:
+            path, m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            yield path, m
+            prefix = f"{path}." if path else ""
+            stack.extend((prefix + k, c) for k, c in reversed(m._modules.items()))
+
+    def named_slots(self) -> list[tuple[str, Param]]:
+        """``(path, handle)`` for every parameter path, aliases included, in slot order.
+
+        Sets each handle's ``name`` to its path and gives a later path that holds the
+        handle of an earlier one its own alias handle (see the module docstring).
+        """
+        out: list[tuple[str, Param]] = []
+        self._collect("", out, {}, set(), set())
+        return out
+
+    def _collect(
+        self,
+        prefix: str,
+        out: list[tuple[str, Param]],
+        owners: dict[int, tuple[int, str]],
+        visited: set[int],
+        ancestors: set[int],
+    ) -> None:
+        me = id(self)
+        if me in ancestors:
+            raise TiegradError(f"{type(self).__name__} at {prefix!r} contains itself")
+        first_visit = me not in visited
+        visited.add(me)
+        params = self._params
+        for name, p in list(params.items()):
+            path = prefix + name
+            location = (me, name)
+            if owners.setdefault(id(p), location) != location:
+                p = p.alias(name=path)
+                params[name] = p
+                owners[id(p)] = location
+            elif first_visit:
+                p.name = path
+            out.append((path, p))
+        ancestors.add(me)
+        for name, m in self._modules.items():
+            m._collect(f"{prefix}{name}.", out, owners, visited, ancestors)
+        ancestors.discard(me)
+
+    def named_parameters(self) -> Iterator[tuple[str, Param]]:
+        """``(path, handle)`` once per storage, under its first path (C1)."""
+        seen: set[int] = set()
+        for path, p in self.named_slots():
+            if id(p.storage) not in seen:
+                seen.add(id(p.storage))
+                yield path, p
+
+    def aliases(self) -> dict[str, list[str]]:
+        """``{first path: [other paths]}`` for every storage named by several paths."""
+        paths: dict[int, list[str]] = {}
+        for path, p in self.named_slots():
+            paths.setdefault(id(p.storage), []).append(path)
+        return {ps[0]: ps[1:] for ps in paths.values() if len(ps) > 1}
+
+    def param_list(self) -> ParamList:
+        """A ``ParamList`` of every slot (aliases included) in slot order.
+
+        Each slot holds this module's own handle for that path, named by its path, so
+        ``requires_grad_array()`` is the per-path trainability mask and
+        ``canonical_slot_indices()`` the alias map (C5).
+        """
+        return ParamList(p for _, p in self.named_slots())
+
+    def parameters(self) -> ParamList:
+        """Same as ``param_list()``; what optimizers take."""
+        return self.param_list()
+
+    def num_parameters(self, unique: bool = True) -> int:
+        """Element count over storages (``unique``) or over every slot."""
+        if unique:
+            return sum(p.size for _, p in self.named_parameters())
+        return sum(p.size for _, p in self.named_slots())
+
+    def named_gradients(self, gradients: Gradients) -> dict[str, Any]:
+        """``{first path: gradient}`` per storage with a trainable use in ``gradients``.
+
+        The gradient of a storage is the sum over its trainable uses recorded in
+        ``gradients.session`` (C4); frozen uses contribute nothing, and a storage with no
+        trainable use is left out.
+        """
+        session = getattr(gradients, "session", None)
+        if not isinstance(session, EagerSession):
+            raise TapeError(
+                f"{self.label()}: named_gradients needs the Gradients returned by "
+                f"EagerSession.backward, got {type(gradients).__name__}"
+            )
+        by_storage = {
+            id(g.storage): dense_group_gradient(g, gradients)
+            for g in session.parameter_groups()
+            if g.storage is not None
+        }
+        return {
+            path: by_storage[id(p.storage)]
+            for path, p in self.named_parameters()
+            if id(p.storage) in by_storage
+        }
+
+    # -- paths -------------------------------------------------------------------------
+    def _owner(self, path: str) -> tuple[Module, str]:
+        """The module holding parameter ``path`` and its attribute name, or a SlotError."""
+        if not isinstance(path, str):
+            raise SlotError(f"{self.label()}: a parameter path is a str, got {path!r}")
+        *parts, leaf = path.split(".")
+        m: Module = self
+        for part in parts:
+            child = m._modules.get(part)
+            if child is None:
+                raise self._missing(path)
+            m = child
+        if leaf not in m._params:
+            raise self._missing(path)
+        return m, leaf
+
+    def _missing(self, path: str) -> SlotError:
+        known = [q for q, _ in self.named_slots()]
+        close = difflib.get_close_matches(path, known, n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        return SlotError(
+            f"{self.label()}: no parameter at path {path!r} ({len(known)} paths){hint}"
+        )
+
+    def get_parameter(self, path: str) -> Param:
+        """The handle at ``path`` (a SlotError names the path and close matches)."""
+        self.named_slots()
+        m, leaf = self._owner(path)
+        return m._params[leaf]
+
+    def set_parameter(self, path: str, param: Param) -> None:
+        """Install ``param`` at the existing ``path``; shape and dtype must match (C6)."""
+        m, leaf = self._owner(path)
+        if not isinstance(param, Param):
+            raise SlotError(f"set_parameter {path!r}: expected a Param, got {type(param).__name__}")
+        old = m._params[leaf]
+        if param.shape != old.shape:
+            raise ShapeError(
+                f"set_parameter {path!r}: expected shape {old.shape}, got {param.shape}"
+            )
+        if param.dtype != old.dtype:
+            raise DTypeError(
+                f"set_parameter {path!r}: expected dtype {old.dtype.name}, got {param.dtype.name}"
+            )
+        param.name = path
+        m._params[leaf] = param
+
+    # -- freezing ----------------------------------------------------------------------
+    def freeze(self, pattern: str | list[str]) -> list[str]:
+        """Clear ``requires_grad`` on the handles of the paths matching ``pattern``.
+
+        See ``tiegrad.nn.tying.set_trainable``; returns the matched paths.
+        """
+        from .tying import set_trainable
+
+        return set_trainable(self, pattern, False)
+
+    def unfreeze(self, pattern: str | list[str]) -> list[str]:
+        """Set ``requires_grad`` on the handles of the paths matching ``pattern``."""
+        from .tying import set_trainable
+
+        return set_trainable(self, pattern, True)
+
+    # -- display -----------------------------------------------------------------------
+    def extra_repr(self) -> str:
+        """The constructor arguments shown by ``repr`` and in error messages."""
+        return ""
+
+    def label(self) -> str:
+        """``ClassName(extra_repr)``: how errors name this module."""
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def __repr__(self) -> str:
+        if not self._modules:
+            return self.label()
+        lines = [f"{type(self).__name__}("]
+        if self.extra_repr():
+            lines.append(f"  {self.extra_repr()}")
+        for name, m in self._modules.items():
+            child = repr(m).replace("\n", "\n  ")
+            lines.append(f"  ({name}): {child}")
+        return "\n".join(lines) + "\n)"
+
+
+class ModuleList(Module):
+    """A list of submodules registered as ``"0"``, ``"1"``, ...; it has no forward."""
+
+    def __init__(self, modules: Any = ()) -> None:
+        super().__init__()
+        for m in modules:
+            self.append(m)
+
+    def append(self, module: Module) -> ModuleList:
+        if not isinstance(module, Module):
+            raise TiegradError(
+                f"{type(self).__name__}: items must be Modules, got {type(module).__name__}"
+            )
+        setattr(self, str(len(self._modules)), module)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(list(self._modules.values()))
+
+    def __getitem__(self, i: int) -> Module:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"{type(self).__name__}: index {i} out of range for {n} modules")
+        return self._modules[str(i % n)]
+
+
+class Sequential(ModuleList):
+    """Submodules applied in order: ``forward(session, x)`` feeds each one's output on."""
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__(modules)
+
+    def forward(self, session: EagerSession, x: Any) -> Any:
+        for m in self:
+            x = m(session, x)
+        return x

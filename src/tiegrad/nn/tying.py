@@ -1,0 +1,108 @@
+"""Tying, untying and freezing parameters of a module by path.
+
+A tie makes two paths hold the same storage (C1); every path keeps its own handle, so
+trainability is per use: a tied storage frozen at one path still trains through the
+other (C4, C5). This is the per-use freezing of a tied weight that PyTorch, Flax, MLX
+and Keras cannot express (``shared/ANCHORS.md``, pain points 10 and 11).
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+from ..errors import AliasError, DTypeError, ShapeError, SlotError
+from ..params import Param
+
+if TYPE_CHECKING:
+    from .module import Module
+
+
+def tie(module: Module, path: str, source: str, requires_grad: bool | None = None) -> Param:
+    """Make ``path`` name the storage of ``source``; returns the handle installed at ``path``.
+
+    The new handle is ``source``'s alias (``Param.alias``): same storage, its own flag,
+    named ``path``. ``requires_grad=None`` copies ``source``'s flag; ``False`` makes the
+    use through ``path`` contribute no gradient while ``source`` still trains the
+    storage. Both paths must exist (SlotError) and have equal shapes (ShapeError naming
+    both paths and shapes) and dtypes; a transposed use (an output projection tied to
+    an embedding) is written in the forward, never as a copy. Nothing changes on error.
+    """
+    target = module.get_parameter(path)
+    src = module.get_parameter(source)
+    if target.shape != src.shape:
+        raise ShapeError(
+            f"tie: {path!r} has shape {target.shape} but {source!r} has shape {src.shape}; "
+            "tied paths need equal shapes (write a transposed use in the forward)"
+        )
+    if target.dtype != src.dtype:
+        raise DTypeError(
+            f"tie: {path!r} has dtype {target.dtype.name} but {source!r} has dtype {src.dtype.name}"
+        )
+    handle = src.alias(requires_grad=requires_grad, name=path)
+    module.set_parameter(path, handle)
+    return handle
+
+
+def untie(module: Module, path: str) -> Param:
+    """Give ``path`` a new storage holding a copy of its current value (C1, C7).
+
+    The handle keeps its flag. An AliasError is raised when no other path of ``module``
+    names that storage through its own handle (nothing to untie).
+    """
+    handle = module.get_parameter(path)
+    others = [
+        q
+        for q, p in module.named_slots()
+        if p.storage is handle.storage and p is not handle and q != path
+    ]
+    if not others:
+        raise AliasError(
+            f"untie: {path!r} of {module.label()} shares its storage with no other path"
+        )
+    fresh = Param(
+        handle.storage.current_host_value(),
+        requires_grad=handle.requires_grad,
+        name=path,
+        dtype=handle.dtype,
+    )
+    module.set_parameter(path, fresh)
+    return fresh
+
+
+def set_trainable(module: Module, pattern: str | list[str], requires_grad: bool) -> list[str]:
+    """Set ``requires_grad`` on the handles at the paths matching ``pattern``.
+
+    ``pattern`` is a glob (``fnmatch``, case-sensitive; ``*`` also crosses dots) or a
+    list of globs, matched against whole paths. Only the matched paths change: a tied
+    storage frozen at one path stays trainable through its other paths. Every pattern
+    must match some path (SlotError), and a handle shared by a submodule registered at
+    several paths cannot be set at some of them only (AliasError). Everything is
+    checked before any flag is set (C6). Returns the matched paths in slot order.
+    """
+    op = "unfreeze" if requires_grad else "freeze"
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise SlotError(
+            f"{op}: expected a glob pattern or a non-empty list of them, got {pattern!r}"
+        )
+    slots = module.named_slots()
+    for pat in patterns:
+        if not any(fnmatchcase(path, pat) for path, _ in slots):
+            raise SlotError(
+                f"{op}: pattern {pat!r} matches no parameter path of {module.label()} "
+                f"(paths: {', '.join(path for path, _ in slots)})"
+            )
+    matched = [(path, p) for path, p in slots if any(fnmatchcase(path, pat) for pat in patterns)]
+    chosen = {id(p) for _, p in matched}
+    names = {path for path, _ in matched}
+    for path, p in slots:
+        if id(p) in chosen and path not in names:
+            other = next(q for q, h in matched if h is p)
+            raise AliasError(
+                f"{op}: {other!r} and {path!r} are one handle (a submodule registered at "
+                f"both paths); match both paths or neither"
+            )
+    for _, p in matched:
+        p.requires_grad = requires_grad
+    return [path for path, _ in matched]
