@@ -1,6 +1,7 @@
 """tiegrad: eager autodiff and training with explicit, tieable parameter storage."""
 
 from . import ops
+from .checkpoint import LoadResult, inspect, load, save
 from .errors import (
     AliasError,
     CheckpointError,
@@ -8,6 +9,7 @@ from .errors import (
     DeviceError,
     DTypeError,
     HyperparameterError,
+    IndexRangeError,
     MissingGradientError,
     NonFiniteError,
     ShapeError,
@@ -22,12 +24,17 @@ from .params import (
     ParamList,
     dense_group_gradient,
     parameter_of_storage,
+    with_device_group_gradient,
 )
 from .session import EagerSession, Gradients, TensorRef, latest_gradients
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LoadResult",
+    "inspect",
+    "load",
+    "save",
     "AliasError",
     "CheckpointError",
     "ConfigError",
@@ -37,12 +44,14 @@ __all__ = [
     "Gradients",
     "latest_gradients",
     "HyperparameterError",
+    "IndexRangeError",
     "Param",
     "ParamList",
     "ParameterGroup",
     "ParameterStorage",
     "dense_group_gradient",
     "parameter_of_storage",
+    "with_device_group_gradient",
     "MissingGradientError",
     "NonFiniteError",
     "ShapeError",

@@ -1,0 +1,267 @@
+"""The checkpoint file: an atomic safetensors writer and a strict safetensors reader.
+
+A checkpoint is one plain safetensors file (C9): an 8-byte little-endian header
+length, a JSON header naming every tensor's dtype, shape and byte range plus string
+``__metadata__``, then the tensor bytes. Writing goes through ``safetensors.numpy``;
+reading parses the header here, with every field checked, so that a damaged file of
+any kind (truncated, flipped bytes, lengths or offsets out of range, overlaps, holes)
+is a ``CheckpointError`` naming the file and never another exception type. Nothing
+in the file is ever executed (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+
+from ..errors import CheckpointError
+
+#: The largest JSON header read (the limit safetensors itself applies).
+MAX_HEADER_BYTES = 100_000_000
+
+_WRITE_CHUNK = 1 << 22
+
+#: safetensors dtype codes and the NumPy dtypes they hold (always little-endian).
+_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the header: dtype (NumPy name), shape and byte range in the data."""
+
+    name: str
+    code: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def dtype(self) -> str:
+        """The NumPy dtype name (``"float32"``)."""
+        return _DTYPES[self.code].name
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """A parsed, fully validated safetensors file held in memory.
+
+    ``tensors`` maps each name to its header entry; ``metadata`` is the header's
+    string map; ``size`` is the file's length in bytes.
+    """
+
+    path: str
+    size: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorEntry]
+    _data: memoryview
+
+    def array(self, name: str) -> np.ndarray:
+        """A fresh, writable, native-endian copy of tensor ``name``."""
+        e = self.tensors[name]
+        raw = np.frombuffer(self._data[e.begin : e.end], dtype=_DTYPES[e.code])
+        return np.array(raw, dtype=raw.dtype.newbyteorder("=")).reshape(e.shape)
+
+
+def supported_dtype(dtype: np.dtype) -> bool:
+    """Whether a NumPy dtype can be stored in a checkpoint."""
+    return any(dt.name == np.dtype(dtype).name for dt in _DTYPES.values())
+
+
+def write_safetensors(
+    path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]
+) -> int:
+    """Write ``tensors`` and ``metadata`` to ``path`` atomically; return the file size.
+
+    The bytes go to a temporary file in the same folder, which is flushed and fsynced,
+    renamed over ``path`` with ``os.replace`` and then the folder is fsynced. A crash at
+    any point leaves the old file or the new one under ``path``, never a partial one;
+    a failure deletes the temporary file. OS errors become ``CheckpointError``.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(
+        folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    )
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: cannot create a temporary file: {e}") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            data = memoryview(
+                safetensors.numpy.save(
+                    {k: np.ascontiguousarray(v) for k, v in tensors.items()}, dict(metadata)
+                )
+            )
+            for start in range(0, len(data), _WRITE_CHUNK):
+                f.write(data[start : start + _WRITE_CHUNK])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError):
+            raise CheckpointError(f"checkpoint {path}: write failed: {e}") from e
+        raise
+    _fsync_folder(folder)
+    return len(data)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make the rename durable where the platform and file system allow it.
+
+    Runs after the new file is in place, so a file system that cannot fsync a folder
+    (or a platform without ``O_DIRECTORY``) costs durability of the rename, never the file.
+    """
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_safetensors(path: str) -> SafetensorsFile:
+    """Read and validate a safetensors file; any defect is a ``CheckpointError``.
+
+    Checks: the 8-byte length fits the file and the header limit; the header is UTF-8
+    JSON object without duplicate keys; ``__metadata__`` maps strings to strings; every
+    tensor has exactly ``dtype``, ``shape`` and ``data_offsets`` with a known dtype, a
+    shape of non-negative integers and a byte range whose length is the shape's; the
+    ranges tile the data exactly (no overlap, no hole, no trailing bytes).
+    """
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read: {e}") from e
+    where = f"checkpoint {path}"
+    if len(blob) < 8:
+        raise CheckpointError(f"{where}: {len(blob)} bytes, too short for a safetensors header")
+    n = int.from_bytes(blob[:8], "little")
+    if n > len(blob) - 8:
+        raise CheckpointError(
+            f"{where}: header length {n} is larger than the {len(blob) - 8} bytes after it "
+            f"(truncated or damaged file)"
+        )
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{where}: header length {n} exceeds {MAX_HEADER_BYTES}")
+    header = _parse_json(blob[8 : 8 + n], where)
+    data = memoryview(blob)[8 + n :]
+    metadata: dict[str, str] = {}
+    entries: dict[str, TensorEntry] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            metadata = _metadata(spec, where)
+        else:
+            entries[name] = _entry(name, spec, len(data), where)
+    _check_tiling(entries, len(data), where)
+    return SafetensorsFile(path, len(blob), metadata, entries, data)
+
+
+def _parse_json(raw: bytes, where: str) -> dict[str, Any]:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise CheckpointError(f"{where}: the header repeats the key {k!r}")
+            out[k] = v
+        return out
+
+    try:
+        text = raw.decode("utf-8")
+        header = json.loads(text, object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where}: the header is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{where}: the header is a JSON {type(header).__name__}, not an object"
+        )
+    return header
+
+
+def _metadata(spec: Any, where: str) -> dict[str, str]:
+    if not isinstance(spec, dict) or not all(isinstance(v, str) for v in spec.values()):
+        raise CheckpointError(f"{where}: __metadata__ must map strings to strings")
+    return spec
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _entry(name: str, spec: Any, data_len: int, where: str) -> TensorEntry:
+    what = f"{where}: tensor {name!r}"
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(
+            f"{what}: expected keys dtype, shape, data_offsets, got {spec!r:.200}"
+        )
+    code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(code, str) or code not in _DTYPES:
+        raise CheckpointError(f"{what}: unsupported dtype {code!r:.40}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{what}: shape {shape!r:.200} is not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+        raise CheckpointError(f"{what}: data_offsets {offsets!r:.200} is not two integers")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_len:
+        raise CheckpointError(
+            f"{what}: byte range [{begin}, {end}) lies outside the {data_len} data bytes "
+            f"(truncated or damaged file)"
+        )
+    expected = math.prod(shape) * _DTYPES[code].itemsize
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{what}: {end - begin} bytes for shape {tuple(shape)} {code}, expected {expected}"
+        )
+    return TensorEntry(name, code, tuple(shape), begin, end)
+
+
+def _check_tiling(entries: Mapping[str, TensorEntry], data_len: int, where: str) -> None:
+    pos = 0
+    prev = "the header"
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin != pos:
+            kind = "overlaps" if e.begin < pos else "leaves a hole after"
+            raise CheckpointError(
+                f"{where}: tensor {e.name!r} at byte {e.begin} {kind} {prev} (ends at {pos})"
+            )
+        pos, prev = e.end, f"tensor {e.name!r}"
+    if pos != data_len:
+        raise CheckpointError(
+            f"{where}: {data_len - pos} trailing bytes after the last tensor (ends at {pos}, "
+            f"data holds {data_len})"
+        )
