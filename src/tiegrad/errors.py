@@ -19,6 +19,10 @@ class DTypeError(TiegradError, TypeError):
     """A dtype differs from the one required."""
 
 
+class IndexRangeError(TiegradError, IndexError):
+    """Integer data (class targets, embedding ids) lies outside its valid range."""
+
+
 class TapeError(TiegradError):
     """Misuse of a session's tape: foreign or stale refs, ids not on the tape, bad seeds."""
 

@@ -141,7 +141,20 @@ class Backend:
         raise NotImplementedError
 
     def accumulate_at(self, out: Array, index: Any, values: Array) -> None:
-        """``out[index] += values`` in place, accumulating repeated indices."""
+        """``out[index] += values`` in place, accumulating repeated indices.
+
+        ``index`` is anything NumPy indexing accepts: basic (ints, slices, ``None``,
+        ``...``), integer arrays or a boolean mask, alone or in a tuple.
+        """
+        raise NotImplementedError
+
+    def index_add(self, out: Array, indices: Array, values: Array) -> None:
+        """``out[indices[i]] += values[i]`` in place for every ``i`` (rows, axis 0).
+
+        ``indices`` is 1-D with integers in ``[0, out.shape[0])``; ``values`` has shape
+        ``(len(indices),) + out.shape[1:]``. Repeated indices accumulate (scatter-add,
+        like ``torch.Tensor.index_add_``).
+        """
         raise NotImplementedError
 
     def sliding_windows(self, x: Array, kh: int, kw: int, stride: int) -> Array:

@@ -91,6 +91,21 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return out.astype(x.dtype, copy=False)
 
 
+_add_reduce = np.add.reduce
+_max_reduce = np.maximum.reduce
+
+
+def _is_basic_index(index: Any) -> bool:
+    """Whether ``index`` uses basic indexing only (no integer or boolean arrays)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(
+        p is None
+        or p is Ellipsis
+        or (isinstance(p, (slice, int, np.integer)) and not isinstance(p, bool))
+        for p in parts
+    )
+
+
 class NumpyBackend(Backend):
     """NumPy on the host. Stateless; use the module-level ``NUMPY`` instance."""
 
@@ -135,7 +150,7 @@ class NumpyBackend(Backend):
         return np.dtype(name)
 
     def is_floating(self, dtype: DType) -> bool:
-        return np.issubdtype(dtype, np.floating)
+        return np.dtype(dtype).kind == "f"
 
     exp = staticmethod(np.exp)
     log = staticmethod(np.log)
@@ -155,20 +170,21 @@ class NumpyBackend(Backend):
     def isfinite_all(self, x: Array) -> bool:
         return bool(np.isfinite(x).all())
 
+    # The ufunc reductions that np.sum / np.max call, minus their Python wrappers.
     def sum(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
-        return np.sum(x, axis=axis, keepdims=keepdims)
+        return _add_reduce(x, axis=axis, keepdims=keepdims)
 
     def max(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
-        return np.max(x, axis=axis, keepdims=keepdims)
+        return _max_reduce(x, axis=axis, keepdims=keepdims)
 
     def argmax(self, x: Array, axis: int) -> Array:
         return np.argmax(x, axis=axis)
 
     def reshape(self, x: Array, shape: Shape) -> Array:
-        return np.reshape(x, shape)
+        return x.reshape(shape)  # the method: np.reshape adds a Python wrapper per call
 
     def transpose(self, x: Array, axes: Shape) -> Array:
-        return np.transpose(x, axes)
+        return x.transpose(axes)
 
     def concat(self, xs: list[Array], axis: int) -> Array:
         return np.concatenate(xs, axis=axis)
@@ -186,7 +202,20 @@ class NumpyBackend(Backend):
         return np.take_along_axis(x, indices, axis=axis)
 
     def accumulate_at(self, out: Array, index: Any, values: Array) -> None:
-        np.add.at(out, index, values)
+        if _is_basic_index(index):
+            out[index] += values  # a basic index selects each element at most once
+        else:
+            np.add.at(out, index, values)
+
+    def index_add(self, out: Array, indices: Array, values: Array) -> None:
+        if len(indices) <= len(out):
+            np.add.at(out, indices, values)
+            return
+        # Many repeats: sort once and add each run of equal ids with one reduceat.
+        order = np.argsort(indices, kind="stable")
+        ids = indices[order]
+        starts = np.concatenate(([0], np.flatnonzero(ids[1:] != ids[:-1]) + 1))
+        out[ids[starts]] += np.add.reduceat(values[order], starts, axis=0)
 
     def sliding_windows(self, x: Array, kh: int, kw: int, stride: int) -> Array:
         win = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))

@@ -10,28 +10,47 @@ Importing this package also installs the operators of ``TensorRef``.
 
 from ..session import TensorRef
 from .arithmetic import add, div, matmul, mul, neg, pow, sub
+from .attention import scaled_dot_product_attention
+from .conv import conv2d, max_pool2d
+from .dropout import dropout
 from .elementwise import exp, gelu, log, relu, sigmoid, sqrt, tanh
+from .embedding import embedding
+from .linear import linear
+from .loss import cross_entropy, mse_loss
+from .norm import layer_norm
 from .reduce import max, mean, sum
 from .shape import concat, getitem, permute, reshape, stack, transpose, where
+from .softmax import log_softmax, softmax
 
 __all__ = [
     "add",
     "concat",
+    "conv2d",
+    "cross_entropy",
     "div",
+    "dropout",
+    "embedding",
     "exp",
     "gelu",
     "getitem",
+    "layer_norm",
+    "linear",
     "log",
+    "log_softmax",
     "matmul",
     "max",
+    "max_pool2d",
     "mean",
+    "mse_loss",
     "mul",
     "neg",
     "permute",
     "pow",
     "relu",
     "reshape",
+    "scaled_dot_product_attention",
     "sigmoid",
+    "softmax",
     "sqrt",
     "stack",
     "sub",

@@ -1,13 +1,22 @@
-"""Shared plumbing of the ops: operand checking and broadcasting reversal."""
+"""Shared plumbing of the ops: operand checking, lifting, broadcasting reversal.
+
+Ops validate every operand before recording anything, so an op that raises leaves
+the tape as it was (C6): arrays are converted with ``value_of`` first and recorded
+as constants (``lift``) only after the checks pass.
+"""
 
 from __future__ import annotations
 
-from numbers import Number
+import math
+from collections.abc import Callable
+from numbers import Integral, Number
 from typing import Any
 
 from ..backend import Array, Backend
-from ..errors import TapeError
+from ..errors import DTypeError, HyperparameterError, IndexRangeError, ShapeError, TapeError
 from ..session import EagerSession, TensorRef
+
+# -- operands ------------------------------------------------------------------------------
 
 
 def session_of(*xs: Any) -> EagerSession:
@@ -23,16 +32,81 @@ def session_of(*xs: Any) -> EagerSession:
     return s
 
 
-def lift(s: EagerSession, x: Any) -> TensorRef:
-    """``x`` as a ref of ``s``: refs are checked, arrays and lists become constants."""
+def ref_pair(a: Any, b: Any) -> EagerSession | None:
+    """The session of ``a`` and ``b`` when both are refs (checked live and local), else None.
+
+    The fast path of binary ops: a few attribute compares instead of ``session_of``
+    and two ``lift`` calls (DESIGN: performance).
+    """
+    if type(a) is not TensorRef or type(b) is not TensorRef:
+        return None
+    s = a.session
+    gen = s._generation
+    if b.session is not s or a._gen != gen or b._gen != gen:
+        s.check(a)
+        s.check(b)
+    return s
+
+
+def value_of(s: EagerSession, x: Any) -> Array:
+    """The array of operand ``x``: a ref's value, or ``x`` converted; records nothing.
+
+    ``x`` must have been checked by ``session_of`` when it is a ref.
+    """
+    return x.value if isinstance(x, TensorRef) else s._array(x)
+
+
+def lift(s: EagerSession, x: Any, value: Array | None = None) -> TensorRef:
+    """``x`` as a ref of ``s``: refs are checked, arrays and lists become constants.
+
+    ``value`` is ``x`` already converted by ``value_of`` (saves converting twice).
+    """
     if isinstance(x, TensorRef):
         s.check(x)
         return x
-    return s.constant(x)
+    return s.constant(x if value is None else value)
 
 
-def is_scalar(x: Any) -> bool:
-    return isinstance(x, Number) and not isinstance(x, bool)
+def operands(
+    op: str, a: Any, b: Any, check: Callable[[str, Array, Array], None]
+) -> tuple[EagerSession, TensorRef, TensorRef]:
+    """Session and refs of two operands, at least one a ref.
+
+    ``check(op, a_value, b_value)`` runs before an array operand is recorded as a
+    constant, so a failing op records nothing (C6).
+    """
+    s = session_of(a, b)
+    av, bv = value_of(s, a), value_of(s, b)
+    check(op, av, bv)
+    return s, lift(s, a, av), lift(s, b, bv)
+
+
+def scalar_value(x: Any) -> int | float | None:
+    """A non-bool real number operand as a Python int or float, else None.
+
+    NumPy scalars become Python numbers so they never promote the array's dtype.
+    """
+    tx = type(x)
+    if tx is float or tx is int:
+        return x
+    if isinstance(x, Number) and not isinstance(x, bool):
+        return int(x) if isinstance(x, Integral) else float(x)
+    return None
+
+
+# -- shapes --------------------------------------------------------------------------------
+
+
+def broadcast_error(op: str, a: Array, b: Array) -> ShapeError:
+    """The ``ShapeError`` of an op whose operand shapes do not broadcast."""
+    return ShapeError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast")
+
+
+def check_broadcast(op: str, a: Array, b: Array) -> None:
+    """Raise ``broadcast_error`` unless the shapes of ``a`` and ``b`` broadcast (NumPy rules)."""
+    for m, n in zip(reversed(tuple(a.shape)), reversed(tuple(b.shape))):
+        if m != n and m != 1 and n != 1:
+            raise broadcast_error(op, a, b)
 
 
 def unbroadcast(bk: Backend, g: Array, shape: tuple[int, ...]) -> Array:
@@ -49,15 +123,68 @@ def unbroadcast(bk: Backend, g: Array, shape: tuple[int, ...]) -> Array:
     return bk.reshape(g, shape)
 
 
-def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
+def normalize_axes(axis: Any, ndim: int, op: str) -> tuple[int, ...]:
     """Axes as a sorted tuple of non-negative ints (``None`` means all)."""
     if axis is None:
         return tuple(range(ndim))
-    if isinstance(axis, int):
+    if isinstance(axis, Integral):
         axis = (axis,)
     out = []
     for a in axis:
         if not -ndim <= a < ndim:
-            raise TapeError(f"axis {a} is out of range for an array of rank {ndim}")
-        out.append(a % ndim)
+            raise ShapeError(f"{op}: axis {a} is out of range for an array of rank {ndim}")
+        out.append(int(a) % ndim)
     return tuple(sorted(set(out)))
+
+
+def swap_last(bk: Backend, x: Array) -> Array:
+    """``x`` with its last two axes swapped (a view where the backend allows)."""
+    nd = len(x.shape)
+    return bk.transpose(x, tuple(range(nd - 2)) + (nd - 1, nd - 2))
+
+
+# -- gradients, losses, indices ------------------------------------------------------------
+
+
+def needs_grad(s: EagerSession, ref: TensorRef) -> bool:
+    """Whether the node of ``ref`` takes a cotangent (VJPs skip the others' work).
+
+    A VJP runs only for nodes recorded with gradients enabled, so the flag suffices.
+    """
+    return s._rg[ref.id]
+
+
+def check_reduction(op: str, reduction: str) -> None:
+    """Loss reductions are ``"mean"``, ``"sum"`` or ``"none"``."""
+    if reduction not in ("mean", "sum", "none"):
+        raise HyperparameterError(
+            f"{op}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
+        )
+
+
+def int_array(s: EagerSession, op: str, x: Any) -> Array:
+    """Integer index data (targets, token ids) as a backend array: refs give their value."""
+    bk = s.backend
+    if isinstance(x, TensorRef):
+        s.check(x)
+        arr = x.value
+    else:
+        arr = s._array(x)
+    if bk.is_floating(arr.dtype) or bk.dtype_name(arr.dtype).startswith(("bool", "complex")):
+        raise DTypeError(f"{op}: indices must have an integer dtype, got {arr.dtype}")
+    return arr
+
+
+def check_index_range(
+    s: EagerSession, op: str, what: str, idx: Array, n: int, extra: str = ""
+) -> None:
+    """Raise ``IndexRangeError`` unless every integer of ``idx`` lies in ``[0, n)``."""
+    if math.prod(tuple(idx.shape)) == 0:
+        return
+    bk = s.backend
+    hi = int(bk.max(idx))
+    lo = -int(bk.max(-idx))
+    if lo < 0 or hi >= n:
+        raise IndexRangeError(
+            f"{op}: {what} must lie in [0, {n}){extra}, got values in [{lo}, {hi}]"
+        )

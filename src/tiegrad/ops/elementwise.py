@@ -1,10 +1,15 @@
-"""Elementwise functions: exp, log, sqrt, tanh, sigmoid, relu and gelu."""
+"""Elementwise functions: exp, log, sqrt, tanh, sigmoid, relu and gelu.
+
+VJPs are module-level functions bound with ``functools.partial`` (one object per node;
+see ``arithmetic``).
+"""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
-from ..errors import TiegradError
+from ..errors import HyperparameterError
 from ..session import TensorRef
 from ._core import session_of
 
@@ -13,41 +18,79 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
+def _times(d, g):
+    return (g * d,)
+
+
+def _over(d, g):
+    return (g / d,)
+
+
+def _sqrt_vjp(out, g):
+    return (g * 0.5 / out,)
+
+
+def _tanh_vjp(out, g):
+    return (g * (1.0 - out * out),)
+
+
+def _sigmoid_vjp(out, g):
+    return (g * out * (1.0 - out),)
+
+
+def _relu_vjp(xv, g):
+    return (g * (xv > 0),)
+
+
+def _gelu_erf_vjp(bk, xv, cdf, g):
+    return (g * (cdf + xv * bk.exp(-0.5 * xv * xv) * _INV_SQRT_2PI),)
+
+
+def _gelu_tanh_vjp(xv, t, g):
+    dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * xv * xv)
+    return (g * (0.5 * (1.0 + t) + 0.5 * xv * (1.0 - t * t) * dinner),)
+
+
 def exp(x: TensorRef) -> TensorRef:
+    """``e ** x``; VJP: ``g * exp(x)``."""
     s = session_of(x)
     out = s.backend.exp(x.value)
-    return s._record(out, (x.id,), lambda g: (g * out,))
+    return s._record(out, (x.id,), partial(_times, out))
 
 
 def log(x: TensorRef) -> TensorRef:
+    """Natural logarithm; VJP: ``g / x``."""
     s = session_of(x)
     xv = x.value
-    return s._record(s.backend.log(xv), (x.id,), lambda g: (g / xv,))
+    return s._record(s.backend.log(xv), (x.id,), partial(_over, xv))
 
 
 def sqrt(x: TensorRef) -> TensorRef:
+    """Square root; VJP: ``g / (2 * sqrt(x))``."""
     s = session_of(x)
     out = s.backend.sqrt(x.value)
-    return s._record(out, (x.id,), lambda g: (g * 0.5 / out,))
+    return s._record(out, (x.id,), partial(_sqrt_vjp, out))
 
 
 def tanh(x: TensorRef) -> TensorRef:
+    """Hyperbolic tangent; VJP: ``g * (1 - tanh(x)**2)``."""
     s = session_of(x)
     out = s.backend.tanh(x.value)
-    return s._record(out, (x.id,), lambda g: (g * (1.0 - out * out),))
+    return s._record(out, (x.id,), partial(_tanh_vjp, out))
 
 
 def sigmoid(x: TensorRef) -> TensorRef:
+    """Logistic function, as ``(1 + tanh(x / 2)) / 2`` (no overflow); VJP: ``g * y * (1 - y)``."""
     s = session_of(x)
-    out = 0.5 * (1.0 + s.backend.tanh(0.5 * x.value))  # overflow-free logistic
-    return s._record(out, (x.id,), lambda g: (g * out * (1.0 - out),))
+    out = 0.5 * (1.0 + s.backend.tanh(0.5 * x.value))
+    return s._record(out, (x.id,), partial(_sigmoid_vjp, out))
 
 
 def relu(x: TensorRef) -> TensorRef:
+    """``max(x, 0)``; VJP: ``g`` where ``x > 0``, else 0."""
     s = session_of(x)
     xv = x.value
-    out = s.backend.maximum(xv, 0.0)
-    return s._record(out, (x.id,), lambda g: (g * (xv > 0),))
+    return s._record(s.backend.maximum(xv, 0.0), (x.id,), partial(_relu_vjp, xv))
 
 
 def gelu(x: TensorRef, approximate: str = "none") -> TensorRef:
@@ -57,20 +100,8 @@ def gelu(x: TensorRef, approximate: str = "none") -> TensorRef:
     xv = x.value
     if approximate == "none":
         cdf = 0.5 * (1.0 + bk.erf(xv * _INV_SQRT_2))
-        out = xv * cdf
-
-        def vjp(g):
-            return (g * (cdf + xv * bk.exp(-0.5 * xv * xv) * _INV_SQRT_2PI),)
-
-    elif approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (xv + 0.044715 * xv * xv * xv)
-        t = bk.tanh(inner)
-        out = 0.5 * xv * (1.0 + t)
-
-        def vjp(g):
-            dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * xv * xv)
-            return (g * (0.5 * (1.0 + t) + 0.5 * xv * (1.0 - t * t) * dinner),)
-
-    else:
-        raise TiegradError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return s._record(out, (x.id,), vjp)
+        return s._record(xv * cdf, (x.id,), partial(_gelu_erf_vjp, bk, xv, cdf))
+    if approximate == "tanh":
+        t = bk.tanh(_SQRT_2_OVER_PI * (xv + 0.044715 * xv * xv * xv))
+        return s._record(0.5 * xv * (1.0 + t), (x.id,), partial(_gelu_tanh_vjp, xv, t))
+    raise HyperparameterError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")

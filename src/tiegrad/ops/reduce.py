@@ -1,7 +1,11 @@
-"""Reductions over axes: sum, mean and max, with ``keepdims``."""
+"""Reductions over axes: sum, mean and max, with ``keepdims``.
+
+VJPs are module-level functions bound with ``functools.partial`` (see ``arithmetic``).
+"""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from ..session import TensorRef
@@ -12,28 +16,43 @@ def _kept_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...
     return tuple(1 if i in axes else n for i, n in enumerate(shape))
 
 
+def _spread_vjp(bk, kshape, shape, scale, g):
+    """Broadcast ``g * scale`` back over the reduced axes (a read-only view, no copy)."""
+    if scale != 1.0:
+        g = g * scale
+    return (bk.broadcast_to(bk.reshape(g, kshape), shape),)
+
+
+def _max_vjp(bk, xv, mk, axes, kshape, g):
+    mask = bk.astype(xv == mk, xv.dtype)
+    count = bk.sum(mask, axis=axes, keepdims=True)
+    return (mask * (bk.reshape(g, kshape) / count),)
+
+
 def sum(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
+    """Sum over ``axis`` (all by default); VJP: ``g`` broadcast back."""
     s = session_of(x)
     bk = s.backend
     shape = tuple(x.value.shape)
-    axes = normalize_axes(axis, len(shape))
-    kshape = _kept_shape(shape, axes)
+    axes = normalize_axes(axis, len(shape), "sum")
     out = bk.sum(x.value, axis=axes, keepdims=keepdims)
-    return s._record(out, (x.id,), lambda g: (bk.broadcast_to(bk.reshape(g, kshape), shape),))
+    vjp = partial(_spread_vjp, bk, _kept_shape(shape, axes), shape, 1.0)
+    return s._record(out, (x.id,), vjp)
 
 
 def mean(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
+    """Mean over ``axis`` (all by default); VJP: ``g / n`` broadcast back."""
     s = session_of(x)
     bk = s.backend
     shape = tuple(x.value.shape)
-    axes = normalize_axes(axis, len(shape))
-    kshape = _kept_shape(shape, axes)
+    axes = normalize_axes(axis, len(shape), "mean")
     n = 1
     for a in axes:
         n *= shape[a]
     inv = 1.0 / n
     out = bk.sum(x.value, axis=axes, keepdims=keepdims) * inv
-    return s._record(out, (x.id,), lambda g: (bk.broadcast_to(bk.reshape(g * inv, kshape), shape),))
+    vjp = partial(_spread_vjp, bk, _kept_shape(shape, axes), shape, inv)
+    return s._record(out, (x.id,), vjp)
 
 
 def max(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
@@ -42,14 +61,8 @@ def max(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
     bk = s.backend
     xv = x.value
     shape = tuple(xv.shape)
-    axes = normalize_axes(axis, len(shape))
-    kshape = _kept_shape(shape, axes)
+    axes = normalize_axes(axis, len(shape), "max")
     mk = bk.max(xv, axis=axes, keepdims=True)
     out = mk if keepdims else bk.reshape(mk, tuple(n for i, n in enumerate(shape) if i not in axes))
-
-    def vjp(g):
-        mask = bk.astype(xv == mk, xv.dtype)
-        count = bk.sum(mask, axis=axes, keepdims=True)
-        return (mask * (bk.reshape(g, kshape) / count),)
-
+    vjp = partial(_max_vjp, bk, xv, mk, axes, _kept_shape(shape, axes))
     return s._record(out, (x.id,), vjp)

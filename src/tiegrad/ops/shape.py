@@ -3,31 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any
 
-from ..errors import ShapeError
+from ..errors import IndexRangeError, ShapeError
 from ..session import TensorRef
-from ._core import lift, session_of, unbroadcast
+from ._core import check_broadcast, lift, session_of, unbroadcast, value_of
 
 
 def reshape(x: TensorRef, shape: Sequence[int]) -> TensorRef:
+    """``x`` with a new shape of the same size (one ``-1`` allowed); VJP: reshape back."""
     s = session_of(x)
     bk = s.backend
     old = tuple(x.value.shape)
     try:
         out = bk.reshape(x.value, tuple(shape))
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, TypeError) as e:
         raise ShapeError(f"reshape: cannot reshape {old} to {tuple(shape)}") from e
     return s._record(out, (x.id,), lambda g: (bk.reshape(g, old),))
 
 
 def permute(x: TensorRef, axes: Sequence[int]) -> TensorRef:
+    """``x`` with its axes reordered (``axes[i]`` is the source of output axis ``i``)."""
     s = session_of(x)
     bk = s.backend
     nd = x.value.ndim
-    axes = tuple(a % nd for a in axes) if nd else ()
+    axes = tuple(axes)
+    if len(axes) != nd or not all(isinstance(a, Integral) and -nd <= a < nd for a in axes):
+        raise ShapeError(f"permute: axes {axes} are not a permutation of {nd} axes")
+    axes = tuple(int(a) % nd for a in axes)
     if sorted(axes) != list(range(nd)):
-        raise ShapeError(f"permute: axes {tuple(axes)} are not a permutation of {nd} axes")
+        raise ShapeError(f"permute: axes {axes} are not a permutation of {nd} axes")
     inverse = tuple(sorted(range(nd), key=lambda i: axes[i]))
     return s._record(bk.transpose(x.value, axes), (x.id,), lambda g: (bk.transpose(g, inverse),))
 
@@ -35,27 +41,39 @@ def permute(x: TensorRef, axes: Sequence[int]) -> TensorRef:
 def transpose(x: TensorRef, axis0: int = -2, axis1: int = -1) -> TensorRef:
     """Swap two axes (the last two by default)."""
     nd = x.value.ndim
+    for a in (axis0, axis1):
+        if not -nd <= a < nd:
+            raise ShapeError(f"transpose: axis {a} is out of range for an array of rank {nd}")
     axes = list(range(nd))
     axes[axis0], axes[axis1] = axes[axis1], axes[axis0]
     return permute(x, axes)
 
 
-def _plain_index(index: Any) -> Any:
+def _plain_index(s, index: Any) -> Any:
     if isinstance(index, tuple):
-        return tuple(i.value if isinstance(i, TensorRef) else i for i in index)
-    return index.value if isinstance(index, TensorRef) else index
+        return tuple(_plain_index(s, i) for i in index)
+    if isinstance(index, TensorRef):
+        s.check(index)
+        return index.value
+    return index
 
 
 def getitem(x: TensorRef, index: Any) -> TensorRef:
-    """Basic and integer-array indexing; repeated indices accumulate in the VJP."""
+    """Basic and integer-array (or boolean mask) indexing, as NumPy's ``x[index]``.
+
+    Index arrays may be refs (their values are used). The VJP scatter-adds the
+    cotangent into zeros, so repeated indices accumulate.
+    """
     s = session_of(x)
     bk = s.backend
     xv = x.value
-    index = _plain_index(index)
+    index = _plain_index(s, index)
     try:
         out = xv[index]
     except IndexError as e:
-        raise ShapeError(f"getitem: index {index!r} is invalid for shape {tuple(xv.shape)}") from e
+        raise IndexRangeError(
+            f"getitem: index {index!r} is invalid for shape {tuple(xv.shape)} ({e})"
+        ) from None
     shape, dtype = tuple(xv.shape), xv.dtype
 
     def vjp(g):
@@ -67,19 +85,24 @@ def getitem(x: TensorRef, index: Any) -> TensorRef:
 
 
 def concat(xs: Sequence[Any], axis: int = 0) -> TensorRef:
+    """Join arrays along an existing axis; VJP: the matching slices of the cotangent."""
     s = session_of(*xs)
     bk = s.backend
-    refs = [lift(s, x) for x in xs]
-    vals = [r.value for r in refs]
-    try:
-        out = bk.concat(vals, axis)
-    except (ValueError, RuntimeError) as e:
-        shapes = [tuple(v.shape) for v in vals]
-        raise ShapeError(f"concat: shapes {shapes} cannot be joined on axis {axis}") from e
-    ax = axis % out.ndim
+    vals = [value_of(s, x) for x in xs]
+    shapes = [tuple(v.shape) for v in vals]
+    nd = len(shapes[0])
+    ax = axis % nd if -nd <= axis < nd else None
+
+    def others(sh: tuple[int, ...]) -> tuple[int, ...]:
+        return sh[:ax] + sh[ax + 1 :]
+
+    if ax is None or any(len(sh) != nd or others(sh) != others(shapes[0]) for sh in shapes):
+        raise ShapeError(f"concat: shapes {shapes} cannot be joined on axis {axis}")
+    out = bk.concat(vals, axis)
+    refs = [lift(s, x, v) for x, v in zip(xs, vals)]
     bounds = [0]
-    for v in vals:
-        bounds.append(bounds[-1] + v.shape[ax])
+    for sh in shapes:
+        bounds.append(bounds[-1] + sh[ax])
 
     def vjp(g):
         lead = (slice(None),) * ax
@@ -89,15 +112,19 @@ def concat(xs: Sequence[Any], axis: int = 0) -> TensorRef:
 
 
 def stack(xs: Sequence[Any], axis: int = 0) -> TensorRef:
+    """Join equal-shaped arrays along a new axis; VJP: the matching slices."""
     s = session_of(*xs)
     bk = s.backend
-    refs = [lift(s, x) for x in xs]
-    vals = [r.value for r in refs]
-    shapes = {tuple(v.shape) for v in vals}
-    if len(shapes) != 1:
-        raise ShapeError(f"stack: all shapes must be equal, got {sorted(shapes)}")
+    vals = [value_of(s, x) for x in xs]
+    shapes = [tuple(v.shape) for v in vals]
+    if len(set(shapes)) != 1:
+        raise ShapeError(f"stack: all shapes must be equal, got {shapes}")
+    nd = len(shapes[0]) + 1
+    if not -nd <= axis < nd:
+        raise ShapeError(f"stack: axis {axis} is out of range for a result of rank {nd}")
     out = bk.stack(vals, axis)
-    ax = axis % out.ndim
+    refs = [lift(s, x, v) for x, v in zip(xs, vals)]
+    ax = axis % nd
 
     def vjp(g):
         lead = (slice(None),) * ax
@@ -107,14 +134,17 @@ def stack(xs: Sequence[Any], axis: int = 0) -> TensorRef:
 
 
 def where(cond: Any, a: Any, b: Any) -> TensorRef:
-    """``a`` where ``cond`` holds, else ``b`` (``cond`` is a constant, broadcast)."""
+    """``a`` where ``cond`` holds, else ``b`` (``cond`` is a constant; all broadcast)."""
     s = session_of(cond, a, b)
     bk = s.backend
-    c = cond.value if isinstance(cond, TensorRef) else bk.asarray(cond)
-    a, b = lift(s, a), lift(s, b)
-    av, bv = a.value, b.value
-    sa, sb = tuple(av.shape), tuple(bv.shape)
+    c = value_of(s, cond)
+    av, bv = value_of(s, a), value_of(s, b)
+    check_broadcast("where", av, bv)
+    check_broadcast("where", c, av)
+    check_broadcast("where", c, bv)
     out = bk.where(c, av, bv)
+    a, b = lift(s, a, av), lift(s, b, bv)
+    sa, sb = tuple(av.shape), tuple(bv.shape)
     zero = bk.zeros((), out.dtype)
 
     def vjp(g):

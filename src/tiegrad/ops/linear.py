@@ -1,0 +1,56 @@
+"""The affine layer ``x @ weight.T + bias`` with PyTorch's weight layout (out, in)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ShapeError
+from ..session import TensorRef
+from ._core import lift, needs_grad, session_of, value_of
+
+
+def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
+    """``x @ weight.T + bias`` for ``x`` of shape ``(..., in)``, ``weight`` ``(out, in)``.
+
+    ``bias`` has shape ``(out,)``. One node; the VJP works on ``x`` flattened to 2-D and
+    skips the products of operands that need no gradient.
+    """
+    s = session_of(x, weight, bias)
+    bk = s.backend
+    xv, wv = value_of(s, x), value_of(s, weight)
+    xs, ws = tuple(xv.shape), tuple(wv.shape)
+    if len(ws) != 2 or not xs or xs[-1] != ws[1]:
+        raise ShapeError(
+            f"linear: input of shape {xs} does not fit weight of shape {ws} "
+            "(expected input (..., in) and weight (out, in))"
+        )
+    n_out, n_in = ws
+    if bias is not None:
+        bv = value_of(s, bias)
+        if tuple(bv.shape) != (n_out,):
+            raise ShapeError(
+                f"linear: bias has shape {tuple(bv.shape)}, expected ({n_out},) "
+                f"for weight of shape {ws}"
+            )
+    x, w = lift(s, x, xv), lift(s, weight, wv)
+    refs = [x, w]
+    if bias is not None:
+        b = lift(s, bias, bv)
+        refs.append(b)
+    x2 = bk.reshape(xv, (-1, n_in))
+    out2 = bk.matmul(x2, bk.transpose(wv, (1, 0)))
+    if bias is not None:
+        out2 = out2 + bv
+    out = bk.reshape(out2, xs[:-1] + (n_out,))
+    want_x, want_w = needs_grad(s, x), needs_grad(s, w)
+    want_b = bias is not None and needs_grad(s, b)
+
+    def vjp(g):
+        g2 = bk.reshape(g, (-1, n_out))
+        gx = bk.reshape(bk.matmul(g2, wv), xs) if want_x else None
+        gw = bk.matmul(bk.transpose(g2, (1, 0)), x2) if want_w else None
+        if bias is None:
+            return gx, gw
+        return gx, gw, (bk.sum(g2, axis=0) if want_b else None)
+
+    return s._record(out, tuple(r.id for r in refs), vjp)

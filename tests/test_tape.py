@@ -1,0 +1,264 @@
+"""The eager tape: sparse reverse sweep, retain sets, cotangent sums and misuse errors."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import tiegrad.ops as T
+from tiegrad import (
+    DTypeError,
+    EagerSession,
+    Gradients,
+    ShapeError,
+    TapeError,
+    TiegradError,
+)
+
+
+def counting_node(s: EagerSession, name: str, parents, calls: list[str]):
+    """A node with identity cotangents to every parent that logs each VJP call."""
+    ids = tuple(p.id for p in parents)
+
+    def vjp(g):
+        calls.append(name)
+        return tuple(g for _ in ids)
+
+    return s._record(parents[0].value.copy(), ids, vjp)
+
+
+def test_sparse_sweep_runs_only_vjps_that_received_a_cotangent():
+    s = EagerSession()
+    calls: list[str] = []
+    x = s.leaf(np.ones(3))
+    a = counting_node(s, "a", [x], calls)
+    counting_node(s, "dead_branch", [x], calls)  # uses x but does not lead to out
+    c = counting_node(s, "c", [a], calls)
+    counting_node(s, "after_out", [c], calls)  # recorded after out
+    out = T.sum(c)
+    g = s.backward(out)
+    assert calls == ["c", "a"]
+    np.testing.assert_array_equal(g[x], np.ones(3))
+
+
+def test_nodes_without_gradient_never_run_a_vjp():
+    s = EagerSession()
+    calls: list[str] = []
+    k = s.constant(np.ones(2))
+    frozen = counting_node(s, "frozen", [k], calls)  # no parent requires grad
+    w = s.leaf(np.ones(2))
+    out = T.sum(T.mul(frozen, w))
+    g = s.backward(out)
+    assert calls == []
+    assert list(g) == [w.id]
+
+
+def test_default_retain_is_every_differentiable_leaf():
+    s = EagerSession()
+    x = s.leaf(np.ones(2))
+    unused = s.leaf(np.ones((3, 1)))
+    s.constant(np.ones(2))
+    s.leaf(np.ones(2), requires_grad=False)
+    mid = T.exp(x)
+    g = s.backward(T.sum(mid))
+    assert sorted(g) == [x.id, unused.id]
+    np.testing.assert_allclose(g[x], np.e * np.ones(2))
+    np.testing.assert_array_equal(g[unused], np.zeros((3, 1)))  # not reached: zeros
+    assert mid not in g
+
+
+def test_retain_limits_the_result_and_can_keep_intermediates():
+    s = EagerSession()
+    x = s.leaf(np.array([1.0, 2.0]))
+    y = s.leaf(np.array([3.0, 4.0]))
+    mid = T.mul(x, y)
+    out = T.sum(T.mul(mid, 2.0))
+    g = s.backward(out, retain=[mid, y.id])
+    assert sorted(g) == sorted([mid.id, y.id])
+    np.testing.assert_array_equal(g[mid], [2.0, 2.0])
+    np.testing.assert_array_equal(g[y], [2.0, 4.0])
+    assert x not in g
+    with pytest.raises(KeyError):
+        g[x]
+    assert len(s.backward(out, retain=[])) == 0
+
+
+def test_value_used_by_two_ops_gets_the_sum_of_both_cotangents():
+    s = EagerSession()
+    x = s.leaf(np.array([1.0, 2.0, 3.0]))
+    a = T.mul(x, 3.0)  # d/dx = 3
+    b = T.exp(x)  # d/dx = exp(x)
+    out = T.sum(T.add(a, b))
+    g = s.backward(out)
+    np.testing.assert_allclose(g[x], 3.0 + np.exp([1.0, 2.0, 3.0]))
+
+
+def test_a_value_used_many_times_and_the_seed_is_not_mutated():
+    s = EagerSession()
+    x = s.leaf(np.ones(4))
+    y = x + x + x + x  # four uses through add, whose VJP passes g on unchanged
+    seed = np.arange(4.0)
+    g = s.backward(y, seed=seed)
+    np.testing.assert_array_equal(g[x], 4 * np.arange(4.0))
+    np.testing.assert_array_equal(seed, np.arange(4.0))
+
+
+def test_gradient_of_a_leaf_used_in_a_diamond():
+    s = EagerSession()
+    x = s.leaf(np.array(2.0))
+    a = x * x  # 2x
+    b = T.exp(a)  # exp(x^2) * 2x
+    out = a + b
+    g = s.backward(out)
+    assert float(g[x]) == pytest.approx(4.0 + np.exp(4.0) * 4.0)
+
+
+def test_backward_can_run_twice_and_reports_latest_gradients():
+    s = EagerSession()
+    x = s.leaf(np.ones(2))
+    out = T.sum(T.mul(x, 5.0))
+    g1 = s.backward(out)
+    g2 = s.backward(out, seed=2.0)
+    np.testing.assert_array_equal(g1[x], [5.0, 5.0])
+    np.testing.assert_array_equal(g2[x], [10.0, 10.0])
+    assert s.last_gradients is g2
+
+
+def test_gradients_is_a_read_only_mapping_keyed_by_id_or_ref():
+    s = EagerSession()
+    x = s.leaf(np.ones(2))
+    g = s.backward(T.sum(x))
+    assert isinstance(g, Gradients) and g.session is s
+    assert g[x] is g[x.id]
+    assert x in g and x.id in g
+    with pytest.raises(TypeError):
+        g[x.id] = np.zeros(2)  # type: ignore[index]
+
+
+def test_no_grad_records_without_gradients():
+    s = EagerSession()
+    x = s.leaf(np.ones(2))
+    with s.no_grad():
+        y = T.exp(x)
+        z = s.leaf(np.ones(2))
+    assert not y.requires_grad and not z.requires_grad
+    assert s.grad_enabled
+    g = s.backward(T.sum(T.mul(y, x)))
+    np.testing.assert_allclose(g[x], np.e * np.ones(2))
+
+
+def test_float32_gradients_stay_float32():
+    s = EagerSession()
+    x = s.leaf(np.ones((2, 3), dtype=np.float32))
+    out = T.sum(T.mean(T.mul(T.add(x, np.float64(1.0)), 0.5), axis=0))
+    g = s.backward(out)
+    assert out.dtype == np.float32 and g[x].dtype == np.float32
+
+
+def test_an_unreferenced_op_output_is_released():
+    s = EagerSession()
+    x = s.leaf(np.ones((8, 8)))
+    y = T.add(x, x)  # add's VJP does not hold its output
+    yid = y.id
+    np.testing.assert_array_equal(s.value(yid), 2 * np.ones((8, 8)))
+    np.testing.assert_array_equal(s.value(y), 2 * np.ones((8, 8)))
+    del y
+    gc.collect()
+    with pytest.raises(TapeError, match=f"value of node {yid} was released"):
+        s.value(yid)
+    np.testing.assert_array_equal(s.value(x.id), np.ones((8, 8)))  # leaves are kept
+
+
+def test_backward_through_released_outputs():
+    s = EagerSession()
+    x = s.leaf(np.ones(3))
+    out = T.sum(T.add(T.add(x, 1.0), x))
+    gc.collect()
+    np.testing.assert_array_equal(s.backward(out)[x], [2.0, 2.0, 2.0])
+
+
+# -- errors -----------------------------------------------------------------------------
+def test_non_scalar_output_needs_a_seed():
+    s = EagerSession()
+    y = T.mul(s.leaf(np.ones((2, 3))), 2.0)
+    with pytest.raises(TapeError, match=r"output \d+ has shape \(2, 3\).*needs a seed"):
+        s.backward(y)
+
+
+def test_seed_of_wrong_shape():
+    s = EagerSession()
+    y = T.mul(s.leaf(np.ones((2, 3))), 2.0)
+    with pytest.raises(TapeError, match=r"seed has shape \(3, 2\), expected .*\(2, 3\)"):
+        s.backward(y, seed=np.ones((3, 2)))
+
+
+def test_seed_is_converted_to_the_output_dtype():
+    s = EagerSession()
+    x = s.leaf(np.ones(2, dtype=np.float32))
+    g = s.backward(T.mul(x, 2.0), seed=[1.0, 3.0])
+    assert g[x].dtype == np.float32
+    np.testing.assert_array_equal(g[x], [2.0, 6.0])
+
+
+def test_ref_from_another_session():
+    s1, s2 = EagerSession(), EagerSession()
+    x1 = s1.leaf(np.ones(2))
+    x2 = s2.leaf(np.ones(2))
+    out1 = T.sum(x1)
+    with pytest.raises(TapeError, match=f"ref {out1.id} belongs to another session"):
+        s2.backward(out1)
+    with pytest.raises(TapeError, match="another session"):
+        T.add(x1, x2)
+    with pytest.raises(TapeError, match="another session"):
+        T.matmul(x2, x1)
+    with pytest.raises(TapeError, match="another session"):
+        s2.backward(T.sum(x2), retain=[x1])
+
+
+def test_stale_ref_after_reset():
+    s = EagerSession()
+    x = s.leaf(np.ones(2))
+    out = T.sum(x)
+    s.reset()
+    with pytest.raises(TapeError, match=f"ref {out.id} is stale"):
+        s.backward(out)
+    with pytest.raises(TapeError, match="stale"):
+        T.exp(x)
+    with pytest.raises(TapeError, match="stale"):
+        x + x
+
+
+def test_id_not_on_the_tape():
+    s = EagerSession()
+    x = s.leaf(np.ones(2))
+    out = T.sum(x)
+    with pytest.raises(TapeError, match=r"id 17 is not on the tape \(tape has 2 nodes\)"):
+        s.backward(out, retain=[17])
+    with pytest.raises(TapeError, match="id -1 is not on the tape"):
+        s.value(-1)
+    with pytest.raises(TapeError, match="expected a TensorRef or a node id, got str"):
+        s.backward(out, retain=["x"])
+
+
+def test_a_vjp_of_the_wrong_shape_is_reported():
+    s = EagerSession()
+    x = s.leaf(np.ones(3))
+    bad = s._record(x.value * 2, (x.id,), lambda g: (np.ones(4),))
+    with pytest.raises(ShapeError, match=rf"node {bad.id} sent a cotangent of shape \(4,\)"):
+        s.backward(T.sum(bad))
+
+
+def test_an_op_needs_a_ref_operand_and_leaves_need_floats():
+    with pytest.raises(TapeError, match="at least one TensorRef"):
+        T.add(np.ones(2), np.ones(2))
+    s = EagerSession()
+    with pytest.raises(DTypeError, match="floating dtype, got int64"):
+        s.leaf(np.arange(3))
+    assert s.leaf(np.arange(3), requires_grad=False).dtype == np.int64
+
+
+def test_every_tape_error_is_a_tiegrad_error():
+    for cls in (TapeError, ShapeError, DTypeError):
+        assert issubclass(cls, TiegradError)
