@@ -83,20 +83,38 @@ class TensorRef:
 class Gradients(Mapping):
     """The read-only result of ``EagerSession.backward``: node id -> gradient array.
 
-    Keys may be given as ids or as ``TensorRef``s of the same session. ``session`` is
-    the session that produced it, so optimizers can group the uses by storage (C4).
+    Keys may be ids or ``TensorRef``s of the recording that produced it. It keeps that
+    recording's parameter registrations, so ``parameter_groups()`` still groups the
+    uses by storage (C4) after the session is reset: the fast path is backward, reset
+    (unpinning every storage), then an in-place optimizer step.
     """
 
-    __slots__ = ("session", "_grads")
+    __slots__ = ("session", "_grads", "_gen", "_params", "_storages")
 
-    def __init__(self, session: EagerSession, grads: dict[int, Array]) -> None:
+    def __init__(
+        self,
+        session: EagerSession,
+        grads: dict[int, Array],
+        params: dict[int, Any],
+        storages: dict[int, Any],
+    ) -> None:
         self.session = session
         self._grads = grads
+        self._gen = session._generation
+        self._params = params
+        self._storages = storages
+
+    def _key(self, key: object) -> object:
+        if isinstance(key, TensorRef):
+            if key.session is not self.session or key._gen != self._gen:
+                raise TapeError(
+                    f"ref {key.id} was not recorded by the tape these gradients came from"
+                )
+            return key.id
+        return key
 
     def __getitem__(self, key: TensorRef | int) -> Array:
-        if isinstance(key, TensorRef):
-            key = self.session.check(key)
-        return self._grads[key]
+        return self._grads[self._key(key)]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._grads)
@@ -105,12 +123,19 @@ class Gradients(Mapping):
         return len(self._grads)
 
     def __contains__(self, key: object) -> bool:
-        if isinstance(key, TensorRef):
-            return key.session is self.session and key.id in self._grads
-        return key in self._grads
+        try:
+            return self._key(key) in self._grads
+        except TapeError:
+            return False
 
     def __repr__(self) -> str:
         return f"Gradients({len(self)} ids: {sorted(self._grads)})"
+
+    def parameter_groups(self) -> list[Any]:
+        """The trainable uses of the recording, grouped by storage identity (C4)."""
+        from .params.groups import group_parameter_registrations
+
+        return group_parameter_registrations(self._params, self._storages)
 
 
 _latest: list[Gradients | None] = [None]
@@ -383,7 +408,7 @@ class EagerSession:
             if i not in result and rg[i]:
                 shape, dtype = meta[i]
                 result[i] = bk.zeros(tuple(shape), dtype)
-        grads = Gradients(self, result)
+        grads = Gradients(self, result, dict(self._params), dict(self._storages))
         self.last_gradients = grads
         _latest[0] = grads
         return grads

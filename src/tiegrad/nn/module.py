@@ -222,7 +222,7 @@ class Module:
             )
         by_storage = {
             id(g.storage): dense_group_gradient(g, gradients)
-            for g in session.parameter_groups()
+            for g in gradients.parameter_groups()
             if g.storage is not None
         }
         return {

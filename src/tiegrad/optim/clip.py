@@ -1,0 +1,106 @@
+"""Gradient clipping over canonical gradients: each storage counted once (C4, C5).
+
+Both functions take the per-slot list form that ``Optimizer.step`` accepts (one entry
+per slot, None at frozen and alias slots), as returned by
+``opt.canonical_gradients(...)`` or ``ParamList.canonical_gradients``, and return a
+new list of the same form; the input list and its arrays are never written. The
+clipped list goes straight into ``step``::
+
+    grads = opt.canonical_gradients(session.backward(loss))
+    grads, total_norm = clip_grad_norm(grads, max_norm=1.0)
+    opt.step(grads)
+
+Because a tied storage appears once (its summed gradient at its canonical slot), the
+global norm counts it once, as PyTorch does for a tied module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import DTypeError, HyperparameterError, NonFiniteError
+from .hyperparams import at_least_zero
+from .norms import vector_norm
+
+
+def _arrays(what: str, gradients: Sequence[Any]) -> list[np.ndarray | None]:
+    if isinstance(gradients, (str, bytes)) or not isinstance(gradients, Sequence):
+        raise DTypeError(
+            f"{what}: expected a per-slot list of gradients, got {type(gradients).__name__}"
+        )
+    out: list[np.ndarray | None] = []
+    for i, g in enumerate(gradients):
+        if g is not None and not (isinstance(g, np.ndarray) and g.dtype.kind == "f"):
+            kind = g.dtype.name if isinstance(g, np.ndarray) else type(g).__name__
+            raise DTypeError(f"{what}: slot {i} holds a {kind}, expected a floating ndarray")
+        out.append(g)
+    return out
+
+
+def total_norm(gradients: Sequence[np.ndarray | None], norm_type: float = 2.0) -> float:
+    """The ``norm_type``-norm of all entries together (None entries skipped).
+
+    Computed as PyTorch's ``clip_grad_norm_`` does: the norm of the per-entry norms.
+    ``norm_type`` is a positive number or ``math.inf``.
+    """
+    grads = _arrays("total_norm", gradients)
+    p = _norm_type("total_norm", norm_type)
+    norms = np.array([vector_norm(g, p) for g in grads if g is not None], dtype=np.float64)
+    return vector_norm(norms, p)
+
+
+def clip_grad_norm(
+    gradients: Sequence[np.ndarray | None],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> tuple[list[np.ndarray | None], float]:
+    """Scale all gradients together so their global norm is at most ``max_norm``.
+
+    Returns ``(clipped, total_norm)``: ``total_norm`` is the norm before clipping;
+    every entry of ``clipped`` is the input array times ``max_norm / (total_norm +
+    1e-6)`` when that factor is below 1 (PyTorch's rule), else the input array itself.
+    A non-finite norm leaves the gradients as they are (the optimizer's ``nonfinite``
+    policy then applies), or raises ``NonFiniteError`` with ``error_if_nonfinite``.
+    """
+    grads = _arrays("clip_grad_norm", gradients)
+    max_norm = at_least_zero("clip_grad_norm", "max_norm", max_norm)
+    norm = total_norm(grads, norm_type)
+    if not math.isfinite(norm):
+        if error_if_nonfinite:
+            raise NonFiniteError(
+                f"clip_grad_norm: the total {norm_type}-norm of the gradients is {norm}"
+            )
+        return grads, norm
+    coef = max_norm / (norm + 1e-6)
+    if coef >= 1.0:
+        return grads, norm
+    return [None if g is None else g * coef for g in grads], norm
+
+
+def clip_grad_value(
+    gradients: Sequence[np.ndarray | None], clip_value: float
+) -> list[np.ndarray | None]:
+    """Every gradient element clamped to ``[-clip_value, clip_value]``, in a new list."""
+    grads = _arrays("clip_grad_value", gradients)
+    v = at_least_zero("clip_grad_value", "clip_value", clip_value)
+    return [None if g is None else np.clip(g, -v, v) for g in grads]
+
+
+def _norm_type(what: str, norm_type: Any) -> float:
+    if norm_type == math.inf:
+        return math.inf
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        p = math.nan
+    if not (math.isfinite(p) and p > 0):
+        raise HyperparameterError(
+            f"{what}: norm_type must be a positive number or math.inf, got {norm_type!r}"
+        )
+    return p

@@ -1,0 +1,107 @@
+"""Hyperparameter checks shared by the optimizers and schedules (C6).
+
+Each checker takes ``owner`` (``"AdamW group 1"``), the hyperparameter's name and its
+value, and returns the value normalized (a Python ``float``, ``bool`` or pair of
+floats) or raises ``HyperparameterError`` naming the owner, the hyperparameter, the
+allowed range and the value received. Nothing is ever written by a check, so an
+optimizer can validate everything before its first write.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from numbers import Integral, Real
+from typing import Any
+
+import numpy as np
+
+from ..errors import HyperparameterError
+from ..params.groups import check_learning_rate
+
+Checker = Callable[[str, str, Any], Any]
+
+
+def _number(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
+        raise HyperparameterError(f"{owner}: {name} must be a real number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x):
+        raise HyperparameterError(f"{owner}: {name} must be finite, got {value!r}")
+    return x
+
+
+def learning_rate(owner: str, name: str, value: Any) -> float:
+    """A finite learning rate >= 0 (the check of ``tiegrad.params``)."""
+    try:
+        return check_learning_rate(value)
+    except HyperparameterError as e:
+        raise HyperparameterError(f"{owner}: {e}") from None
+
+
+def at_least_zero(owner: str, name: str, value: Any) -> float:
+    """A finite number >= 0."""
+    x = _number(owner, name, value)
+    if x < 0:
+        raise HyperparameterError(f"{owner}: {name} must be >= 0, got {value!r}")
+    return x
+
+
+def positive(owner: str, name: str, value: Any) -> float:
+    """A finite number > 0."""
+    x = _number(owner, name, value)
+    if x <= 0:
+        raise HyperparameterError(f"{owner}: {name} must be > 0, got {value!r}")
+    return x
+
+
+def unit_interval(owner: str, name: str, value: Any) -> float:
+    """A number in [0, 1]."""
+    x = _number(owner, name, value)
+    if not 0.0 <= x <= 1.0:
+        raise HyperparameterError(f"{owner}: {name} must be in [0, 1], got {value!r}")
+    return x
+
+
+def decay_rate(owner: str, name: str, value: Any) -> float:
+    """A number in [0, 1): a running-average coefficient such as a beta."""
+    x = _number(owner, name, value)
+    if not 0.0 <= x < 1.0:
+        raise HyperparameterError(f"{owner}: {name} must be in [0, 1), got {value!r}")
+    return x
+
+
+def flag(owner: str, name: str, value: Any) -> bool:
+    """A bool (``True``/``False``; numbers are refused so typos do not pass)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise HyperparameterError(f"{owner}: {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def betas(owner: str, name: str, value: Any) -> tuple[float, float]:
+    """A pair ``(beta1, beta2)``, each in [0, 1)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise HyperparameterError(f"{owner}: {name} must be a pair (beta1, beta2), got {value!r}")
+    return (
+        decay_rate(owner, f"{name}[0]", value[0]),
+        decay_rate(owner, f"{name}[1]", value[1]),
+    )
+
+
+def count(owner: str, name: str, value: Any, minimum: int = 0) -> int:
+    """An integer >= ``minimum`` (bools refused)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise HyperparameterError(f"{owner}: {name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise HyperparameterError(f"{owner}: {name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_eps_in(owner: str, eps: float, dtypes: Iterable[np.dtype]) -> None:
+    """``eps`` must stay > 0 once rounded to each parameter dtype (1e-50 is 0 in float32)."""
+    for dt in dtypes:
+        if not dt.type(eps) > 0:
+            raise HyperparameterError(
+                f"{owner}: eps={eps!r} rounds to 0 in {dt.name}; use a value representable "
+                f"in {dt.name}"
+            )

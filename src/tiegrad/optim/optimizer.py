@@ -1,0 +1,620 @@
+"""``Optimizer``: the base of tiegrad's optimizers, keyed by canonical slot (C3-C6).
+
+An optimizer concatenates its parameter groups into one ``ParamList`` (``opt.params``,
+slot order = group order) and keeps its state by canonical slot of that list (C5):
+each storage, however many slots hold it, has one gradient (the sum of its uses, C4),
+one state entry and one update per step. Frozen slots own no state.
+
+``step(gradients)`` takes the gradients in one of three forms and resolves them to
+one array per canonical slot; from then on there is a single code path:
+
+1. ``tiegrad.Gradients`` from ``EagerSession.backward``: the session's uses are
+   grouped by storage (``parameter_groups``, ``dense_group_gradient``) and each
+   group is mapped to the canonical slot holding its storage. Groups of storages
+   the optimizer does not hold are ignored.
+2. A list as returned by ``opt.params.canonical_gradients(slots, grads)``: one entry
+   per slot, None at frozen and alias slots.
+3. ``None``: ``tiegrad.latest_gradients()``, the result of the latest ``backward``.
+
+Every step validates everything before its first write (C6): each group's
+hyperparameters, storages shared across groups having equal hyperparameters, every
+gradient (present for each trainable storage, shape, dtype), every state tensor
+against its slot, and finiteness (``nonfinite="raise"``: ``NonFiniteError``;
+``"skip"``: the step is skipped and counted in ``skipped_steps``). Then each
+storage is updated once, from its current value (C3): ``host_for_update`` (in place
+when no live tape pins the array, a copy otherwise) and ``commit_host``.
+
+Updates run through the subclass's ``rule``: a small function over arrays that
+writes the new parameter and state values into the buffers it is given, using only
+NumPy-named functions with ``out=`` from an array namespace ``xp`` and in-place
+operators, so the same rule runs on torch tensors (``xp=torch``). The host driver
+feeds it cache-sized chunks: a large parameter in slices of ``CHUNK`` elements,
+consecutive small parameters gathered into one buffer (their state is contiguous in
+``FlatState``), with reused work buffers, so a step allocates no temporaries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..errors import (
+    AliasError,
+    CheckpointError,
+    DTypeError,
+    HyperparameterError,
+    MissingGradientError,
+    NonFiniteError,
+    ShapeError,
+    SlotError,
+)
+from ..params import Param, ParamList, dense_group_gradient
+from ..params.storage import check_host_array
+from ..session import Gradients, latest_gradients
+from .device import device_step, is_device_step, release_state, sync_state
+from .hyperparams import Checker, count
+from .norms import sum_of_squares
+from .state import FlatState, SlotSpec
+
+CHUNK = 32768  # elements per rule call: a few work buffers of this size stay in L2
+SMALL = CHUNK // 4  # parameters up to this size are gathered with their neighbours
+NONFINITE_MODES = ("raise", "skip")
+NOTHING: frozenset[str] = frozenset()
+STATE_DICT_KEYS = ("kind", "defaults", "param_groups", "state", "step_count", "skipped_steps")
+
+ParamsArg = ParamList | Param | Iterable[Param] | Iterable[Mapping[str, Any]]
+GradientsArg = Gradients | Sequence[Any] | None
+
+
+def l2_gradient(xp: Any, p: Any, g: Any, out: Any, weight_decay: float, maximize: bool) -> Any:
+    """torch.optim's gradient preamble: ``-g`` when maximizing, then ``+ weight_decay * p``.
+
+    Returns ``g`` itself when neither applies (no copy), else the result in ``out``.
+    """
+    if weight_decay:
+        xp.multiply(p, weight_decay, out=out)
+        (xp.subtract if maximize else xp.add)(out, g, out=out)
+        return out
+    if maximize:
+        xp.negative(g, out=out)
+        return out
+    return g
+
+
+class Optimizer:
+    """Base class: parameter groups, gradient resolution, validation, state, the driver.
+
+    Subclasses set ``kind`` (the name in ``state_dict``), ``hyperparameters`` (name ->
+    checker, in torch.optim's order), ``work_buffers`` (scratch arrays ``rule`` needs)
+    and ``rule``, and implement ``_state_names`` and ``_coefficients``.
+    """
+
+    kind: ClassVar[str] = "Optimizer"
+    hyperparameters: ClassVar[Mapping[str, Checker]] = {}
+    work_buffers: ClassVar[int] = 0
+    rule: ClassVar[Callable[..., None]]
+
+    def __init__(
+        self, params: ParamsArg, defaults: Mapping[str, Any], *, nonfinite: str = "raise"
+    ) -> None:
+        if nonfinite not in NONFINITE_MODES:
+            raise HyperparameterError(
+                f"{self.kind}: nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}"
+            )
+        self.nonfinite = nonfinite
+        self.defaults: dict[str, Any] = self._checked_hyper(defaults, f"{self.kind} defaults", ())
+        plist, groups, slot_group = self._parse_groups(params)
+        self.params: ParamList = plist
+        self.param_groups: list[dict[str, Any]] = groups
+        self._slot_group = slot_group
+        self._state = FlatState()
+        self._device_state: Any = None  # a DeviceState mirror after device steps (optim.device)
+        self._work: dict[np.dtype, list[np.ndarray]] = {}
+        self.step_count = 0
+        self.skipped_steps = 0
+        hps = self._checked_groups(groups, plist.canonical_slot_indices())
+        for group, hp in zip(groups, hps):
+            group.update(hp)
+
+    # -- subclass hooks ------------------------------------------------------------------
+    def _check_group(self, owner: str, hp: dict[str, Any], dtypes: set[np.dtype]) -> None:
+        """Checks across hyperparameters of one group (dtypes: its trainable parameters')."""
+
+    def _state_names(self, hp: Mapping[str, Any]) -> tuple[str, ...]:
+        """The state tensors a slot of a group with hyperparameters ``hp`` holds."""
+        raise NotImplementedError
+
+    def _initial_value(self, name: str, hp: Mapping[str, Any]) -> float:
+        """The value a new state tensor ``name`` starts from."""
+        return 0.0
+
+    def _coefficients(self, hp: Mapping[str, Any], step: int, fresh: frozenset[str]) -> Any:
+        """The scalars ``rule`` needs for a slot's ``step``-th update (``fresh``: new tensors)."""
+        raise NotImplementedError
+
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def state(self) -> Mapping[int, Mapping[str, Any]]:
+        """``{canonical slot: {"step": int, name: read-only array}}`` (C5), synced (C7)."""
+        sync_state(self)
+        return self._state.read_only()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """A no-op, kept for familiarity with torch.optim.
+
+        tiegrad keeps no gradients on parameters: they live in the result of
+        ``EagerSession.backward`` (and ``reset`` discards the tape), so there is
+        nothing to clear between steps.
+        """
+
+    def canonical_gradients(self, gradients: GradientsArg = None) -> list[np.ndarray | None]:
+        """The validated gradient of every canonical slot, None at the other slots.
+
+        ``gradients`` takes the forms ``step`` takes. The result is the list form
+        ``step`` and ``clip_grad_norm`` accept; with ``Gradients`` a storage used once
+        gets the very array ``backward`` produced (C4). Nothing is written.
+        """
+        return self._resolve(gradients)[1]
+
+    def step(self, gradients: GradientsArg = None) -> None:
+        """One update of every trainable storage (C3-C6); see the module docstring.
+
+        Device gradients (a device session's, or a list of device tensors) take the
+        device path of ``tiegrad.optim.device``: mirrors and state updated on the
+        device (C7, C8). A host step first syncs and releases a device state.
+        """
+        if is_device_step(gradients):
+            device_step(self, gradients)
+            return
+        slots, grads = self._resolve(gradients)
+        hps = self._checked_groups(self.param_groups, slots)
+        specs = self._state_specs(slots, hps)
+        for slot in specs:
+            if not math.isfinite(sum_of_squares(grads[slot])):
+                if self.nonfinite == "skip":
+                    self.skipped_steps += 1
+                    return
+                raise NonFiniteError(
+                    f"{self.kind}.step: the gradient of {self._label(slot)} holds NaN or "
+                    f"infinity; nothing was updated (nonfinite='skip' skips such steps)"
+                )
+        release_state(self)
+        self._apply(grads, hps, specs)
+        self.step_count += 1
+
+    def state_tensor_specs(self) -> dict[int, dict[str, tuple[tuple[int, ...], str]]]:
+        """``{canonical slot: {name: (shape, dtype name)}}`` that ``load_state_dict`` accepts.
+
+        For every canonical slot of the current alias map under the current
+        hyperparameters. A state dict may hold any subset of these slots (a slot
+        that has not stepped yet has no state), each with exactly these tensors.
+        """
+        slots = self.params.canonical_slot_indices()
+        hps = self._checked_groups(self.param_groups, slots)
+        return {
+            slot: {name: (shape, dtype.name) for name in names}
+            for slot, (shape, dtype, names) in self._required_specs(slots, hps).items()
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Hyperparameters, counters and state by canonical slot; arrays are owned copies.
+
+        ``{"kind", "defaults", "param_groups": [{"slots": [...], hyperparameters}],
+        "state": {slot: {"step": int, name: ndarray}}, "step_count", "skipped_steps"}``;
+        everything but the arrays is JSON-serializable. A newer device state is synced
+        first (C7).
+        """
+        sync_state(self)
+        hps = self._checked_groups(self.param_groups, self.params.canonical_slot_indices())
+        return {
+            "kind": self.kind,
+            "defaults": _plain(self.defaults),
+            "param_groups": [
+                {"slots": list(group["slots"])} | _plain(hp)
+                for group, hp in zip(self.param_groups, hps)
+            ],
+            "state": self._state.snapshot(),
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Adopt a ``state_dict``, validated completely before anything changes (C6).
+
+        Checked: the keys and ``kind``; every hyperparameter; that group ``i`` holds
+        the same slots here; that state is only at canonical slots of the current
+        alias map (C5); each entry's ``step`` and exactly the tensors the loaded
+        hyperparameters need, with this slot's shape and dtype; the counters. The
+        arrays are copied, so the dict may be reused.
+        """
+        where = f"{self.kind}.load_state_dict"
+        sd = _mapping(where, "the state dict", state_dict)
+        _exact_keys(where, "the state dict", sd, STATE_DICT_KEYS)
+        if sd["kind"] != self.kind:
+            raise CheckpointError(
+                f"{where}: the state is for a {sd['kind']!r} optimizer, this one is {self.kind!r}"
+            )
+        raw_defaults = _mapping(where, "defaults", sd["defaults"])
+        _exact_keys(where, "defaults", raw_defaults, tuple(self.hyperparameters))
+        defaults = self._checked_hyper(raw_defaults, f"{where}: defaults", ())
+        groups = sd["param_groups"]
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
+            size = len(groups) if isinstance(groups, (list, tuple)) else type(groups).__name__
+            raise CheckpointError(
+                f"{where}: param_groups must be a list of {len(self.param_groups)} groups, "
+                f"got {size}"
+            )
+        for gi, (group, mine) in enumerate(zip(groups, self.param_groups)):
+            group = _mapping(where, f"param_groups[{gi}]", group)
+            _exact_keys(where, f"param_groups[{gi}]", group, ("slots", *self.hyperparameters))
+            if list(group["slots"]) != list(mine["slots"]):
+                raise CheckpointError(
+                    f"{where}: param_groups[{gi}] holds slots {list(group['slots'])}, this "
+                    f"optimizer's group {gi} holds slots {list(mine['slots'])}"
+                )
+        slots = self.params.canonical_slot_indices()
+        hps = self._checked_groups(groups, slots)
+        required = self._required_specs(slots, hps)
+        specs, entries = self._checked_state(where, sd["state"], slots, required)
+        step_count = _counter(where, "step_count", sd["step_count"])
+        skipped = _counter(where, "skipped_steps", sd["skipped_steps"])
+        self.defaults = defaults
+        for group, hp in zip(self.param_groups, hps):
+            group.update(hp)
+        self._device_state = None  # replaced, not synced: the loaded state wins
+        self._state.install(specs, entries)
+        self.step_count = step_count
+        self.skipped_steps = skipped
+
+    def __repr__(self) -> str:
+        lines = [f"{self.kind} ({len(self.params)} slots, nonfinite={self.nonfinite!r})"]
+        for gi, group in enumerate(self.param_groups):
+            hp = ", ".join(f"{k}={group.get(k)!r}" for k in self.hyperparameters)
+            lines.append(f"  group {gi}: slots {list(group['slots'])}: {hp}")
+        return "\n".join(lines)
+
+    # -- construction --------------------------------------------------------------------
+    def _parse_groups(self, params: ParamsArg) -> tuple[ParamList, list[dict[str, Any]], list[int]]:
+        if isinstance(params, (ParamList, Param)):
+            raw: list[Any] = [{"params": params}]
+        else:
+            items = list(params)
+            if items and all(isinstance(x, Mapping) for x in items):
+                raw = items
+            else:
+                raw = [{"params": items}]
+        handles: list[Param] = []
+        groups: list[dict[str, Any]] = []
+        slot_group: list[int] = []
+        for gi, g in enumerate(raw):
+            owner = f"{self.kind} group {gi}"
+            if "params" not in g:
+                raise SlotError(f"{owner}: a parameter group needs a 'params' entry")
+            unknown = sorted(set(g) - {"params"} - set(self.hyperparameters))
+            if unknown:
+                raise HyperparameterError(
+                    f"{owner}: unknown hyperparameter(s) {unknown}; {self.kind} takes "
+                    f"{list(self.hyperparameters)}"
+                )
+            members = [g["params"]] if isinstance(g["params"], Param) else list(g["params"])
+            for j, p in enumerate(members):
+                if not isinstance(p, Param):
+                    raise SlotError(
+                        f"{owner}: params[{j}] must be a tiegrad.Param, got {type(p).__name__}"
+                    )
+            start = len(handles)
+            handles.extend(members)
+            group = {"params": tuple(members), "slots": tuple(range(start, len(handles)))}
+            group.update({k: g.get(k, self.defaults[k]) for k in self.hyperparameters})
+            groups.append(group)
+            slot_group.extend([gi] * len(members))
+        if not handles:
+            raise SlotError(f"{self.kind}: got an empty parameter list")
+        return ParamList(handles), groups, slot_group
+
+    # -- validation ----------------------------------------------------------------------
+    def _label(self, slot: int) -> str:
+        name = self.params[slot].name
+        return f"slot {slot} ({name!r})" if name else f"slot {slot}"
+
+    def _checked_hyper(
+        self, values: Mapping[str, Any], owner: str, dtypes: Iterable[np.dtype]
+    ) -> dict[str, Any]:
+        hp = {}
+        for name, check in self.hyperparameters.items():
+            if name not in values:
+                raise HyperparameterError(f"{owner}: missing hyperparameter {name!r}")
+            hp[name] = check(owner, name, values[name])
+        self._check_group(owner, hp, set(dtypes))
+        return hp
+
+    def _checked_groups(
+        self, groups: Sequence[Mapping[str, Any]], slots: Sequence[int | None]
+    ) -> list[dict[str, Any]]:
+        """Every group's hyperparameters, normalized; raises on the first invalid one."""
+        hps = []
+        for gi, group in enumerate(groups):
+            members = self.param_groups[gi]["slots"]
+            dtypes = {self.params[i].dtype for i in members if self.params[i].requires_grad}
+            hps.append(self._checked_hyper(group, f"{self.kind} group {gi}", dtypes))
+        sg = self._slot_group
+        for i, c in enumerate(slots):
+            if c is not None and c != i and hps[sg[i]] != hps[sg[c]]:
+                a, b = hps[sg[c]], hps[sg[i]]
+                diff = ", ".join(f"{k} {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k])
+                raise AliasError(
+                    f"{self.kind}: {self._label(c)} in group {sg[c]} and {self._label(i)} in "
+                    f"group {sg[i]} hold the same storage with different hyperparameters "
+                    f"({diff}); a storage is updated once, with one set of hyperparameters"
+                )
+        return hps
+
+    def _required_specs(
+        self, slots: Sequence[int | None], hps: Sequence[Mapping[str, Any]]
+    ) -> dict[int, SlotSpec]:
+        sg = self._slot_group
+        return {
+            i: (self.params[i].shape, self.params[i].dtype, self._state_names(hps[sg[i]]))
+            for i, c in enumerate(slots)
+            if c == i
+        }
+
+    def _state_specs(
+        self, slots: Sequence[int | None], hps: Sequence[Mapping[str, Any]]
+    ) -> dict[int, SlotSpec]:
+        """The state layout this step needs; existing state is checked against it (C6).
+
+        State of a slot that became frozen is dropped at the write; state of a slot that
+        now shares another slot's storage is an error (two histories cannot merge).
+        """
+        specs = self._required_specs(slots, hps)
+        for slot in self._state.slots():
+            c = slots[slot]
+            if c is not None and c != slot:
+                raise AliasError(
+                    f"{self.kind}.step: {self._label(slot)} has optimizer state but now "
+                    f"shares the storage of slot {c}; separate histories cannot be merged "
+                    f"(build a new optimizer or load a state dict)"
+                )
+            if c is None:
+                continue
+            shape, dtype, _ = specs[slot]
+            for name, arr in self._state.tensors(slot).items():
+                if arr.shape != shape:
+                    raise ShapeError(
+                        f"{self.kind}.step: state {name!r} of {self._label(slot)} has shape "
+                        f"{arr.shape}, the parameter {shape}"
+                    )
+                if arr.dtype != dtype:
+                    raise DTypeError(
+                        f"{self.kind}.step: state {name!r} of {self._label(slot)} has dtype "
+                        f"{arr.dtype.name}, the parameter {dtype.name}"
+                    )
+        return specs
+
+    def _checked_state(
+        self,
+        where: str,
+        state: Any,
+        slots: Sequence[int | None],
+        required: Mapping[int, SlotSpec],
+    ) -> tuple[dict[int, SlotSpec], dict[int, Mapping[str, Any]]]:
+        state = _mapping(where, "state", state)
+        specs: dict[int, SlotSpec] = {}
+        entries: dict[int, Mapping[str, Any]] = {}
+        for key, entry in state.items():
+            if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+                raise CheckpointError(f"{where}: state key {key!r} is not a slot index")
+            slot = int(key)
+            if not 0 <= slot < len(slots):
+                raise CheckpointError(f"{where}: state for slot {slot}, outside [0, {len(slots)})")
+            if slot not in required:
+                c = slots[slot]
+                what = "is frozen" if c is None else f"shares the storage of slot {c}"
+                raise AliasError(
+                    f"{where}: state for slot {slot}, which {what} in this parameter list; "
+                    f"state belongs to canonical slots only (C5)"
+                )
+            entry = _mapping(where, f"state of slot {slot}", entry)
+            shape, dtype, names = required[slot]
+            _exact_keys(where, f"state of slot {slot}", entry, ("step", *names))
+            _counter(where, f"step of slot {slot}", entry["step"])
+            for name in names:
+                arr = entry[name]
+                if not isinstance(arr, np.ndarray):
+                    raise CheckpointError(
+                        f"{where}: state {name!r} of slot {slot} is a {type(arr).__name__}, "
+                        f"expected a NumPy array"
+                    )
+                if arr.shape != shape:
+                    raise ShapeError(
+                        f"{where}: state {name!r} of slot {slot} has shape {arr.shape}, "
+                        f"expected {shape}"
+                    )
+                if arr.dtype != dtype:
+                    raise DTypeError(
+                        f"{where}: state {name!r} of slot {slot} has dtype {arr.dtype.name}, "
+                        f"expected {dtype.name}"
+                    )
+            specs[slot] = required[slot]
+            entries[slot] = entry
+        return specs, entries
+
+    # -- gradients -----------------------------------------------------------------------
+    def _resolve(self, gradients: GradientsArg) -> tuple[list[int | None], list[np.ndarray | None]]:
+        """The alias map and the validated gradient of each canonical slot (C4, C5, C6)."""
+        slots = self.params.canonical_slot_indices()
+        if gradients is None:
+            gradients = latest_gradients()
+            if gradients is None:
+                raise MissingGradientError(
+                    f"{self.kind}.step: no gradients given and no backward has run"
+                )
+        if isinstance(gradients, Gradients):
+            raw = self._session_gradients(gradients, slots)
+            hint = (
+                " (no trainable use of its storage was recorded before that backward)"
+            )
+        elif isinstance(gradients, (list, tuple)):
+            raw = self._list_gradients(gradients, slots)
+            hint = ""
+        else:
+            raise SlotError(
+                f"{self.kind}.step: expected tiegrad.Gradients, a per-slot list or None, got "
+                f"{type(gradients).__name__}"
+            )
+        out: list[np.ndarray | None] = [None] * len(slots)
+        for i, c in enumerate(slots):
+            if c != i:
+                continue
+            p = self.params[i]
+            if raw[i] is None:
+                raise MissingGradientError(
+                    f"{self.kind}.step: {self._label(i)} is trainable but has no gradient{hint}"
+                )
+            out[i] = check_host_array(
+                f"{self.kind}.step: gradient of {self._label(i)}", raw[i], p.shape, p.dtype
+            )
+        return slots, out
+
+    def _session_gradients(self, gradients: Gradients, slots: Sequence[int | None]) -> list[Any]:
+        session = gradients.session
+        index = {id(self.params[i].storage): i for i, c in enumerate(slots) if c == i}
+        raw: list[Any] = [None] * len(slots)
+        for group in gradients.parameter_groups():
+            i = None if group.storage is None else index.get(id(group.storage))
+            if i is not None:
+                raw[i] = session.backend.to_numpy(dense_group_gradient(group, gradients))
+        return raw
+
+    def _list_gradients(self, gradients: Sequence[Any], slots: Sequence[int | None]) -> list[Any]:
+        if len(gradients) != len(slots):
+            raise SlotError(
+                f"{self.kind}.step: {len(gradients)} gradients for {len(slots)} slots; "
+                f"expected one entry per slot (None at frozen and alias slots)"
+            )
+        for i, c in enumerate(slots):
+            if c != i and gradients[i] is not None:
+                what = "frozen" if c is None else f"an alias of slot {c}"
+                raise SlotError(
+                    f"{self.kind}.step: slot {i} is {what} and its entry must be None; sum "
+                    f"per-slot gradients with opt.params.canonical_gradients(slots, grads)"
+                )
+        return list(gradients)
+
+    # -- the update ----------------------------------------------------------------------
+    def _apply(
+        self,
+        grads: Sequence[np.ndarray | None],
+        hps: Sequence[Mapping[str, Any]],
+        specs: Mapping[int, SlotSpec],
+    ) -> None:
+        sg = self._slot_group
+        created = self._state.arrange(specs, lambda s, name: self._initial_value(name, hps[sg[s]]))
+        for (gi, step, fresh, _), run in self._runs(specs, created):
+            names = specs[run[0]][2]
+            c = self._coefficients(hps[gi], step, fresh)
+            if len(run) == 1:
+                self._update_one(run[0], grads[run[0]], names, c)
+            else:
+                self._update_many(run, grads, names, c)
+            for slot in run:
+                self._state.set_step(slot, step)
+
+    def _runs(
+        self, specs: Mapping[int, SlotSpec], created: set[tuple[int, str]]
+    ) -> list[tuple[tuple[int, int, frozenset[str], np.dtype], list[int]]]:
+        """Canonical slots in order, consecutive small ones with equal coefficients merged."""
+        runs: list[tuple[tuple[int, int, frozenset[str], np.dtype], list[int]]] = []
+        total = 0
+        steps = self._state.step
+        for slot in sorted(specs):
+            shape, dtype, names = specs[slot]
+            size = math.prod(shape)
+            fresh = frozenset(n for n in names if (slot, n) in created) if created else NOTHING
+            key = (self._slot_group[slot], steps(slot) + 1, fresh, dtype)
+            small = size <= SMALL
+            if small and runs and runs[-1][0] == key and total and total + size <= CHUNK:
+                runs[-1][1].append(slot)
+                total += size
+            else:
+                runs.append((key, [slot]))
+                total = size if small else 0
+        return runs
+
+    def _work_rows(self, dtype: np.dtype) -> list[np.ndarray]:
+        """``work_buffers`` scratch rows plus two gather rows of ``CHUNK`` elements, reused."""
+        rows = self._work.get(dtype)
+        if rows is None:
+            rows = list(np.empty((self.work_buffers + 2, CHUNK), dtype))
+            self._work[dtype] = rows
+        return rows
+
+    def _update_one(self, slot: int, g: np.ndarray, names: tuple[str, ...], c: Any) -> None:
+        storage = self.params[slot].storage
+        arr = storage.host_for_update()
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        p = arr.reshape(-1)
+        gf = g.reshape(-1)
+        if np.may_share_memory(gf, p):
+            gf = gf.copy()
+        state = {name: self._state.span(slot, slot, name) for name in names}
+        work = self._work_rows(arr.dtype)[: self.work_buffers]
+        rule = type(self).rule
+        for s in range(0, p.size, CHUNK):
+            e = min(s + CHUNK, p.size)
+            n = e - s
+            rule(
+                np, p[s:e], gf[s:e], {k: v[s:e] for k, v in state.items()}, [w[:n] for w in work], c
+            )
+        storage.commit_host(arr)
+
+    def _update_many(
+        self, run: list[int], grads: Sequence[Any], names: tuple[str, ...], c: Any
+    ) -> None:
+        arrs = [self.params[slot].storage.host_for_update() for slot in run]
+        n = sum(a.size for a in arrs)
+        rows = self._work_rows(arrs[0].dtype)
+        p, g = rows[-2][:n], rows[-1][:n]
+        np.concatenate([a.reshape(-1) for a in arrs], out=p)
+        np.concatenate([grads[slot].reshape(-1) for slot in run], out=g)
+        state = {name: self._state.span(run[0], run[-1], name) for name in names}
+        type(self).rule(np, p, g, state, [w[:n] for w in rows[: self.work_buffers]], c)
+        start = 0
+        for slot, a in zip(run, arrs):
+            a[...] = p[start : start + a.size].reshape(a.shape)
+            start += a.size
+            self.params[slot].storage.commit_host(a)
+
+
+def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Hyperparameters as JSON values (tuples become lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def _mapping(where: str, what: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise CheckpointError(f"{where}: {what} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _exact_keys(where: str, what: str, value: Mapping[str, Any], keys: Sequence[str]) -> None:
+    missing = [k for k in keys if k not in value]
+    unexpected = sorted(str(k) for k in value if k not in keys)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: {what} has keys {sorted(map(str, value))}, expected {list(keys)} "
+            f"(missing {missing}, unexpected {unexpected})"
+        )
+
+
+def _counter(where: str, what: str, value: Any) -> int:
+    """A non-negative integer from a state dict, or a ``CheckpointError``."""
+    try:
+        return count(where, what, value)
+    except HyperparameterError as e:
+        raise CheckpointError(str(e)) from None

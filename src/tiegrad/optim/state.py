@@ -1,0 +1,155 @@
+"""``FlatState``: optimizer state keyed by canonical slot, in flat contiguous buffers (C5).
+
+Every state tensor of one name and dtype (``exp_avg`` of all float32 slots, say) lives
+in one 1-D buffer, slots in ascending order; each slot's tensor is a view into it.
+Consecutive canonical slots therefore hold contiguous state, so an update rule can
+cover many small parameters in one vectorized call. Buffers are allocated when the
+layout changes (the first step, a re-tie, a load) and reused by every other step.
+
+The state of a slot is ``{"step": int, name: array, ...}``. Only canonical slots of
+trainable storages own state; frozen slots own none (C5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+Shape = tuple[int, ...]
+SlotSpec = tuple[Shape, np.dtype, tuple[str, ...]]  # (shape, dtype, tensor names)
+
+
+class FlatState:
+    """State tensors of canonical slots as views into per-(dtype, name) flat buffers."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, int] = {}
+        self._tensors: dict[int, dict[str, np.ndarray]] = {}
+        self._spans: dict[tuple[int, str], tuple[np.ndarray, int, int]] = {}
+        self._specs: dict[int, SlotSpec] = {}
+
+    # -- reading -------------------------------------------------------------------------
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._steps
+
+    def slots(self) -> list[int]:
+        """The slots holding state, ascending."""
+        return sorted(self._steps)
+
+    def step(self, slot: int) -> int:
+        """The number of updates slot ``slot`` has had (0 without state)."""
+        return self._steps.get(slot, 0)
+
+    def tensors(self, slot: int) -> dict[str, np.ndarray]:
+        """The live state tensors of ``slot`` (views into the flat buffers)."""
+        return self._tensors[slot]
+
+    def span(self, first: int, last: int, name: str) -> np.ndarray:
+        """The flat view of ``name`` covering slots ``first`` .. ``last`` (consecutive state)."""
+        buf, start, _ = self._spans[first, name]
+        _, _, stop = self._spans[last, name]
+        return buf[start:stop]
+
+    def read_only(self) -> Mapping[int, Mapping[str, Any]]:
+        """``{slot: {"step": int, name: read-only view}}`` for inspection."""
+        out = {}
+        for slot in self.slots():
+            entry: dict[str, Any] = {"step": self._steps[slot]}
+            for name, arr in self._tensors[slot].items():
+                view = arr.view()
+                view.flags.writeable = False
+                entry[name] = view
+            out[slot] = MappingProxyType(entry)
+        return MappingProxyType(out)
+
+    def snapshot(self) -> dict[int, dict[str, Any]]:
+        """``{slot: {"step": int, name: copy}}``: owned copies, safe to keep or serialize."""
+        return {
+            slot: {"step": self._steps[slot]}
+            | {name: arr.copy() for name, arr in self._tensors[slot].items()}
+            for slot in self.slots()
+        }
+
+    def layout(self) -> dict[tuple[int, str], tuple[np.ndarray, int, int]]:
+        """``{(slot, name): (flat buffer, start, stop)}``: where each state tensor lives."""
+        return dict(self._spans)
+
+    def matches(self, specs: Mapping[int, SlotSpec]) -> bool:
+        """Whether the state holds exactly the layout ``specs`` (``arrange`` would keep it)."""
+        return dict(specs) == self._specs
+
+    # -- writing -------------------------------------------------------------------------
+    def set_step(self, slot: int, step: int) -> None:
+        self._steps[slot] = step
+
+    def arrange(
+        self, specs: Mapping[int, SlotSpec], initial: Callable[[int, str], float]
+    ) -> set[tuple[int, str]]:
+        """Hold exactly the tensors of ``specs``; returns the ``(slot, name)`` pairs created.
+
+        Tensors that exist with the same shape and dtype are kept (copied when the
+        layout changes), missing ones are filled with ``initial(slot, name)``, and
+        state of slots absent from ``specs`` is dropped. When the layout already
+        matches nothing is allocated or copied. Callers validate shapes first.
+        """
+        if dict(specs) == self._specs:
+            return set()
+        created = {
+            (slot, name)
+            for slot, (_, _, names) in specs.items()
+            for name in names
+            if name not in self._tensors.get(slot, {})
+        }
+        old = self._tensors
+
+        def source(slot: int, name: str) -> np.ndarray | float:
+            return old[slot][name] if (slot, name) not in created else initial(slot, name)
+
+        steps = {slot: self._steps.get(slot, 0) for slot in specs}
+        self._build(specs, steps, source)
+        return created
+
+    def install(
+        self, specs: Mapping[int, SlotSpec], entries: Mapping[int, Mapping[str, Any]]
+    ) -> None:
+        """Replace all state by copies of validated ``entries`` (``{slot: {"step", names}}``)."""
+        steps = {slot: int(entries[slot]["step"]) for slot in specs}
+        self._build(specs, steps, lambda slot, name: entries[slot][name])
+
+    def _build(
+        self,
+        specs: Mapping[int, SlotSpec],
+        steps: Mapping[int, int],
+        source: Callable[[int, str], np.ndarray | float],
+    ) -> None:
+        order = sorted(specs)
+        totals: dict[tuple[str, str], int] = {}
+        placed: list[tuple[int, str, tuple[str, str], int, int]] = []
+        for slot in order:
+            shape, dtype, names = specs[slot]
+            size = int(np.prod(shape, dtype=np.int64))
+            for name in names:
+                key = (dtype.str, name)
+                start = totals.get(key, 0)
+                totals[key] = start + size
+                placed.append((slot, name, key, start, start + size))
+        buffers = {key: np.empty(total, np.dtype(key[0])) for key, total in totals.items()}
+        tensors: dict[int, dict[str, np.ndarray]] = {slot: {} for slot in order}
+        spans: dict[tuple[int, str], tuple[np.ndarray, int, int]] = {}
+        for slot, name, key, start, stop in placed:
+            buf = buffers[key]
+            view = buf[start:stop].reshape(specs[slot][0])
+            value = source(slot, name)
+            if isinstance(value, np.ndarray):
+                view[...] = value
+            else:
+                view.fill(value)
+            tensors[slot][name] = view
+            spans[slot, name] = (buf, start, stop)
+        self._tensors = tensors
+        self._spans = spans
+        self._steps = {slot: steps[slot] for slot in order}
+        self._specs = dict(specs)
