@@ -1,0 +1,13 @@
+"""The workloads of issue 9, one module each, by id.
+
+A workload module has ``ID``, ``TITLE``, ``STEPS`` (warm-up and timed steps of a full
+run), ``make_data()`` (NumPy batches and initial weights, shared by every side) and
+``build(data, sides=None)`` returning a ``runner.Built``; optionally
+``extras(stats)`` for figures of its own (W5's GEMM bound).
+"""
+
+from . import w1_tied_lm, w2_small_mlp, w3_shared_reuse, w4_optimizer, w5_matmul
+
+WORKLOADS = {m.ID: m for m in (w1_tied_lm, w2_small_mlp, w3_shared_reuse, w4_optimizer, w5_matmul)}
+
+__all__ = ["WORKLOADS"]

@@ -1,0 +1,185 @@
+"""The benchmark runner (issue 9) as a smoke test: every row is produced, no timing asserted.
+
+The quick run alternates each workload's tiegrad and PyTorch sides for a couple of
+steps; the first-step probes must agree (same data, same initial weights, same
+hyperparameters), which is what makes the ratios meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from benchmarks import runner  # noqa: E402
+from benchmarks.workloads import WORKLOADS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIRS = {
+    "W1": {("tiegrad", "torch")},
+    "W2": {("tiegrad", "torch")},
+    "W3": {("tiegrad", "torch")},
+    "W4": {("tiegrad", "torch"), ("tiegrad", "torch fused")},
+    "W5": {("tiegrad", "torch")},
+}
+
+
+@pytest.fixture(scope="module")
+def quick_report():
+    return runner.run(quick=True, rss=False, log=lambda _: None)
+
+
+def test_quick_run_produces_every_row(quick_report):
+    by_id = {w["id"]: w for w in quick_report["workloads"]}
+    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5"]
+    for wid, pairs in PAIRS.items():
+        rows = by_id[wid]["rows"]
+        got = {(r["tiegrad"], r["torch"]) for r in rows}
+        assert pairs <= got, wid
+        for r in rows:
+            assert r["tiegrad_ms"] > 0 and r["torch_ms"] > 0
+            lo, hi = r["tiegrad_range_ms"]
+            assert lo <= r["tiegrad_ms"] <= hi
+            assert r["ratio"] == pytest.approx(r["tiegrad_ms"] / r["torch_ms"])
+            assert r["tiegrad_rss_mb"] is None  # rss=False
+        for side in by_id[wid]["sides"].values():
+            assert len(side["times_ms"]) == runner.QUICK_STEPS[1]
+
+
+def test_quick_run_sides_agree_on_the_first_step(quick_report):
+    # Same data, weights and hyperparameters: a mismatched model shows up here.
+    for w in quick_report["workloads"]:
+        assert w["warnings"] == [], w["warnings"]
+        probes = [s["first_probe"] for s in w["sides"].values() if s["framework"] != "reference"]
+        assert len(probes) >= 2 and all(math.isfinite(p) for p in probes)
+
+
+def test_optional_device_row_is_either_measured_or_skipped_with_a_reason(quick_report):
+    (w1,) = [w for w in quick_report["workloads"] if w["id"] == "W1"]
+    device = "tiegrad torch:cpu"
+    if device in w1["sides"]:
+        assert (device, "torch") in {(r["tiegrad"], r["torch"]) for r in w1["rows"]}
+    else:
+        assert w1["skipped"][device]
+
+
+def test_w5_reports_the_gemm_bound(quick_report):
+    (w5,) = [w for w in quick_report["workloads"] if w["id"] == "W5"]
+    extra = w5["extras"]
+    assert extra["step_gflop"] == pytest.approx(8 * 2 * 512 * 1024 * 1024 / 1e9)
+    assert extra["gemm_bound_ms"] > 0 and extra["gemm_gflops"] > 0
+    assert set(extra["ratio_to_gemm_bound"]) == {"tiegrad", "torch"}
+    assert extra["gemm_bound_ms"] == w5["sides"]["GEMM-only"]["median_ms"]  # timed alongside
+    assert "GEMM-only lower bound" in w5["notes"][0]
+
+
+def test_table_has_a_row_per_pair(quick_report):
+    table = runner.format_table(quick_report)
+    n_rows = sum(len(w["rows"]) for w in quick_report["workloads"])
+    body = [line for line in table.splitlines() if line.startswith("| W")]
+    assert len(body) == n_rows
+    assert "quick smoke run" in table
+
+
+def test_cli_quick_writes_the_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = ["run", "--quick", "--no-rss", "--only", "W2", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *cmd],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| W2 small-MLP | tiegrad | torch |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert [w["id"] for w in report["workloads"]] == ["W2"]
+    assert report["quick"] is True and report["machine"]["threads"] == 2
+
+
+def test_peak_rss_of_a_side_is_measured_in_a_subprocess():
+    rss = runner.measure_rss("W2", "tiegrad", quick=True)
+    assert "error" not in rss, rss
+    assert rss["peak_mb"] >= rss["steady_mb"]
+    assert rss["step_transient_mb"] == pytest.approx(rss["peak_mb"] - rss["steady_mb"])
+    assert rss["method"]
+
+
+def test_cli_rejects_an_unknown_workload():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "run", "--quick", "--only", "W9"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "unknown workload 'W9'" in proc.stderr
+    assert "W1" in proc.stderr
+
+
+class _Recorder:
+    def __init__(self, name, log):
+        self.name, self.log, self.n = name, log, 0
+
+    def step(self):
+        self.n += 1
+        self.log.append(self.name)
+
+    def probe(self):
+        return float(self.n)
+
+
+def test_measure_warms_up_then_alternates_abba():
+    log: list[str] = []
+    a, b = _Recorder("a", log), _Recorder("b", log)
+    sides = [runner.Side(r.name, fw, r.step, r.probe) for r, fw in ((a, "tiegrad"), (b, "torch"))]
+    stats = runner.measure(sides, warmup=2, steps=3)
+    assert log == ["a", "b", "a", "b"] + ["a", "b", "b", "a", "a", "b"]
+    assert stats["a"].first_probe == 1.0 and len(stats["b"].times_ms) == 3
+
+
+def test_a_failing_optional_side_is_dropped_with_its_reason_and_others_still_run():
+    log: list[str] = []
+    ok = _Recorder("ok", log)
+
+    def broken():
+        raise RuntimeError("no device here")
+
+    sides = [
+        runner.Side("ok", "tiegrad", ok.step, ok.probe),
+        runner.Side("dev", "tiegrad", broken, ok.probe, optional=True),
+    ]
+    stats = runner.measure(sides, warmup=1, steps=2)
+    assert list(stats) == ["ok"] and len(stats["ok"].times_ms) == 2
+    assert sides[1].dropped == "RuntimeError: no device here"
+    required = [runner.Side("dev", "tiegrad", broken, ok.probe)]
+    with pytest.raises(RuntimeError, match="no device here"):
+        runner.measure(required, warmup=1, steps=1)
+
+
+def test_probe_warnings_flag_a_mismatch_only():
+    def stats(probe_b):
+        return {
+            "tiegrad": runner.SideStats("tiegrad", "tiegrad", [1.0], 2.0),
+            "torch": runner.SideStats("torch", "torch", [1.0], probe_b),
+        }
+
+    assert runner.probe_warnings("W0", stats(2.0 * (1 + 1e-6))) == []
+    (w,) = runner.probe_warnings("W0", stats(2.01))
+    assert "W0" in w and "tiegrad" in w and "torch" in w
+    assert runner.probe_warnings("W0", stats(float("nan")))
+
+
+def test_every_workload_declares_its_interface():
+    for wid, module in WORKLOADS.items():
+        assert module.ID == wid
+        warmup, steps = module.STEPS
+        assert warmup >= 1 and steps >= 1
