@@ -9,6 +9,8 @@ tuple of ints or ``None``. Arrays are the library's own type (``np.ndarray``,
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 Array = Any
@@ -47,6 +49,10 @@ class Backend:
 
     def ones(self, shape: Shape, dtype: DType) -> Array:
         raise NotImplementedError
+
+    def empty(self, shape: Shape, dtype: DType) -> Array:
+        """A fresh array whose contents the caller overwrites entirely before reading."""
+        return self.zeros(shape, dtype)
 
     def full(self, shape: Shape, value: float, dtype: DType) -> Array:
         raise NotImplementedError
@@ -94,6 +100,29 @@ class Backend:
 
     def isfinite_all(self, x: Array) -> bool:
         raise NotImplementedError
+
+    # -- fused kernels: defaults built from the methods above; backends may override --
+    def blockwise(self, kernel: Callable[[int, int], None], n: int, item_size: int) -> None:
+        """Run ``kernel(lo, hi)`` over consecutive ranges that together cover ``range(n)``.
+
+        ``kernel`` handles items ``lo..hi-1`` (rows, say) of about ``item_size`` elements
+        each: it reads its inputs and writes its outputs through slices, and its ranges
+        must be independent of each other. This default runs ``kernel(0, n)`` once; the
+        NumPy backend cuts the range into cache-sized blocks and runs them on several
+        threads (DESIGN: performance).
+        """
+        if n:
+            kernel(0, n)
+
+    def gelu(self, x: Array) -> tuple[Array, Array]:
+        """GELU (erf form) of ``x`` and its derivative: ``(x * Phi(x), Phi(x) + x * phi(x))``.
+
+        ``Phi`` is the standard normal CDF and ``phi`` its density. The VJP multiplies
+        the cotangent by the derivative, so the op keeps one array instead of ``x``.
+        """
+        cdf = 0.5 * (1.0 + self.erf(x * (1.0 / math.sqrt(2.0))))
+        density = self.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+        return x * cdf, cdf + x * density
 
     # -- reductions and shape ------------------------------------------------------
     def sum(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:

@@ -170,7 +170,12 @@ def dense_group_gradient(group: ParameterGroup, gradients: Mapping[int, Any]) ->
 
 
 def check_learning_rate(lr: Any) -> float:
-    """``lr`` as a float, or a HyperparameterError unless it is finite and >= 0."""
+    """``lr`` as a float, or a HyperparameterError unless it is a finite number >= 0.
+
+    Strings and bools are refused even though ``float()`` would convert them (C6).
+    """
+    if isinstance(lr, (str, bytes, bool, np.bool_)):
+        raise HyperparameterError(f"lr: expected a number, got {lr!r}")
     try:
         value = float(lr)
     except (TypeError, ValueError):

@@ -84,6 +84,18 @@ class Param:
         """Replace the value (shape and dtype checked first); releases the mirror (C7)."""
         self.storage.write_host(value, f"set_value of {self._label()}")
 
+    def set_device_value(self, value: Any) -> None:
+        """Replace the value by a copy of a device tensor; the host becomes stale (C7)."""
+        self.storage.set_device_value(value, f"set_device_value of {self._label()}")
+
+    def to(self, device: str | None) -> Param:
+        """Mirror the storage on ``device`` (``"cpu"``: sync and drop the mirror); returns self.
+
+        The storage is shared, so every handle on it moves (C1, C7).
+        """
+        self.storage.to(device)
+        return self
+
     def get(self) -> np.ndarray:
         """Host read without sync (the handle protocol of ``EagerSession.use``)."""
         return self.storage.host

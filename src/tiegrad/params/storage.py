@@ -7,6 +7,12 @@ with equal contents are distinct (C1), and nothing here ever compares values.
 Snapshots are free (C2): a tape leaf holds a reference to the current host array.
 The storage never writes into an array that a live tape holds; updates go to a copy
 then (copy-on-write) and are done in place only when nothing pins the array.
+
+Device mirrors (C7): a use in a device session takes the current mirror and uploads
+only when there is none; a device write (``set_device_value``, device optimizers)
+marks the host stale; a host write releases the mirror by dereference, never by
+freeing it, since leaves may share it. A mirror is pinned by device tapes exactly as
+the host array is by host tapes. ``uploads`` and ``downloads`` count transfers.
 """
 
 from __future__ import annotations
@@ -16,20 +22,32 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DTypeError, ShapeError
+from ..backend import NUMPY, Backend, backend_of, device_backend, dtype_name
+from ..errors import DeviceError, DTypeError, ShapeError
+
+HOST_DEVICES = (None, "cpu", "host", "numpy")
 
 
 def check_host_array(what: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``value`` as an array of ``shape`` and ``dtype``, or a Shape/DType error naming ``what``.
 
-    An ndarray must already have ``dtype``; lists and numbers are converted to it.
+    An array (anything with a ``dtype``: ndarray, NumPy scalar, torch tensor) must already
+    have ``dtype``; lists and Python numbers are converted to it (C6).
     """
     if isinstance(value, np.ndarray):
         if value.dtype != dtype:
             raise DTypeError(f"{what}: expected dtype {dtype.name}, got {value.dtype.name}")
         arr = value
     else:
-        arr = np.asarray(value, dtype=dtype)
+        if hasattr(value, "dtype") and dtype_name(value) != dtype.name:
+            raise DTypeError(f"{what}: expected dtype {dtype.name}, got {dtype_name(value)}")
+        try:
+            arr = np.asarray(value, dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise DTypeError(
+                f"{what}: expected an array of shape {shape} and dtype {dtype.name}, "
+                f"got a {type(value).__name__} that does not convert ({e})"
+            ) from None
     if arr.shape != shape:
         raise ShapeError(f"{what}: expected shape {shape}, got {arr.shape}")
     return arr
@@ -42,7 +60,18 @@ class ParameterStorage:
     the constructor takes ownership of ``value`` without copying it.
     """
 
-    __slots__ = ("shape", "dtype", "_host", "_mirror", "_host_current", "_pins", "__weakref__")
+    __slots__ = (
+        "shape",
+        "dtype",
+        "_host",
+        "_mirror",
+        "_host_current",
+        "_pins",
+        "_mirror_pins",
+        "_uploads",
+        "_downloads",
+        "__weakref__",
+    )
 
     def __init__(self, value: np.ndarray) -> None:
         if not np.issubdtype(value.dtype, np.floating):
@@ -54,6 +83,9 @@ class ParameterStorage:
         self._mirror: Any = None
         self._host_current = True
         self._pins: list[tuple[weakref.ref, int]] = []
+        self._mirror_pins: list[tuple[weakref.ref, int]] = []
+        self._uploads = 0
+        self._downloads = 0
 
     def __repr__(self) -> str:
         return f"ParameterStorage(shape={self.shape}, dtype={self.dtype.name}, id=0x{id(self):x})"
@@ -74,6 +106,21 @@ class ParameterStorage:
         """The device mirror, or None."""
         return self._mirror
 
+    @property
+    def device(self) -> str | None:
+        """The device of the mirror (``"cuda"``, ``"torch:cpu"``...), or None without one."""
+        return None if self._mirror is None else backend_of(self._mirror).device
+
+    @property
+    def uploads(self) -> int:
+        """How many times the host value was uploaded to make a mirror (C7)."""
+        return self._uploads
+
+    @property
+    def downloads(self) -> int:
+        """How many times a newer mirror was downloaded to the host (C7)."""
+        return self._downloads
+
     def sync(self) -> None:
         """Make the host current: download a newer mirror; the mirror is kept (C7)."""
         if self._host_current:
@@ -85,6 +132,7 @@ class ParameterStorage:
                     f"sync: the device mirror has shape {host.shape}, expected {self.shape}"
                 )
             self._install_host(host)
+            self._downloads += 1
         self._host_current = True
 
     def current_host_value(self) -> np.ndarray:
@@ -121,7 +169,7 @@ class ParameterStorage:
         the host current (C7). Callers validate ``arr`` before calling.
         """
         self._install_host(arr)
-        self._mirror = None
+        self._release_mirror()
         self._host_current = True
 
     def _install_host(self, arr: np.ndarray) -> None:
@@ -130,24 +178,141 @@ class ParameterStorage:
         arr.flags.writeable = False
         self._host = arr
 
+    # -- device side (C7) -------------------------------------------------------------
+    def device_value(self, backend: Backend) -> Any:
+        """The current value on ``backend``'s device: the mirror, uploaded only if there is none.
+
+        A mirror on another device, a mirror of the wrong shape or dtype, and a stale
+        host without a mirror are errors, raised before anything changes (C7).
+        """
+        m = self._mirror
+        if m is not None:
+            self._check_mirror("device value", m, backend)
+            return m
+        if not self._host_current:
+            raise DeviceError(
+                f"device value of {self!r}: the host value is stale and there is no mirror "
+                "to read the current value from"
+            )
+        m = backend.upload(self._host)
+        self._uploads += 1
+        self._mirror = m
+        self._mirror_pins = []
+        return m
+
+    def device_for_update(self, backend: Backend) -> Any:
+        """A writable tensor holding the current device value, for an in-place update.
+
+        The mirror itself when no live device tape holds it, otherwise a copy
+        (copy-on-write, C2). Starts from the current mirror and uploads only when there
+        is none (C3, C7). Pass the result to ``commit_device`` when done.
+        """
+        m = self.device_value(backend)
+        return backend.copy(m) if _prune(self._mirror_pins) else m
+
+    def commit_device(self, value: Any) -> None:
+        """Install an owned device tensor as the mirror; the host becomes stale (C7).
+
+        Callers validate ``value`` (shape, dtype, device) before calling.
+        """
+        if value is not self._mirror:
+            self._mirror_pins = []
+        self._mirror = value
+        self._host_current = False
+
+    def set_device_value(self, value: Any, what: str = "set_device_value") -> None:
+        """Replace the value by a copy of device tensor ``value``: a device write (C7).
+
+        Shape, dtype and that ``value`` lives on a device are checked first (C6). The
+        new mirror is newer than the host until a ``sync``.
+        """
+        bk = backend_of(value)
+        if bk is NUMPY:
+            raise DeviceError(
+                f"{what}: expected a device tensor for {self!r}, got a host array "
+                "(host values are written with set_value)"
+            )
+        self._check_mirror(what, value, bk)
+        self.commit_device(bk.upload(value))
+
+    def to(self, device: str | None) -> ParameterStorage:
+        """Keep the value on ``device``: upload a mirror there, or for ``"cpu"`` drop it.
+
+        A mirror already on ``device`` is kept (no transfer). A newer mirror on another
+        device is synced to the host first, then the host is uploaded. Moving to the
+        host syncs a newer mirror and releases the mirror (C7). Returns ``self``.
+        """
+        if device in HOST_DEVICES:
+            self.sync()
+            self._release_mirror()
+            return self
+        bk = device_backend(device)
+        m = self._mirror
+        if m is not None and backend_of(m) is bk:
+            self._check_mirror(f"to({device!r})", m, bk)
+            return self
+        self.sync()
+        self._release_mirror()
+        self.device_value(bk)
+        return self
+
+    def _check_mirror(self, what: str, value: Any, backend: Backend) -> None:
+        if not backend.is_array(value):
+            raise DeviceError(
+                f"{what}: {self!r} has a value on device {backend_of(value).device!r}, "
+                f"expected {backend.device!r} (move it with Param.to)"
+            )
+        if value.shape != self.shape:
+            raise ShapeError(
+                f"{what}: the device value has shape {tuple(value.shape)}, expected {self.shape}"
+            )
+        if value.dtype != backend.to_dtype(self.dtype):
+            raise DTypeError(
+                f"{what}: the device value has dtype {dtype_name(value)}, "
+                f"expected {self.dtype.name}"
+            )
+
+    def _release_mirror(self) -> None:
+        """Drop the mirror reference (never freed in place: leaves may share it, C7)."""
+        self._mirror = None
+        self._mirror_pins = []
+
     # -- tape side -------------------------------------------------------------------
     def _value_for(self, session: Any) -> Any:
-        """The value a use in ``session`` snapshots (C2); pins it against in-place writes."""
+        """The value a use in ``session`` snapshots (C2); pins it against in-place writes.
+
+        A host session reads the host after syncing a newer mirror; a device session
+        takes the mirror, uploading only when there is none (C7). Pins of reset or
+        collected sessions are dropped when a new pin is added, so repeated uses
+        across resets or sessions keep the pin list small.
+        """
+        if session.backend is not NUMPY:
+            m = self.device_value(session.backend)
+            _add_pin(self._mirror_pins, session)
+            return m
         self.sync()
-        pins = self._pins
-        if not pins or pins[-1][0]() is not session or pins[-1][1] != session._generation:
-            pins.append((weakref.ref(session), session._generation))
+        _add_pin(self._pins, session)
         return self._host
 
     def _pinned(self) -> bool:
-        live = [
-            (ref, gen)
-            for ref, gen in self._pins
-            if (s := ref()) is not None and s._generation == gen
-        ]
-        self._pins = live
-        return bool(live)
+        return _prune(self._pins)
 
     def _mirror_to_numpy(self) -> np.ndarray:
         m = self._mirror
         return m.detach().cpu().numpy() if hasattr(m, "detach") else np.asarray(m)
+
+
+def _prune(pins: list[tuple[weakref.ref, int]]) -> bool:
+    """Drop pins of collected or reset sessions, in place; whether any live pin remains."""
+    pins[:] = [(ref, gen) for ref, gen in pins if (s := ref()) is not None and s._generation == gen]
+    return bool(pins)
+
+
+def _add_pin(pins: list[tuple[weakref.ref, int]], session: Any) -> None:
+    """Pin a value for ``session``'s current tape (C2), once per session and generation."""
+    gen = session._generation
+    if pins and pins[-1][0]() is session and pins[-1][1] == gen:
+        return
+    if not any(ref() is session and g == gen for ref, g in pins):
+        _prune(pins)
+        pins.append((weakref.ref(session), gen))

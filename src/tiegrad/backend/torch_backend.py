@@ -1,0 +1,341 @@
+"""The device backend: PyTorch tensors on ``cuda``, ``mps`` or torch's CPU (``torch:cpu``).
+
+The only module of tiegrad that imports torch. It implements every method of
+``Backend`` with NumPy's names, broadcasting and dtype rules, so each op of
+``tiegrad.ops`` runs unchanged on a device (DESIGN: layers). Beyond the interface it
+offers ``upload`` / ``download`` (always copies, used by the mirror protocol, C7) and
+a ``TemporaryTracker`` counting owned temporaries (C8).
+
+Create backends through ``tiegrad.backend.device_backend``: it keeps one instance per
+device, so storages and sessions can compare backends by identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import DeviceError, DTypeError
+from .base import Array, Backend, DType, Shape
+from .tracker import TemporaryTracker
+
+
+def torch_device_of(device: str) -> torch.device:
+    """The torch device of a tiegrad device name, or a DeviceError if it is unusable."""
+    base, colon, index = device.partition(":")
+    if device == "torch:cpu":
+        return torch.device("cpu")
+    if base == "cuda" and (not colon or index.isdigit()):
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {device!r}: CUDA is not available to this torch build")
+        n = torch.cuda.device_count()
+        i = int(index) if colon else torch.cuda.current_device()
+        if i >= n:
+            raise DeviceError(f"device {device!r}: expected 'cuda' or 'cuda:N' with N < {n}")
+        return torch.device("cuda", i)
+    if device == "mps":
+        if not torch.backends.mps.is_available():
+            raise DeviceError("device 'mps': MPS is not available on this machine")
+        return torch.device("mps")
+    raise DeviceError(
+        f"unknown device {device!r}: expected 'cpu', 'cuda', 'cuda:N', 'mps' or 'torch:cpu'"
+    )
+
+
+_TORCH_DTYPES: dict[Any, torch.dtype] = {}
+
+
+class TorchBackend(Backend):
+    """PyTorch tensors on one device. ``device`` is tiegrad's name (``"torch:cpu"``)."""
+
+    name = "torch"
+    xp = torch  # the array namespace, for code written against NumPy names (optimizer rules)
+    float32 = torch.float32
+    float64 = torch.float64
+    int64 = torch.int64
+    bool_ = torch.bool
+
+    def __init__(self, device: str, torch_device: torch.device | None = None) -> None:
+        self.device = device
+        self.torch_device = torch_device_of(device) if torch_device is None else torch_device
+        self.temporaries = TemporaryTracker()
+
+    def __repr__(self) -> str:
+        return f"TorchBackend({self.device!r})"
+
+    # -- helpers ---------------------------------------------------------------------
+    def to_dtype(self, dtype: Any) -> torch.dtype:
+        """The torch dtype of a torch or NumPy dtype (or NumPy dtype name); None stays None."""
+        if dtype is None or isinstance(dtype, torch.dtype):
+            return dtype
+        out = _TORCH_DTYPES.get(dtype)
+        if out is None:
+            out = _TORCH_DTYPES[dtype] = self.dtype_of(np.dtype(dtype).name)
+        return out
+
+    def _on_device(self, x: torch.Tensor) -> bool:
+        d, want = x.device, self.torch_device
+        return d.type == want.type and (want.index is None or d.index == want.index)
+
+    def _tensor(self, x: Any) -> torch.Tensor:
+        return x if isinstance(x, torch.Tensor) else self.asarray(x)
+
+    def _index(self, index: Any) -> Any:
+        """An index with every array-like component as a tensor on this device."""
+        if isinstance(index, tuple):
+            return tuple(self._index(i) for i in index)
+        if isinstance(index, (np.ndarray, list)):
+            return self.asarray(np.asarray(index))
+        if isinstance(index, torch.Tensor) and not self._on_device(index):
+            return index.to(self.torch_device)
+        return index
+
+    @staticmethod
+    def _wrap_negative(idx: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.where(idx < 0, idx + n, idx)
+
+    # -- transfers (C7) --------------------------------------------------------------
+    def upload(self, x: Any) -> torch.Tensor:
+        """A fresh tensor on this device holding a copy of ``x`` (never shares memory)."""
+        if isinstance(x, torch.Tensor):
+            return x.detach().to(self.torch_device, copy=True)
+        return torch.tensor(np.asarray(x), device=self.torch_device)
+
+    def download(self, x: torch.Tensor) -> np.ndarray:
+        """A fresh NumPy array holding a copy of ``x`` (never shares memory)."""
+        return x.detach().to("cpu", copy=True).numpy()
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op on torch's CPU)."""
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+        elif self.torch_device.type == "mps":
+            torch.mps.synchronize()
+
+    # -- creation and conversion -----------------------------------------------------
+    def asarray(self, x: Any, dtype: DType | None = None) -> Array:
+        dtype = self.to_dtype(dtype)
+        if isinstance(x, torch.Tensor):
+            if not self._on_device(x) or (dtype is not None and x.dtype != dtype):
+                x = x.to(device=self.torch_device, dtype=dtype)
+            return x
+        arr = np.asarray(x)
+        if not arr.flags.writeable or not arr.flags.c_contiguous:
+            arr = np.array(arr, copy=True, order="C")
+        t = torch.from_numpy(arr)
+        if not self._on_device(t) or (dtype is not None and t.dtype != dtype):
+            t = t.to(device=self.torch_device, dtype=dtype)
+        return t
+
+    def copy(self, x: Array) -> Array:
+        return self._tensor(x).clone()
+
+    def to_numpy(self, x: Array) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().cpu().numpy()
+        return np.asarray(x)
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and self._on_device(x)
+
+    def zeros(self, shape: Shape, dtype: DType) -> Array:
+        return torch.zeros(tuple(shape), dtype=self.to_dtype(dtype), device=self.torch_device)
+
+    def ones(self, shape: Shape, dtype: DType) -> Array:
+        return torch.ones(tuple(shape), dtype=self.to_dtype(dtype), device=self.torch_device)
+
+    def empty(self, shape: Shape, dtype: DType) -> Array:
+        return torch.empty(tuple(shape), dtype=self.to_dtype(dtype), device=self.torch_device)
+
+    def full(self, shape: Shape, value: float, dtype: DType) -> Array:
+        return torch.full(tuple(shape), value, dtype=self.to_dtype(dtype), device=self.torch_device)
+
+    def arange(self, n: int, dtype: DType) -> Array:
+        return torch.arange(n, dtype=self.to_dtype(dtype), device=self.torch_device)
+
+    def astype(self, x: Array, dtype: DType) -> Array:
+        return self._tensor(x).to(self.to_dtype(dtype))
+
+    def dtype_name(self, dtype: DType) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    def dtype_of(self, name: str) -> DType:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise DTypeError(f"torch backend: no torch dtype named {name!r}")
+        return dtype
+
+    def is_floating(self, dtype: DType) -> bool:
+        return self.to_dtype(dtype).is_floating_point
+
+    # -- elementwise -------------------------------------------------------------------
+    def exp(self, x: Array) -> Array:
+        return torch.exp(x)
+
+    def log(self, x: Array) -> Array:
+        return torch.log(x)
+
+    def sqrt(self, x: Array) -> Array:
+        return torch.sqrt(x)
+
+    def tanh(self, x: Array) -> Array:
+        return torch.tanh(x)
+
+    def erf(self, x: Array) -> Array:
+        return torch.erf(x)
+
+    def abs(self, x: Array) -> Array:
+        return torch.abs(x)
+
+    def maximum(self, x: Array, y: Array | float) -> Array:
+        if not isinstance(x, torch.Tensor):
+            x, y = y, x
+        if isinstance(y, torch.Tensor):
+            return torch.maximum(x, y)
+        if isinstance(y, np.ndarray):
+            return torch.maximum(x, self.asarray(y))
+        return torch.clamp_min(x, y)
+
+    def where(self, cond: Array, x: Array | float, y: Array | float) -> Array:
+        if isinstance(x, np.ndarray) or not isinstance(y, (torch.Tensor, np.ndarray)):
+            x = self._tensor(x)  # two Python numbers give NumPy's dtype (float64), not torch's
+        if isinstance(y, np.ndarray):
+            y = self.asarray(y)
+        return torch.where(self._tensor(cond), x, y)
+
+    def isfinite_all(self, x: Array) -> bool:
+        return bool(torch.isfinite(x).all())
+
+    # -- fused kernels: torch's native kernels, one pass each --------------------------
+    def gelu(self, x: Array) -> tuple[Array, Array]:
+        return F.gelu(x), torch.ops.aten.gelu_backward(torch.ones_like(x), x)
+
+    # -- reductions and shape ----------------------------------------------------------
+    def sum(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
+        if axis is None:
+            out = torch.sum(x)
+            return out.reshape((1,) * x.ndim) if keepdims else out
+        axis = (axis,) if isinstance(axis, int) else tuple(axis)
+        if not axis:  # torch reads dim=() as "every axis"; NumPy as "no axis"
+            return x.clone()
+        return torch.sum(x, dim=axis, keepdim=keepdims)
+
+    def max(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
+        if axis is None:
+            axis = tuple(range(x.ndim))
+        axis = (axis,) if isinstance(axis, int) else tuple(axis)
+        if not axis:
+            return x.clone()
+        return torch.amax(x, dim=axis, keepdim=keepdims)
+
+    def argmax(self, x: Array, axis: int) -> Array:
+        return torch.argmax(x, dim=axis)
+
+    def reshape(self, x: Array, shape: Shape) -> Array:
+        return torch.reshape(self._tensor(x), tuple(shape))
+
+    def transpose(self, x: Array, axes: Shape) -> Array:
+        return x.permute(tuple(axes))
+
+    def broadcast_to(self, x: Array, shape: Shape) -> Array:
+        return torch.broadcast_to(self._tensor(x), tuple(shape))
+
+    def expand_dims(self, x: Array, axis: Any) -> Array:
+        if isinstance(axis, int):
+            return torch.unsqueeze(x, axis)
+        nd = x.ndim + len(axis)
+        for a in sorted(a % nd for a in axis):
+            x = torch.unsqueeze(x, a)
+        return x
+
+    def concat(self, xs: list[Array], axis: int) -> Array:
+        return torch.cat([self._tensor(x) for x in xs], dim=axis)
+
+    def stack(self, xs: list[Array], axis: int) -> Array:
+        return torch.stack([self._tensor(x) for x in xs], dim=axis)
+
+    def pad(self, x: Array, widths: list[tuple[int, int]]) -> Array:
+        flat: list[int] = []
+        for before, after in reversed(list(widths)):
+            flat += [int(before), int(after)]
+        return F.pad(x, flat)
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        return torch.matmul(a, b)
+
+    def einsum(self, subscripts: str, *operands: Array) -> Array:
+        """``torch.einsum``, except for a reduced elementwise product (``"ij,ij->j"``).
+
+        torch lowers that pattern to a batched matrix product over strided rows, which
+        is orders of magnitude slower on the CPU than multiplying and summing.
+        """
+        inputs, arrow, out = subscripts.replace(" ", "").partition("->")
+        terms = inputs.split(",")
+        if (
+            arrow
+            and len(operands) == 2
+            and len(terms) == 2
+            and terms[0] == terms[1]
+            and "." not in terms[0]
+            and len(set(terms[0])) == len(terms[0])
+            and set(out) <= set(terms[0])
+            and len(set(out)) == len(out)
+            and operands[0].shape == operands[1].shape
+        ):
+            prod = operands[0] * operands[1]
+            reduced = [k for k, c in enumerate(terms[0]) if c not in out]
+            kept = [c for c in terms[0] if c in out]
+            total = torch.sum(prod, dim=reduced) if reduced else prod
+            return total.permute([kept.index(c) for c in out])
+        return torch.einsum(subscripts, *operands)
+
+    # -- indexing ------------------------------------------------------------------------
+    def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
+        axis %= x.ndim
+        idx = self._tensor(self._index(indices)).to(torch.int64)
+        idx = self._wrap_negative(idx, x.shape[axis])
+        out = torch.index_select(x, axis, idx.reshape(-1))
+        if idx.ndim == 1:
+            return out
+        return out.reshape(tuple(x.shape[:axis]) + tuple(idx.shape) + tuple(x.shape[axis + 1 :]))
+
+    def take_along_axis(self, x: Array, indices: Array, axis: int) -> Array:
+        idx = self._tensor(self._index(indices)).to(torch.int64)
+        return torch.take_along_dim(x, self._wrap_negative(idx, x.shape[axis]), dim=axis)
+
+    def accumulate_at(self, out: Array, index: Any, values: Array) -> None:
+        """``out[index] += values`` with repeated indices accumulated, like ``np.add.at``."""
+        index = self._index(index)
+        values = self._tensor(values).to(out.dtype)
+        parts = index if isinstance(index, tuple) else (index,)
+        arrays = [p for p in parts if isinstance(p, torch.Tensor)]
+        if not arrays:  # basic indexing selects each element at most once
+            out[index] += values
+            return
+        if (
+            len(parts) == 1
+            and not arrays[0].dtype.is_floating_point
+            and arrays[0].dtype != torch.bool
+        ):
+            idx = self._wrap_negative(arrays[0].to(torch.int64), out.shape[0]).reshape(-1)
+            rows = torch.broadcast_to(values, tuple(arrays[0].shape) + tuple(out.shape[1:]))
+            out.index_add_(0, idx, rows.reshape((-1,) + tuple(out.shape[1:])))
+            return
+        positions = torch.arange(out.numel(), device=out.device).reshape(out.shape)[index]
+        flat = torch.broadcast_to(values, tuple(positions.shape)).reshape(-1)
+        out.view(-1).index_add_(0, positions.reshape(-1), flat)
+
+    def index_add(self, out: Array, indices: Array, values: Array) -> None:
+        out.index_add_(0, self._index(indices).to(torch.int64), self._tensor(values).to(out.dtype))
+
+    def sliding_windows(self, x: Array, kh: int, kw: int, stride: int) -> Array:
+        return x.unfold(2, kh, stride).unfold(3, kw, stride)
+
+    # -- randomness ----------------------------------------------------------------------
+    def random_uniform(self, generator: Any, shape: Shape, dtype: DType) -> Array:
+        """Samples from the session's NumPy generator, uploaded: the same stream as the host."""
+        np_dtype = np.dtype(self.dtype_name(self.to_dtype(dtype)))
+        return self.asarray(generator.random(tuple(shape), dtype=np_dtype))

@@ -1,0 +1,226 @@
+"""Every op of ``tiegrad.ops`` on the torch device backend equals the NumPy backend.
+
+Each case records the same computation on a host session and on a device session
+(``TIEGRAD_TEST_DEVICE``, default ``torch:cpu``) with float64 leaves, pulls the same
+random cotangent back and compares the forward value and every input's gradient.
+Device gradients are torch tensors on the device (C7).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import tiegrad
+from tiegrad import EagerSession, ops
+from tiegrad.backend import NUMPY, device_backend
+
+torch = pytest.importorskip("torch")
+
+DEVICE = os.environ.get("TIEGRAD_TEST_DEVICE", "torch:cpu")
+
+
+def _r(*shape: int, seed: int = 0, positive: bool = False) -> np.ndarray:
+    a = np.random.default_rng(seed + 7 * len(shape) + sum(shape)).standard_normal(shape)
+    return np.abs(a) + 0.5 if positive else a
+
+
+IDX = np.array([2, 0, 2, 1, 2])
+MASK = np.array([[True, False, True, False], [False, False, True, True], [True, True, True, False]])
+TARGETS = np.array([[1, 0, 3], [2, -100, 1]])
+PADDING = np.array([[False, False, True, False], [False, True, False, False]])
+
+# name -> (fn of leaf refs, float64 inputs). Constants (NumPy arrays, numbers) are passed
+# as they are, so the device session uploads them itself.
+CASES = {
+    "add": (lambda a, b: ops.add(a, b), [_r(3, 4), _r(4)]),
+    "add:scalar": (lambda a: ops.add(2.5, a) + 1.0, [_r(3, 4)]),
+    "add:constant": (lambda a: a + _r(1, 4, seed=9), [_r(3, 4)]),
+    "sub": (lambda a, b: ops.sub(a, b), [_r(3, 1), _r(1, 4)]),
+    "sub:scalar": (lambda a: 3.0 - a - 1.0, [_r(2, 3)]),
+    "mul": (lambda a, b: ops.mul(a, b), [_r(2, 3, 4), _r(3, 1)]),
+    "mul:scalar": (lambda a: 0.5 * a * 3.0, [_r(5)]),
+    "div": (lambda a, b: ops.div(a, b), [_r(3, 4), _r(4, positive=True)]),
+    "div:scalar": (lambda a: 2.0 / a + a / 4.0, [_r(3, positive=True)]),
+    "neg": (lambda a: ops.neg(a), [_r(2, 2)]),
+    "pow": (lambda a: ops.pow(a, 2) + ops.pow(a, 3) + ops.pow(a, 0.5), [_r(4, positive=True)]),
+    "matmul": (lambda a, b: ops.matmul(a, b), [_r(3, 4), _r(4, 5)]),
+    "matmul:vector": (
+        lambda a, b, c: ops.concat([ops.matmul(a, b), ops.matmul(b, c)]),
+        [_r(4), _r(4, 3), _r(3)],
+    ),
+    "matmul:batched": (lambda a, b: ops.matmul(a, b), [_r(2, 1, 3, 4), _r(3, 4, 2)]),
+    "exp": (lambda a: ops.exp(a), [_r(3, 3)]),
+    "log": (lambda a: ops.log(a), [_r(3, 3, positive=True)]),
+    "sqrt": (lambda a: ops.sqrt(a), [_r(3, 3, positive=True)]),
+    "tanh": (lambda a: ops.tanh(a), [_r(3, 3)]),
+    "sigmoid": (lambda a: ops.sigmoid(a), [_r(3, 3) * 10]),
+    "relu": (lambda a: ops.relu(a), [_r(4, 4)]),
+    "gelu": (lambda a: ops.gelu(a), [_r(4, 4) * 3]),
+    "gelu:tanh": (lambda a: ops.gelu(a, approximate="tanh"), [_r(4, 4) * 3]),
+    "sum": (
+        lambda a: ops.sum(a, axis=(0, 2), keepdims=True) + ops.sum(a, axis=1)[:, None, :],
+        [_r(2, 3, 4)],
+    ),
+    "sum:all": (lambda a: ops.sum(a), [_r(2, 3)]),
+    "mean": (lambda a: ops.mean(a, axis=-1) + ops.mean(a), [_r(3, 5)]),
+    "max": (lambda a: ops.max(a, axis=1) + ops.max(a, axis=0, keepdims=True)[0, 0], [_r(3, 4)]),
+    "max:ties": (lambda a: ops.max(a * 0.0 + 1.0, axis=1) * a[:, 0], [_r(3, 4)]),
+    "concat": (lambda a, b: ops.concat([a, b, a], axis=1), [_r(2, 3), _r(2, 1)]),
+    "stack": (lambda a, b: ops.stack([a, b], axis=-1), [_r(2, 3), _r(2, 3)]),
+    "getitem:basic": (lambda a: a[1:, ::2] + a[0, None, :2], [_r(3, 4)]),
+    "getitem:repeats": (lambda a: a[IDX], [_r(3, 4)]),
+    "getitem:pairs": (lambda a: a[np.array([0, 2, 0]), np.array([1, 1, 1])], [_r(3, 4)]),
+    "getitem:mixed": (lambda a: a[:, np.array([3, 3, 0])], [_r(3, 4)]),
+    "getitem:mask": (lambda a: a[MASK], [_r(3, 4)]),
+    "permute": (lambda a: ops.permute(a, (2, 0, 1)), [_r(2, 3, 4)]),
+    "transpose": (lambda a: ops.transpose(a) @ a, [_r(3, 2)]),
+    "reshape": (lambda a: ops.reshape(a, (4, -1)), [_r(2, 3, 2)]),
+    "where": (lambda a, b: ops.where(MASK, a, b), [_r(3, 4), _r(4)]),
+    "softmax": (lambda a: ops.softmax(a, axis=0), [_r(3, 4)]),
+    "log_softmax": (lambda a: ops.log_softmax(a), [_r(3, 4)]),
+    "scaled_dot_product_attention:causal": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal=True),
+        [_r(2, 4, 3), _r(2, 4, 3, seed=1), _r(2, 4, 5)],
+    ),
+    "scaled_dot_product_attention:padding": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, key_padding_mask=PADDING),
+        [_r(2, 3, 3), _r(2, 4, 3, seed=1), _r(2, 4, 2)],
+    ),
+    "self_attention:causal": (
+        lambda x: ops.self_attention(x, 2, causal=True),
+        [_r(2, 4, 12)],
+    ),
+    "self_attention:padding": (
+        lambda x: ops.self_attention(x, 3, key_padding_mask=PADDING),
+        [_r(2, 4, 18)],
+    ),
+    "conv2d": (
+        lambda x, w, b: ops.conv2d(x, w, b, stride=2, padding=1),
+        [_r(2, 2, 5, 5), _r(3, 2, 3, 3), _r(3)],
+    ),
+    "max_pool2d": (lambda x: ops.max_pool2d(x, 2), [_r(1, 2, 4, 4)]),
+    "dropout": (lambda a: ops.dropout(a, 0.4), [_r(6, 5)]),
+    "embedding": (lambda w: ops.embedding(w, np.array([[3, 0], [3, 3]])), [_r(4, 3)]),
+    "linear": (lambda x, w, b: ops.linear(x, w, b), [_r(2, 3, 4), _r(5, 4), _r(5)]),
+    "cross_entropy": (
+        lambda z: ops.cross_entropy(z, TARGETS, label_smoothing=0.1),
+        [_r(2, 3, 4)],
+    ),
+    "mse_loss": (lambda a, b: ops.mse_loss(a, b, reduction="sum"), [_r(3, 2), _r(3, 2, seed=4)]),
+    "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b), [_r(2, 3, 6), _r(6), _r(6)]),
+}
+
+
+def _run(device: str | None, fn, inputs):
+    s = EagerSession(device=device, seed=3)
+    leaves = [s.leaf(np.array(a)) for a in inputs]
+    out = fn(*leaves)
+    cot = np.random.default_rng(11).standard_normal(out.shape)
+    grads = s.backward(out, seed=cot)
+    return s, out, [grads[leaf] for leaf in leaves]
+
+
+def test_every_op_has_a_device_case():
+    covered = {name.split(":")[0] for name in CASES}
+    missing = [op for op in ops.__all__ if op not in covered]
+    assert not missing, f"ops without a device-vs-host case: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_on_device_equals_numpy(name):
+    fn, inputs = CASES[name]
+    _, host_out, host_grads = _run(None, fn, inputs)
+    s, dev_out, dev_grads = _run(DEVICE, fn, inputs)
+    assert isinstance(dev_out.value, torch.Tensor)
+    assert s.backend.is_array(dev_out.value)
+    np.testing.assert_allclose(dev_out.numpy(), host_out.numpy(), rtol=1e-10, atol=1e-12)
+    for hg, dg in zip(host_grads, dev_grads):
+        assert isinstance(dg, torch.Tensor) and s.backend.is_array(dg)  # C7
+        assert dg.dtype == torch.float64
+        np.testing.assert_allclose(dg.cpu().numpy(), hg, rtol=1e-9, atol=1e-11)
+
+
+def test_torch_backend_implements_every_abstract_backend_method():
+    import inspect
+
+    from tiegrad.backend.base import Backend
+    from tiegrad.backend.torch_backend import TorchBackend
+
+    names = [n for n, f in vars(Backend).items() if callable(f) and not n.startswith("__")]
+    abstract = [
+        n for n in names if "raise NotImplementedError" in inspect.getsource(getattr(Backend, n))
+    ]
+    missing = [n for n in abstract if getattr(TorchBackend, n) is getattr(Backend, n)]
+    assert abstract and not missing, f"TorchBackend lacks {missing}"
+
+
+def test_float32_is_the_default_on_device():
+    s = EagerSession(device=DEVICE)
+    a = s.constant([[1.0, 2.0]])
+    assert a.value.dtype == torch.float32
+    assert (a @ a.T).value.dtype == torch.float32
+
+
+def test_backend_methods_match_numpy():
+    bk = device_backend(DEVICE)
+    x = np.arange(24, dtype=np.float64).reshape(2, 3, 4) - 7.5
+    t = bk.asarray(x)
+    pairs = [
+        (bk.sum(t, axis=()), NUMPY.sum(x, axis=())),
+        (bk.sum(t, axis=None, keepdims=True), NUMPY.sum(x, axis=None, keepdims=True)),
+        (bk.max(t, axis=(0, 2)), NUMPY.max(x, axis=(0, 2))),
+        (bk.argmax(t, axis=1), NUMPY.argmax(x, axis=1)),
+        (bk.pad(t, [(0, 1), (2, 0), (1, 1)]), NUMPY.pad(x, [(0, 1), (2, 0), (1, 1)])),
+        (bk.take(t, np.array([[2, -1]]), axis=1), NUMPY.take(x, np.array([[2, -1]]), axis=1)),
+        (bk.expand_dims(t, (0, -1)), NUMPY.expand_dims(x, (0, -1))),
+        (bk.einsum("abc,c->ab", t, t[0, 0]), NUMPY.einsum("abc,c->ab", x, x[0, 0])),
+        (bk.einsum("abc,abc->ca", t, t), NUMPY.einsum("abc,abc->ca", x, x)),
+        (bk.einsum("ij,ij->j", t[0], t[1]), NUMPY.einsum("ij,ij->j", x[0], x[1])),
+        (bk.einsum("ij,ij->ij", t[0], t[1]), NUMPY.einsum("ij,ij->ij", x[0], x[1])),
+        (bk.maximum(t, 0.0), NUMPY.maximum(x, 0.0)),
+        (bk.where(t > 0, t, 0.0), NUMPY.where(x > 0, x, 0.0)),
+        (bk.sliding_windows(t[None], 2, 2, 1), NUMPY.sliding_windows(x[None], 2, 2, 1)),
+    ]
+    for got, want in pairs:
+        assert tuple(got.shape) == tuple(np.shape(want))
+        np.testing.assert_array_equal(bk.to_numpy(got), want)
+    assert bk.isfinite_all(t) and not bk.isfinite_all(bk.asarray(np.array([np.inf])))
+    assert bk.dtype_name(bk.float32) == "float32" and bk.dtype_of("int64") is bk.int64
+    with pytest.raises(tiegrad.DTypeError, match="no torch dtype named 'float7'"):
+        bk.dtype_of("float7")
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        np.array([0, 2, 0, 0]),
+        (np.array([1, 1]), np.array([0, 0])),
+        MASK,
+        (slice(None), np.array([1, 1])),
+    ],
+)
+def test_accumulate_at_accumulates_repeats_like_numpy(index):
+    bk = device_backend(DEVICE)
+    host = np.zeros((3, 4))
+    values = np.ones(host[index].shape) * 1.5
+    NUMPY.accumulate_at(host, index, values)
+    dev = bk.zeros((3, 4), bk.float64)
+    bk.accumulate_at(dev, index, bk.asarray(values))
+    np.testing.assert_array_equal(bk.to_numpy(dev), host)
+
+
+def test_uploads_are_copies_and_constants_do_not_alias_read_only_arrays():
+    bk = device_backend(DEVICE)
+    x = np.arange(3.0)
+    up = bk.upload(x)
+    x[0] = 99.0
+    assert bk.to_numpy(up)[0] == 0.0
+    down = bk.download(up)
+    down[1] = -1.0
+    assert bk.to_numpy(up)[1] == 1.0
+    frozen = np.arange(3.0)
+    frozen.flags.writeable = False
+    assert bk.to_numpy(bk.asarray(frozen)).tolist() == [0.0, 1.0, 2.0]

@@ -1,0 +1,283 @@
+"""Optimizers on a device: mirrors and state updated on the device (C3-C8).
+
+The device path runs each optimizer's own update rule through torch's foreach
+kernels, so fed the same gradients it reproduces the host trajectory bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import tiegrad
+from tiegrad import EagerSession, Param, ParamList
+from tiegrad.backend import device_backend
+from tiegrad.optim import SGD, Adagrad, Adam, AdamW, RMSprop
+
+torch = pytest.importorskip("torch")
+
+DEVICE = os.environ.get("TIEGRAD_TEST_DEVICE", "torch:cpu")
+BK = device_backend(DEVICE)
+
+CONFIGS = {
+    "sgd": (SGD, dict(lr=0.1)),
+    "sgd-momentum": (SGD, dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "sgd-nesterov": (SGD, dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
+    "adam": (Adam, dict(lr=0.01, weight_decay=0.1)),
+    "adam-amsgrad": (Adam, dict(lr=0.01, amsgrad=True, maximize=True)),
+    "adamw": (AdamW, dict(lr=0.01, weight_decay=0.1)),
+    "rmsprop": (RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
+    "adagrad": (Adagrad, dict(lr=0.1, lr_decay=0.01)),
+}
+
+
+def _plist() -> ParamList:
+    """[p, q, p, frozen r]: a tie and a frozen slot (C4, C5)."""
+    rng = np.random.default_rng(0)
+    p = Param(rng.standard_normal((3, 2)).astype(np.float32), name="p")
+    q = Param(rng.standard_normal(4).astype(np.float32), name="q")
+    r = Param(np.ones(2, np.float32), requires_grad=False, name="r")
+    return ParamList([p, q, p, r])
+
+
+def _grads(step: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    return [
+        rng.standard_normal((3, 2)).astype(np.float32),
+        rng.standard_normal(4).astype(np.float32),
+        rng.standard_normal((3, 2)).astype(np.float32),
+        rng.standard_normal(2).astype(np.float32),
+    ]
+
+
+def _dev(arrays):
+    return [None if a is None else BK.asarray(np.array(a)) for a in arrays]
+
+
+def _run(config: str, device: bool, steps: int = 6):
+    cls, kw = CONFIGS[config]
+    pl = _plist()
+    opt = cls(pl, **kw)
+    slots = pl.canonical_slot_indices()
+    for k in range(steps):
+        sums = pl.canonical_gradients(slots, _grads(k))
+        opt.step(_dev(sums) if device else sums)
+    return pl, opt
+
+
+def _state_equal(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for slot in a:
+        if a[slot].keys() != b[slot].keys():
+            return False
+        for name, value in a[slot].items():
+            if not np.array_equal(value, b[slot][name]):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_device_step_reproduces_the_host_trajectory_bitwise(config):  # C3, C4, C5
+    host_pl, host_opt = _run(config, device=False)
+    dev_pl, dev_opt = _run(config, device=True)
+    for h, d in zip(host_pl.values(), dev_pl.values_synced()):
+        np.testing.assert_array_equal(d, h)
+    assert _state_equal(dev_opt.state_dict()["state"], host_opt.state_dict()["state"])
+    assert sorted(dev_opt.state_dict()["state"]) == sorted(host_opt.state_dict()["state"])
+
+
+def test_device_step_updates_mirrors_and_leaves_the_host_stale():  # C7
+    pl, opt = _run("adamw", device=True)
+    p, q, _, r = pl
+    initial = _plist()
+    assert not p.storage.host_current and not q.storage.host_current
+    np.testing.assert_array_equal(p.value, initial[0].value)  # values() does not sync
+    assert (p.storage.uploads, q.storage.uploads, r.storage.uploads) == (1, 1, 0)
+    assert p.storage.downloads == 0
+    assert r.storage.mirror is None  # frozen: never touched
+    pl.values_synced()
+    assert (p.storage.downloads, q.storage.downloads) == (1, 1)
+
+
+def test_device_state_is_keyed_by_canonical_slot_and_synced_by_state_dict():  # C5, C7
+    pl, opt = _run("adam", device=True)
+    assert opt._device_state is not None and not opt._device_state.host_current
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1]  # slot 2 aliases slot 0, slot 3 is frozen
+    assert sd["state"][0]["step"] == 6
+    assert opt._device_state.host_current
+    view = opt._device_state.views[0, "exp_avg"]
+    assert BK.is_array(view)
+    np.testing.assert_array_equal(BK.to_numpy(view), sd["state"][0]["exp_avg"])
+
+
+def test_tied_device_step_equals_independent_storages_fed_the_sum():  # reference case 23
+    p, q = Param(np.arange(3, dtype=np.float32)), Param(np.ones(2, np.float32))
+    big_p, big_q = Param(np.arange(3, dtype=np.float32)), Param(np.ones(2, np.float32))
+    tied, free = AdamW(ParamList([p, q, p]), lr=0.01), AdamW(ParamList([big_p, big_q]), lr=0.01)
+    for k in range(6):
+        s = EagerSession(device=DEVICE)
+        a, b, c = s.use(p), s.use(q), s.use(p)
+        w = [float(k + 1), float(k + 3), float(k + 5)]
+        grads = s.backward((a * w[0]).sum() + (b * w[1]).sum() + (c * w[2] * a).sum())
+        tied.step(grads)
+        ids = [a.id, b.id, c.id]
+        free.step([grads[ids[0]] + grads[ids[2]], grads[ids[1]]])
+    np.testing.assert_array_equal(p.value_synced(), big_p.value_synced())
+    np.testing.assert_array_equal(q.value_synced(), big_q.value_synced())
+    assert _state_equal(tied.state_dict()["state"], free.state_dict()["state"])
+    assert [e["step"] for e in tied.state_dict()["state"].values()] == [6, 6]
+
+
+def test_host_step_after_device_steps_syncs_first_and_continues_bitwise():  # C7
+    host_pl, host_opt = _run("adam", device=False, steps=6)
+    pl, opt = _run("adam", device=True, steps=3)
+    slots = pl.canonical_slot_indices()
+    for k in range(3, 6):
+        opt.step(pl.canonical_gradients(slots, _grads(k)))  # host gradients: a host step
+    assert opt._device_state is None
+    assert pl[0].storage.mirror is None and pl[0].storage.host_current
+    for h, d in zip(host_pl.values(), pl.values()):
+        np.testing.assert_array_equal(d, h)
+    assert _state_equal(opt.state_dict()["state"], host_opt.state_dict()["state"])
+
+
+def test_load_state_dict_replaces_the_device_state():  # C6, C7
+    host_pl, host_opt = _run("adamw", device=False, steps=3)
+    pl, opt = _run("adamw", device=True, steps=1)
+    pl.set_values(host_pl.values())
+    opt.load_state_dict(host_opt.state_dict())
+    assert opt._device_state is None
+    slots = pl.canonical_slot_indices()
+    for k in range(3, 6):
+        host_opt.step(host_pl.canonical_gradients(slots, _grads(k)))
+        opt.step(_dev(pl.canonical_gradients(slots, _grads(k))))
+    for h, d in zip(host_pl.values(), pl.values_synced()):
+        np.testing.assert_array_equal(d, h)
+
+
+def _snapshot(pl: ParamList, opt) -> tuple:
+    return (
+        [v.copy() for v in pl.values_synced()],
+        opt.state_dict()["state"],
+        opt.step_count,
+        [st.mirror for st in pl.storages()],
+    )
+
+
+def _unchanged(pl: ParamList, opt, snap) -> bool:
+    values, state, count, mirrors = snap
+    return (
+        all(np.array_equal(a, b) for a, b in zip(pl.values_synced(), values))
+        and _state_equal(opt.state_dict()["state"], state)
+        and opt.step_count == count
+        and all(st.mirror is m for st, m in zip(pl.storages(), mirrors))
+    )
+
+
+def test_bad_device_steps_change_nothing():  # C6
+    pl, opt = _run("adam", device=True, steps=2)
+    slots = pl.canonical_slot_indices()
+    good = _dev(pl.canonical_gradients(slots, _grads(7)))
+    snap = _snapshot(pl, opt)
+    wrong_shape = list(good)
+    wrong_shape[1] = BK.asarray(np.zeros(5, np.float32))
+    with pytest.raises(tiegrad.ShapeError, match=r"expected shape \(4,\), got \(5,\)"):
+        opt.step(wrong_shape)
+    wrong_dtype = list(good)
+    wrong_dtype[1] = BK.asarray(np.zeros(4, np.float64))
+    with pytest.raises(tiegrad.DTypeError, match="expected dtype float32, got float64"):
+        opt.step(wrong_dtype)
+    mixed = list(good)
+    mixed[1] = np.zeros(4, np.float32)
+    with pytest.raises(tiegrad.DeviceError, match="expected a device tensor"):
+        opt.step(mixed)
+    missing = list(good)
+    missing[1] = None
+    with pytest.raises(tiegrad.MissingGradientError, match="slot 1 .* no gradient"):
+        opt.step(missing)
+    nonfinite = list(good)
+    nonfinite[0] = BK.asarray(np.full((3, 2), np.nan, np.float32))
+    with pytest.raises(tiegrad.NonFiniteError, match="slot 0"):
+        opt.step(nonfinite)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(tiegrad.HyperparameterError, match="lr"):
+        opt.step(good)
+    opt.param_groups[0]["lr"] = 0.01
+    assert _unchanged(pl, opt, snap)
+    opt.nonfinite = "skip"
+    opt.step(nonfinite)
+    assert opt.skipped_steps == 1 and _unchanged(pl, opt, snap)
+
+
+def test_retie_after_device_steps_is_an_alias_error():  # C5, C6 (reference case 22)
+    p, q = Param(np.ones(2, np.float32)), Param(np.zeros(2, np.float32))
+    opt = AdamW(ParamList([p, q]), lr=0.01)
+    opt.step(_dev([np.ones(2, np.float32), np.ones(2, np.float32)]))
+    q.storage = p.storage  # re-tie: slot 1 now shares slot 0's storage
+    before = p.value_synced().copy()
+    with pytest.raises(tiegrad.AliasError, match="separate histories"):
+        opt.step(_dev([np.ones(2, np.float32), None]))
+    np.testing.assert_array_equal(p.value_synced(), before)
+    assert sorted(opt.state_dict()["state"]) == [0, 1]
+
+
+def test_session_step_releases_group_sums_on_success_and_failure():  # C8
+    p, q = Param(np.ones(3, np.float32)), Param(np.ones(2, np.float32))
+    opt = Adam(ParamList([p, q]), lr=0.01)
+    tracker = BK.temporaries
+    start, total = tracker.live, tracker.total
+    s = EagerSession(device=DEVICE)
+    grads = s.backward((s.use(p) * s.use(p)).sum() + s.use(q).sum())
+    opt.step(grads)
+    assert tracker.live == start and tracker.total == total + 1
+    s.reset()
+    bad = s.backward((s.use(p) * s.use(p) * float("inf")).sum() + s.use(q).sum())
+    before = p.value_synced().copy()
+    with pytest.raises(tiegrad.NonFiniteError):
+        opt.step(bad)
+    assert tracker.live == start
+    np.testing.assert_array_equal(p.value_synced(), before)
+
+
+def test_a_storage_the_session_did_not_use_is_a_missing_gradient():  # C4, C6
+    p, q = Param(np.ones(3, np.float32)), Param(np.ones(2, np.float32))
+    opt = SGD(ParamList([p, q]), lr=0.1)
+    s = EagerSession(device=DEVICE)
+    grads = s.backward(s.use(p).sum())
+    with pytest.raises(tiegrad.MissingGradientError, match="slot 1 .*no trainable use"):
+        opt.step(grads)
+    assert q.storage.mirror is None and p.storage.host_current
+
+
+def test_checkpoint_of_device_training_syncs_and_resumes_bitwise(tmp_path):  # C7, C9
+    pl, opt = _run("adamw", device=True, steps=3)
+    path = tmp_path / "device.safetensors"
+    tiegrad.save(path, pl, opt)
+    assert pl[0].storage.host_current and opt._device_state.host_current
+    fresh = _plist()
+    fresh_opt = AdamW(fresh, **CONFIGS["adamw"][1])
+    tiegrad.load(path, fresh, fresh_opt)
+    slots = pl.canonical_slot_indices()
+    for k in range(3, 6):
+        opt.step(_dev(pl.canonical_gradients(slots, _grads(k))))
+        fresh_opt.step(_dev(fresh.canonical_gradients(slots, _grads(k))))
+    host_pl, _ = _run("adamw", device=False, steps=6)
+    for a, b, h in zip(pl.values_synced(), fresh.values_synced(), host_pl.values()):
+        np.testing.assert_array_equal(a, h)
+        np.testing.assert_array_equal(b, h)
+
+
+def test_device_step_after_reset_uses_the_recordings_groups():  # C2, C4
+    p = Param(np.ones(3, np.float32))
+    opt = SGD(ParamList([p]), lr=0.5)
+    s = EagerSession(device=DEVICE)
+    a, b = s.use(p), s.use(p)
+    grads = s.backward((a * 1.0).sum() + (b * 3.0).sum())
+    s.reset()  # nothing pins the mirror any more
+    opt.step(grads)
+    np.testing.assert_array_equal(p.value_synced(), np.full(3, -1.0, np.float32))
+    assert p.storage.uploads == 1
