@@ -172,9 +172,9 @@ def _check_strict_layout(pairs: Sequence[Pair], where: str) -> None:
             )
         elif (f.storage, f.canonical) != (t.storage, t.canonical):
             problem = (
-                f"alias layout mismatch at slot {i} ({t.path!r}): the file stores it at slot "
-                f"{f.storage} (canonical {f.canonical}), the model at slot {t.storage} "
-                f"(canonical {t.canonical})"
+                f"alias layout mismatch at slot {i} ({t.path!r}) (storage alias mismatch): the "
+                f"file stores it at slot {f.storage} (canonical {f.canonical}), the model at slot "
+                f"{t.storage} (canonical {t.canonical})"
             )
         else:
             continue
@@ -194,8 +194,8 @@ def _check_ties(
             to_target.setdefault(f.storage, t.storage) != t.storage
         ):
             raise CheckpointError(
-                f"{where}: alias layout mismatch at {t.path!r}: it shares storage with "
-                f"{target[t.storage].path!r} in the model and with "
+                f"{where}: alias layout mismatch at {t.path!r} (storage alias mismatch): it "
+                f"shares storage with {target[t.storage].path!r} in the model and with "
                 f"{file_slots[f.storage].path!r} in the file (matched slots, "
                 f"storage = first slot of each storage)\n{layout_table(pairs, ('file', 'model'))}"
             )
