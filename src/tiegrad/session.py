@@ -354,7 +354,9 @@ class EagerSession:
         once propagated unless its id is retained. ``retain`` defaults to every leaf
         that requires grad. A retained node that requires grad but is not reached
         gets zeros (its gradient is zero). Contributions from several uses of one
-        node are summed (a value used by two ops receives both cotangents).
+        node are summed (a value used by two ops receives both cotangents). Each
+        gradient has its node's dtype: a cotangent promoted by a mixed-dtype op (a float32
+        parameter times a float64 array) is cast back, as PyTorch does.
         """
         bk = self.backend
         oid = self.check(out)
@@ -384,7 +386,7 @@ class EagerSession:
             if g is None:
                 continue
             if i in keep:
-                result[i] = g
+                result[i] = g if g.dtype == meta[i][1] else bk.astype(g, meta[i][1])
             vjp = vjps[i]
             if vjp is None:
                 continue

@@ -77,6 +77,11 @@ class Backend:
     def exp(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def exp_(self, x: Array) -> Array:
+        """``exp`` written over ``x`` itself (which the caller owns); returns ``x``."""
+        x[...] = self.exp(x)
+        return x
+
     def log(self, x: Array) -> Array:
         raise NotImplementedError
 
@@ -107,9 +112,10 @@ class Backend:
 
         ``kernel`` handles items ``lo..hi-1`` (rows, say) of about ``item_size`` elements
         each: it reads its inputs and writes its outputs through slices, and its ranges
-        must be independent of each other. This default runs ``kernel(0, n)`` once; the
-        NumPy backend cuts the range into cache-sized blocks and runs them on several
-        threads (DESIGN: performance).
+        must be independent of each other. The same ``n`` and ``item_size`` always give
+        the same ranges, so a backward pass may find what its forward kept per range.
+        This default runs ``kernel(0, n)`` once; the NumPy backend cuts the range into
+        cache-sized blocks and runs them on several threads (DESIGN: performance).
         """
         if n:
             kernel(0, n)

@@ -54,17 +54,18 @@ class MultiHeadAttention(Module):
 
     def forward(self, session: EagerSession, x: Any, key_padding_mask: Any = None) -> TensorRef:
         x = layer_input(self, session, x, ("B", "T", self.d_model))
-        b, t, d = x.shape
+        b, t, _ = x.shape
         if key_padding_mask is not None:
             mask = np.asarray(key_padding_mask)
             check_shape(self, "key_padding_mask", mask.shape, (b, t))
             key_padding_mask = session.backend.asarray(mask)
-        h = self.n_heads
-        qkv = self.qkv(session, x).reshape(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
-        y = ops.scaled_dot_product_attention(
-            qkv[0], qkv[1], qkv[2], causal=self.causal, key_padding_mask=key_padding_mask
+        y = ops.self_attention(
+            self.qkv(session, x),
+            self.n_heads,
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
         )
-        return self.proj(session, y.permute(0, 2, 1, 3).reshape(b, t, d))
+        return self.proj(session, y)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, causal={self.causal}"

@@ -10,7 +10,7 @@ Importing this package also installs the operators of ``TensorRef``.
 
 from ..session import TensorRef
 from .arithmetic import add, div, matmul, mul, neg, pow, sub
-from .attention import scaled_dot_product_attention
+from .attention import scaled_dot_product_attention, self_attention
 from .conv import conv2d, max_pool2d
 from .dropout import dropout
 from .elementwise import exp, gelu, log, relu, sigmoid, sqrt, tanh
@@ -49,6 +49,7 @@ __all__ = [
     "relu",
     "reshape",
     "scaled_dot_product_attention",
+    "self_attention",
     "sigmoid",
     "softmax",
     "sqrt",

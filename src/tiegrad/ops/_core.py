@@ -137,6 +137,96 @@ def normalize_axes(axis: Any, ndim: int, op: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def sum_last(bk: Backend, x: Array) -> Array:
+    """Sums of ``x`` over its last axis, keepdims, as one matrix-vector product.
+
+    BLAS sums many short rows several times faster than a ufunc reduction (DESIGN:
+    performance). ``x`` should be contiguous (else ``reshape`` copies it).
+    """
+    shape = tuple(x.shape)
+    n = shape[-1]
+    if n == 0 or math.prod(shape) == 0:
+        return bk.sum(x, axis=-1, keepdims=True)
+    rows = bk.matmul(bk.reshape(x, (-1, n)), bk.ones((n,), x.dtype))
+    return bk.reshape(rows, shape[:-1] + (1,))
+
+
+def sum_rows(bk: Backend, x2: Array) -> Array:
+    """The sum of the rows of a 2-D ``x2`` (``(n, k) -> (k,)``) as one vector-matrix product."""
+    n = x2.shape[0]
+    if n == 0:
+        return bk.sum(x2, axis=0)
+    return bk.matmul(bk.ones((n,), x2.dtype), x2)
+
+
+SOFTMAX_MIN_SUM = 1e-20
+"""A softmax row whose shifted exponentials sum below this is recomputed with its own max."""
+
+
+def _block_shift(bk: Backend, x: Array) -> Array:
+    """The softmax shift of ``x``: the maximum of each block of its last two axes (keepdims).
+
+    One fast reduction over contiguous memory instead of a slow per-row maximum; it is at
+    least each row's maximum, so no exponential overflows. A block of only ``-inf``
+    gets 0.
+    """
+    axes = (-2, -1) if len(tuple(x.shape)) > 1 else (-1,)
+    c = bk.max(x, axis=axes, keepdims=True)
+    return bk.where(c == -math.inf, 0.0, c)
+
+
+def _row_shift(bk: Backend, x: Array) -> Array:
+    """Each row's own maximum (keepdims), 0 for a row of only ``-inf``."""
+    m = bk.max(x, axis=-1, keepdims=True)
+    return bk.where(m == -math.inf, 0.0, m)
+
+
+def _underflowed(bk: Backend, den: Array) -> bool:
+    """Whether some sum of shifted exponentials is below ``SOFTMAX_MIN_SUM`` (or NaN).
+
+    A row whose own maximum lies far below the block shift loses precision to
+    underflow; such inputs are shifted row by row instead.
+    """
+    return bool(math.prod(tuple(den.shape))) and not float(-bk.max(-den)) >= SOFTMAX_MIN_SUM
+
+
+def shifted_exp(bk: Backend, x: Array) -> tuple[Array, Array, Array]:
+    """``(s, e, den)``: ``s = x - c``, ``e = exp(s)``, ``den`` = sums of ``e`` over the last axis.
+
+    The softmax of ``x`` over its last axis is ``e / den``, its log ``s - log(den)``;
+    ``s`` and ``e`` are fresh arrays the caller owns. The shift ``c`` is the block
+    maximum of ``_block_shift``, or each row's own maximum when that underflows
+    (``_underflowed``); a row of only ``-inf`` then has a zero sum.
+    """
+    s = x - _block_shift(bk, x)
+    e = bk.exp(s)
+    den = sum_last(bk, e)
+    if _underflowed(bk, den):
+        s = x - _row_shift(bk, x)
+        e = bk.exp(s)
+        den = sum_last(bk, e)
+    return s, e, den
+
+
+def softmax_(bk: Backend, x: Array, remake: Callable[[], Array]) -> Array:
+    """The softmax of ``x`` over its last axis, computed in place in ``x`` and returned.
+
+    ``x`` is a temporary of the caller. Shifted like ``shifted_exp``; when that
+    underflows, ``remake()`` builds ``x`` afresh and each row is shifted by its own
+    maximum. A row of only ``-inf`` (a query that sees no key) becomes zeros.
+    """
+    x -= _block_shift(bk, x)
+    e = bk.exp_(x)
+    den = sum_last(bk, e)
+    if _underflowed(bk, den):
+        e = remake()
+        e -= _row_shift(bk, e)
+        e = bk.exp_(e)
+        den = sum_last(bk, e)
+    e *= 1.0 / bk.where(den == 0, 1.0, den)
+    return e
+
+
 def swap_last(bk: Backend, x: Array) -> Array:
     """``x`` with its last two axes swapped (a view where the backend allows)."""
     nd = len(x.shape)

@@ -1,4 +1,13 @@
-"""Scaled dot-product attention as one op with a fused VJP (softmax backward inline)."""
+"""Scaled dot-product attention as one op with a fused VJP (softmax backward inline).
+
+``scaled_dot_product_attention`` takes separate q, k and v; ``self_attention`` takes the
+packed (B, T, 3 d) projection of a multi-head self-attention layer and returns the
+heads merged back to (B, T, d), so a layer records one node where the split, the head
+permutes and the merge would record eight (DESIGN: performance). Both share one kernel:
+the mask is an additive bias of ``-inf`` (no masked copy of the scores), the softmax
+shift is a per-head block maximum (``softmax_``), blocks of the batch run on the backend's
+threads (``Backend.blockwise``), and the scale is folded into q.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,113 @@ from typing import Any
 
 from ..errors import DTypeError, ShapeError
 from ..session import TensorRef
-from ._core import lift, needs_grad, session_of, swap_last, unbroadcast, value_of
+from ._core import lift, needs_grad, session_of, softmax_, swap_last, unbroadcast, value_of
+
+_OP = "scaled_dot_product_attention"
+
+
+def _mask_bias(s, op: str, qs, tk: int, causal: bool, key_padding_mask: Any, dtype) -> Any:
+    """The additive mask (0 where a key is seen, ``-inf`` where hidden) or None.
+
+    ``causal`` hides key ``j`` from query ``i`` when ``j > i``; ``key_padding_mask`` is a
+    boolean (B, Tk) array, True = hidden, with B the first axis of ``qs``.
+    """
+    bk = s.backend
+    tq = qs[-2]
+    hidden = None
+    if causal:
+        hidden = bk.expand_dims(bk.arange(tq, bk.int64), -1) < bk.arange(tk, bk.int64)
+    if key_padding_mask is not None:
+        kpm = value_of(s, key_padding_mask)
+        if bk.dtype_name(kpm.dtype) != "bool":
+            raise DTypeError(f"{op}: key_padding_mask must be bool, got {kpm.dtype}")
+        if len(qs) < 3 or tuple(kpm.shape) != (qs[0], tk):
+            raise ShapeError(
+                f"{op}: key_padding_mask has shape {tuple(kpm.shape)}, expected (B, Tk) = "
+                f"({qs[0] if len(qs) > 2 else '?'}, {tk}) for q {qs}"
+            )
+        kpm = bk.reshape(kpm, (qs[0],) + (1,) * (len(qs) - 2) + (tk,))
+        hidden = kpm if hidden is None else (hidden | kpm)
+    if hidden is None:
+        return None
+    return bk.astype(bk.where(hidden, -math.inf, 0.0), dtype)
+
+
+def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: bool):
+    """Forward of ``softmax(q k^T * scale + bias) v`` and its VJP ``g -> (gq, gk, gv)``.
+
+    A query row that sees no key gets zeros and no gradient. When q, k and v share their
+    leading axes the work runs in blocks of the first axis (``Backend.blockwise``: each
+    block's scores stay in cache, and blocks run on several threads on the host);
+    otherwise in one block over the broadcast leading axes, whose shape the cotangents
+    then have (callers unbroadcast). ``vjp(g, buffers)`` may receive ``(gq, gk, gv)``
+    arrays (or None) to write the cotangents into.
+    """
+    kt = swap_last(bk, kv)
+    probe = bk.matmul(qv[..., :0, :], kt[..., :0])  # broadcast leading axes and dtype
+    lead = tuple(probe.shape[:-2])
+    tq, tk, dv = tuple(qv.shape)[-2], tuple(kv.shape)[-2], tuple(vv.shape)[-1]
+    split = bool(lead) and tuple(qv.shape[:-2]) == tuple(kv.shape[:-2]) == tuple(vv.shape[:-2])
+    batched_bias = split and bias is not None and len(tuple(bias.shape)) == len(lead) + 2
+    n = lead[0] if split else 1
+    item = tq * tk * math.prod(lead[1:] if split else lead)
+    out = bk.empty(lead + (tq, dv), bk.matmul(probe, vv[..., :0, :]).dtype)
+    kept: dict[int, tuple[Any, Any]] = {}  # block start -> (scaled q, softmax) of the block
+
+    def block(lo: int, hi: int) -> Any:
+        return slice(lo, hi) if split else slice(None)
+
+    def forward(lo: int, hi: int) -> None:
+        i = block(lo, hi)
+        qs = qv[i] * scale
+
+        def scores() -> Any:
+            x = bk.matmul(qs, kt[i])
+            if bias is not None:
+                x += bias[i] if batched_bias else bias
+            return x
+
+        p = softmax_(bk, scores(), scores)
+        kept[lo] = (qs, p)
+        out[i] = bk.matmul(p, vv[i])
+
+    bk.blockwise(forward, n, item)
+
+    def vjp(g, buffers=(None, None, None)):
+        grads = []
+        for buf, want, x in zip(buffers, (want_q, want_k, want_v), (qv, kv, vv)):
+            if not want:
+                grads.append(None)
+            elif buf is not None:
+                grads.append(buf)
+            else:
+                xlead = tuple(x.shape[:-2]) if split else lead
+                grads.append(bk.empty(xlead + tuple(x.shape)[-2:], g.dtype))
+        gq, gk, gv = grads
+
+        def backward(lo: int, hi: int) -> None:
+            i = block(lo, hi)
+            qs, pb = kept[lo]
+            gb = g[i]
+            if want_v:
+                gv[i] = bk.matmul(swap_last(bk, pb), gb)
+            if not (want_q or want_k):
+                return
+            gs = bk.matmul(gb, swap_last(bk, vv[i]))
+            rowdot = bk.einsum("ij,ij->i", bk.reshape(gs, (-1, tk)), bk.reshape(pb, (-1, tk)))
+            gs -= bk.reshape(rowdot, tuple(gs.shape)[:-1] + (1,))
+            gs *= pb
+            if want_q:
+                gqb = gq[i]
+                gqb[...] = bk.matmul(gs, kv[i])
+                gqb *= scale
+            if want_k:
+                gk[i] = bk.matmul(swap_last(bk, gs), qs)
+
+        bk.blockwise(backward, n, item)
+        return gq, gk, gv
+
+    return out, vjp
 
 
 def scaled_dot_product_attention(
@@ -32,59 +147,75 @@ def scaled_dot_product_attention(
     qs, ks, vs = tuple(qv.shape), tuple(kv.shape), tuple(vv.shape)
     if len(qs) < 2 or len(ks) < 2 or len(vs) < 2 or qs[-1] != ks[-1] or ks[-2] != vs[-2]:
         raise ShapeError(
-            f"scaled_dot_product_attention: q {qs}, k {ks} and v {vs} do not fit "
+            f"{_OP}: q {qs}, k {ks} and v {vs} do not fit "
             "(expected q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv))"
         )
-    tq, tk = qs[-2], ks[-2]
     if scale is None:
         scale = 1.0 / math.sqrt(qs[-1])
     for xs, ys in ((qs, ks), (qs, vs), (ks, vs)):
         for m, n in zip(reversed(xs[:-2]), reversed(ys[:-2])):
             if m != n and m != 1 and n != 1:
                 raise ShapeError(
-                    f"scaled_dot_product_attention: leading axes of q {qs}, k {ks} and "
-                    f"v {vs} do not broadcast"
+                    f"{_OP}: leading axes of q {qs}, k {ks} and v {vs} do not broadcast"
                 )
-    hidden = None
-    if causal:
-        hidden = bk.expand_dims(bk.arange(tq, bk.int64), -1) < bk.arange(tk, bk.int64)
-    if key_padding_mask is not None:
-        kpm = value_of(s, key_padding_mask)
-        if bk.dtype_name(kpm.dtype) != "bool":
-            raise DTypeError(
-                f"scaled_dot_product_attention: key_padding_mask must be bool, got {kpm.dtype}"
-            )
-        if len(qs) < 3 or tuple(kpm.shape) != (qs[0], tk):
-            raise ShapeError(
-                f"scaled_dot_product_attention: key_padding_mask has shape "
-                f"{tuple(kpm.shape)}, expected (B, Tk) = ({qs[0] if len(qs) > 2 else '?'}, "
-                f"{tk}) for q {qs} and k {ks}"
-            )
-        kpm = bk.reshape(kpm, (qs[0],) + (1,) * (len(qs) - 2) + (tk,))
-        hidden = kpm if hidden is None else (hidden | kpm)
+    bias = _mask_bias(s, _OP, qs, ks[-2], causal, key_padding_mask, qv.dtype)
     q, k, v = lift(s, q, qv), lift(s, k, kv), lift(s, v, vv)
-    scores = bk.matmul(qv, swap_last(bk, kv)) * scale
-    if hidden is not None:
-        scores = bk.where(hidden, -math.inf, scores)
-    m = bk.max(scores, axis=-1, keepdims=True)
-    if hidden is not None:
-        m = bk.where(m == -math.inf, 0.0, m)
-    e = bk.exp(scores - m)
-    den = bk.sum(e, axis=-1, keepdims=True)
-    if hidden is not None:
-        den = bk.where(den == 0, 1.0, den)
-    p = e / den
-    out = bk.matmul(p, vv)
-    want_q, want_k, want_v = needs_grad(s, q), needs_grad(s, k), needs_grad(s, v)
+    out, attend_vjp = _attend(
+        bk, qv, kv, vv, bias, scale, needs_grad(s, q), needs_grad(s, k), needs_grad(s, v)
+    )
 
     def vjp(g):
-        gv = unbroadcast(bk, bk.matmul(swap_last(bk, p), g), vs) if want_v else None
-        if not (want_q or want_k):
-            return None, None, gv
-        gp = bk.matmul(g, swap_last(bk, vv))
-        gs = p * (gp - bk.sum(gp * p, axis=-1, keepdims=True)) * scale
-        gq = unbroadcast(bk, bk.matmul(gs, kv), qs) if want_q else None
-        gk = unbroadcast(bk, bk.matmul(swap_last(bk, gs), qv), ks) if want_k else None
-        return gq, gk, gv
+        gq, gk, gv = attend_vjp(g)
+        return (
+            None if gq is None else unbroadcast(bk, gq, qs),
+            None if gk is None else unbroadcast(bk, gk, ks),
+            None if gv is None else unbroadcast(bk, gv, vs),
+        )
 
     return s._record(out, (q.id, k.id, v.id), vjp)
+
+
+def self_attention(
+    qkv: TensorRef,
+    n_heads: int,
+    causal: bool = False,
+    key_padding_mask: Any = None,
+    scale: float | None = None,
+) -> TensorRef:
+    """Multi-head self-attention from a packed projection ``qkv`` (B, T, 3 d); gives (B, T, d).
+
+    The last axis of ``qkv`` holds the queries, then the keys, then the values (PyTorch's
+    ``in_proj`` layout), each split into ``n_heads`` heads of ``d / n_heads`` features.
+    Equal to splitting, moving the heads to axis 1, ``scaled_dot_product_attention``
+    (same ``causal``, ``key_padding_mask`` and ``scale``) and merging the heads back,
+    recorded as one node.
+    """
+    op = "self_attention"
+    s = session_of(qkv)
+    bk = s.backend
+    xv = qkv.value
+    shape = tuple(xv.shape)
+    if len(shape) != 3 or not isinstance(n_heads, int) or n_heads < 1 or shape[2] % (3 * n_heads):
+        raise ShapeError(
+            f"{op}: qkv has shape {shape} and n_heads={n_heads!r}; expected (B, T, 3 d) "
+            "with d a multiple of n_heads"
+        )
+    b, t, d3 = shape
+    d = d3 // 3
+    hd = d // n_heads
+    if scale is None:
+        scale = 1.0 / math.sqrt(hd)
+    heads = (b, n_heads, t, hd)
+    bias = _mask_bias(s, op, heads, t, causal, key_padding_mask, xv.dtype)
+    split = bk.transpose(bk.reshape(xv, (b, t, 3, n_heads, hd)), (2, 0, 3, 1, 4))
+    want = needs_grad(s, qkv)
+    out, attend_vjp = _attend(bk, split[0], split[1], split[2], bias, scale, want, want, want)
+    merged = bk.reshape(bk.transpose(out, (0, 2, 1, 3)), (b, t, d))
+
+    def vjp(g):
+        g4 = bk.transpose(bk.reshape(g, (b, t, n_heads, hd)), (0, 2, 1, 3))
+        gx = bk.empty((b, t, 3, n_heads, hd), g.dtype)
+        attend_vjp(g4, bk.transpose(gx, (2, 0, 3, 1, 4)))
+        return (bk.reshape(gx, shape),)
+
+    return s._record(merged, (qkv.id,), vjp)

@@ -14,8 +14,6 @@ from ..session import TensorRef
 from ._core import session_of
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def _times(d, g):
@@ -38,12 +36,8 @@ def _sigmoid_vjp(out, g):
     return (g * out * (1.0 - out),)
 
 
-def _relu_vjp(xv, g):
-    return (g * (xv > 0),)
-
-
-def _gelu_erf_vjp(bk, xv, cdf, g):
-    return (g * (cdf + xv * bk.exp(-0.5 * xv * xv) * _INV_SQRT_2PI),)
+def _relu_vjp(out, g):
+    return (g * (out > 0),)
 
 
 def _gelu_tanh_vjp(xv, t, g):
@@ -87,20 +81,28 @@ def sigmoid(x: TensorRef) -> TensorRef:
 
 
 def relu(x: TensorRef) -> TensorRef:
-    """``max(x, 0)``; VJP: ``g`` where ``x > 0``, else 0."""
+    """``max(x, 0)``; VJP: ``g`` where ``x > 0``, else 0.
+
+    The VJP reads the mask from the output (``out > 0`` exactly where ``x > 0``), which
+    the next op usually keeps anyway, so the input can be freed.
+    """
     s = session_of(x)
-    xv = x.value
-    return s._record(s.backend.maximum(xv, 0.0), (x.id,), partial(_relu_vjp, xv))
+    out = s.backend.maximum(x.value, 0.0)
+    return s._record(out, (x.id,), partial(_relu_vjp, out))
 
 
 def gelu(x: TensorRef, approximate: str = "none") -> TensorRef:
-    """GELU, exact (``"none"``, with erf) or the ``"tanh"`` form, as in PyTorch."""
+    """GELU, exact (``"none"``, with erf) or the ``"tanh"`` form, as in PyTorch.
+
+    The exact form is the backend's fused ``gelu`` kernel, which also returns the
+    derivative; the VJP keeps only that array (``g * dgelu/dx``).
+    """
     s = session_of(x)
     bk = s.backend
     xv = x.value
     if approximate == "none":
-        cdf = 0.5 * (1.0 + bk.erf(xv * _INV_SQRT_2))
-        return s._record(xv * cdf, (x.id,), partial(_gelu_erf_vjp, bk, xv, cdf))
+        out, slope = bk.gelu(xv)
+        return s._record(out, (x.id,), partial(_times, slope))
     if approximate == "tanh":
         t = bk.tanh(_SQRT_2_OVER_PI * (xv + 0.044715 * xv * xv * xv))
         return s._record(0.5 * xv * (1.0 + t), (x.id,), partial(_gelu_tanh_vjp, xv, t))

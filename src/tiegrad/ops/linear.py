@@ -6,14 +6,16 @@ from typing import Any
 
 from ..errors import ShapeError
 from ..session import TensorRef
-from ._core import lift, needs_grad, session_of, value_of
+from ._core import lift, needs_grad, session_of, sum_rows, value_of
 
 
 def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
     """``x @ weight.T + bias`` for ``x`` of shape ``(..., in)``, ``weight`` ``(out, in)``.
 
-    ``bias`` has shape ``(out,)``. One node; the VJP works on ``x`` flattened to 2-D and
-    skips the products of operands that need no gradient.
+    ``bias`` has shape ``(out,)``. One node; the bias is added in place into the fresh
+    product (no second output-sized temporary). The VJP works on ``x`` flattened to 2-D,
+    passes the transposes to BLAS as views, sums the bias gradient as one
+    vector-matrix product and skips the products of operands that need no gradient.
     """
     s = session_of(x, weight, bias)
     bk = s.backend
@@ -40,7 +42,10 @@ def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
     x2 = bk.reshape(xv, (-1, n_in))
     out2 = bk.matmul(x2, bk.transpose(wv, (1, 0)))
     if bias is not None:
-        out2 = out2 + bv
+        if bv.dtype == out2.dtype:
+            out2 += bv
+        else:
+            out2 = out2 + bv  # keep NumPy's type promotion
     out = bk.reshape(out2, xs[:-1] + (n_out,))
     want_x, want_w = needs_grad(s, x), needs_grad(s, w)
     want_b = bias is not None and needs_grad(s, b)
@@ -51,6 +56,6 @@ def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
         gw = bk.matmul(bk.transpose(g2, (1, 0)), x2) if want_w else None
         if bias is None:
             return gx, gw
-        return gx, gw, (bk.sum(g2, axis=0) if want_b else None)
+        return gx, gw, (sum_rows(bk, g2) if want_b else None)
 
     return s._record(out, tuple(r.id for r in refs), vjp)

@@ -14,6 +14,8 @@ from ._core import (
     lift,
     needs_grad,
     session_of,
+    shifted_exp,
+    sum_last,
     value_of,
 )
 
@@ -31,7 +33,9 @@ def cross_entropy(
     target is ``ignore_index`` contributes nothing; ``"mean"`` divides by the number of
     other positions (0 when there are none, where PyTorch gives NaN). With smoothing
     ``e`` the loss of a position is ``-(1 - e) * logp[t] - e / C * sum(logp)``. One node;
-    the VJP is ``(softmax - q) * weight`` with ``q`` the smoothed one-hot target.
+    the forward keeps the softmax and the VJP is ``(softmax - q) * weight`` with ``q``
+    the smoothed one-hot target, built as ``softmax * weight`` minus the target terms
+    (scattered into the rows, no one-hot array).
     """
     s = session_of(logits)
     bk = s.backend
@@ -52,13 +56,14 @@ def cross_entropy(
     valid = t != ignore_index
     t_safe = bk.where(valid, t, 0)
     check_index_range(s, "cross_entropy", "targets", t_safe, c, f" or equal {ignore_index=}")
-    shifted = lv - bk.max(lv, axis=-1, keepdims=True)
-    logp = shifted - bk.log(bk.sum(bk.exp(shifted), axis=-1, keepdims=True))
+    shifted, probs, den = shifted_exp(bk, lv)
+    log_den = bk.reshape(bk.log(den), shape[:-1])
     tgt = bk.expand_dims(t_safe, -1)
-    picked = bk.reshape(bk.take_along_axis(logp, tgt, -1), shape[:-1])
-    per = -picked
+    per = log_den - bk.reshape(bk.take_along_axis(shifted, tgt, -1), shape[:-1])
     if label_smoothing:
-        per = (1.0 - label_smoothing) * per - (label_smoothing / c) * bk.sum(logp, axis=-1)
+        total = bk.reshape(sum_last(bk, shifted), shape[:-1]) - c * log_den
+        per = (1.0 - label_smoothing) * per - (label_smoothing / c) * total
+    del shifted
     vmask = bk.astype(valid, lv.dtype)
     per = per * vmask
     count = float(bk.sum(vmask)) if reduction == "mean" else 1.0
@@ -69,22 +74,32 @@ def cross_entropy(
     else:
         out = bk.sum(per) * (1.0 / count) if count else bk.sum(per)
     want = needs_grad(s, logits)
+    if want:
+        probs *= 1.0 / den  # the softmax, kept for the VJP
+    del den
+    rows = math.prod(shape[:-1])
+    hit = 1.0 - label_smoothing
 
     def vjp(g):
         if not want:
             return (None,)
         w = vmask * g if reduction == "none" else vmask * (g / (count or 1.0))
         scale = bk.expand_dims(w, -1)
-        onehot = tgt == bk.arange(c, t.dtype)
-        hit = 1.0 - label_smoothing + label_smoothing / c
-        q = bk.where(onehot, hit, label_smoothing / c)
-        return ((bk.exp(logp) - bk.astype(q, lv.dtype)) * scale,)
+        grad = probs * scale
+        if label_smoothing:
+            grad -= scale * (label_smoothing / c)
+        index = (bk.arange(rows, t.dtype), bk.reshape(t_safe, (rows,)))
+        bk.accumulate_at(bk.reshape(grad, (rows, c)), index, bk.reshape(w, (rows,)) * -hit)
+        return (grad,)
 
     return s._record(out, (logits.id,), vjp)
 
 
 def mse_loss(pred: TensorRef, target: Any, reduction: str = "mean") -> TensorRef:
-    """Mean (or summed, or elementwise) squared difference; shapes must be equal."""
+    """Mean (or summed, or elementwise) squared difference; shapes must be equal.
+
+    A reduced loss is the dot product of the flat difference with itself (one pass).
+    """
     s = session_of(pred, target)
     bk = s.backend
     check_reduction("mse_loss", reduction)
@@ -95,10 +110,13 @@ def mse_loss(pred: TensorRef, target: Any, reduction: str = "mean") -> TensorRef
         )
     pred, target = lift(s, pred, pv), lift(s, target, tv)
     diff = pv - tv
-    sq = diff * diff
     n = math.prod(tuple(pv.shape))
     mean = reduction == "mean" and n > 0
-    out = sq if reduction == "none" else bk.sum(sq)
+    if reduction == "none":
+        out = diff * diff
+    else:
+        flat = bk.reshape(diff, (-1,))
+        out = bk.matmul(flat, flat)  # one BLAS dot: no squared temporary
     if mean:
         out = out * (1.0 / n)
     factor = 2.0 / n if mean else 2.0

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..errors import HyperparameterError, ShapeError
 from ..session import TensorRef
-from ._core import lift, needs_grad, session_of, value_of
+from ._core import lift, needs_grad, session_of, sum_last, sum_rows, value_of
 
 
 def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> TensorRef:
@@ -14,6 +15,10 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
 
     ``weight`` and ``bias`` have shape ``(x.shape[-1],)``. One node with a closed-form
     VJP: ``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` with ``gh = g * weight``.
+    Rows are handled as a 2-D array in cache-sized blocks (``Backend.blockwise``): row
+    means are matrix-vector products, row and column dot products ``einsum`` reductions
+    (no product temporaries), and the other passes run in place on the block's slice of
+    the op's own outputs.
     """
     s = session_of(x, weight, bias)
     bk = s.backend
@@ -38,38 +43,64 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     w = lift(s, *params["weight"]) if "weight" in params else None
     b = lift(s, *params["bias"]) if "bias" in params else None
     refs = [r for r in (x, w, b) if r is not None]
-    mu = bk.sum(xv, axis=-1, keepdims=True) * (1.0 / d)
-    xc = xv - mu
-    var = bk.sum(xc * xc, axis=-1, keepdims=True) * (1.0 / d)
-    rstd = 1.0 / bk.sqrt(var + eps)
-    xhat = xc * rstd
-    out = xhat
-    if w is not None:
-        out = out * w.value
-    if b is not None:
-        out = out + b.value
-    lead = tuple(range(len(shape) - 1))
+    inv_d = 1.0 / d if d else 0.0
+    rows = math.prod(shape[:-1])
+    x2 = bk.reshape(xv, (rows, d))
+    wv = None if w is None else w.value
+    bv = None if b is None else b.value
+    # Output dtypes follow the type promotion of the unfused formula (probed on 0 rows).
+    head = x2[:0] - x2[:0]
+    xhat = bk.empty((rows, d), head.dtype)
+    rstd = bk.empty((rows, 1), head.dtype)
+    if wv is not None:
+        head = head * wv
+    if bv is not None:
+        head = head + bv
+    out2 = xhat if wv is None and bv is None else bk.empty((rows, d), head.dtype)
 
-    def _sum_lead(a):
-        return bk.sum(a, axis=lead) if lead else a
+    def forward_rows(lo: int, hi: int) -> None:
+        xb = x2[lo:hi]
+        xh = xhat[lo:hi]
+        xh[...] = xb - sum_last(bk, xb) * inv_d
+        r = 1.0 / bk.sqrt(bk.reshape(bk.einsum("ij,ij->i", xh, xh), (-1, 1)) * inv_d + eps)
+        rstd[lo:hi] = r
+        xh *= r
+        if out2 is not xhat:
+            o = out2[lo:hi]
+            o[...] = xh if wv is None else xh * wv
+            if bv is not None:
+                o += bv
 
+    bk.blockwise(forward_rows, rows, d)
+    out = bk.reshape(out2, shape)
     want_x = needs_grad(s, x)
     want_w = w is not None and needs_grad(s, w)
     want_b = b is not None and needs_grad(s, b)
 
     def vjp(g):
-        grads = []
+        g2 = bk.reshape(g, (rows, d))
+        grads = [None]
         if want_x:
-            gh = g * w.value if w is not None else g
-            m1 = bk.sum(gh, axis=-1, keepdims=True) * (1.0 / d)
-            m2 = bk.sum(gh * xhat, axis=-1, keepdims=True) * (1.0 / d)
-            grads.append(rstd * (gh - m1 - xhat * m2))
-        else:
-            grads.append(None)
+            head = g2[:0] * xhat[:0] if wv is None else g2[:0] * wv * xhat[:0]
+            gx = bk.empty((rows, d), head.dtype)
+
+            def backward_rows(lo: int, hi: int) -> None:
+                xh = xhat[lo:hi]
+                gh = g2[lo:hi] if wv is None else g2[lo:hi] * wv
+                m1 = sum_last(bk, gh) * inv_d
+                m2 = bk.reshape(bk.einsum("ij,ij->i", gh, xh), (-1, 1)) * inv_d
+                o = gx[lo:hi]
+                o[...] = xh * -m2
+                o -= m1
+                o += gh
+                o *= rstd[lo:hi]
+
+            bk.blockwise(backward_rows, rows, d)
+            grads[0] = bk.reshape(gx, shape)
         if w is not None:
-            grads.append(_sum_lead(g * xhat) if want_w else None)
+            grads.append(bk.einsum("ij,ij->j", g2, xhat) if want_w else None)
         if b is not None:
-            grads.append(_sum_lead(g) if want_b else None)
+            grads.append(sum_rows(bk, g2) if want_b else None)
         return grads
 
     return s._record(out, tuple(r.id for r in refs), vjp)

@@ -1,0 +1,20 @@
+"""Data for training: text windows, in-memory arrays, batching, the default corpus."""
+
+from .corpus import DEFAULT_MAX_CHARS, stdlib_corpus, stdlib_root
+from .loader import ArrayDataset, Batch, BatchSource, DataLoader
+from .text import TextDataset, WindowLoader, read_text
+from .vocab import Vocab
+
+__all__ = [
+    "ArrayDataset",
+    "Batch",
+    "BatchSource",
+    "DEFAULT_MAX_CHARS",
+    "DataLoader",
+    "TextDataset",
+    "Vocab",
+    "WindowLoader",
+    "read_text",
+    "stdlib_corpus",
+    "stdlib_root",
+]

@@ -1,0 +1,292 @@
+"""The configuration of a language-model run: defaults, TOML files, flags, validation.
+
+A configuration is a flat dict with exactly the keys of ``DEFAULTS``. It is
+resolved in three layers, later ones winning: ``DEFAULTS``, a TOML file
+(``--config FILE.toml``, flat ``key = value`` pairs), then command-line flags. A key
+that does not exist, a value of the wrong type or out of range is a ``ConfigError``
+naming the key (and the file), raised before anything is built.
+
+The defaults are the main job, ``tiegrad train`` with no arguments: a character
+``TiedLM`` trained on the standard library's source (``text = ""``), sized to finish
+within a few minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+DEFAULTS: dict[str, Any] = {
+    # data
+    "text": "",
+    "vocab": "char",
+    "corpus_chars": 2_000_000,
+    "val_fraction": 0.1,
+    # model (TiedLM)
+    "d_model": 128,
+    "n_layers": 2,
+    "n_heads": 4,
+    "seq_len": 64,
+    "mlp_ratio": 4,
+    "dropout": 0.0,
+    # optimization
+    "steps": 1000,
+    "batch_size": 32,
+    "grad_accum": 1,
+    "lr": 3e-3,
+    "min_lr": 3e-4,
+    "warmup_steps": 50,
+    "weight_decay": 0.01,
+    "clip_norm": 1.0,
+    # evaluation, checkpoints, run
+    "eval_every": 100,
+    "eval_batches": 8,
+    "checkpoint_every": 250,
+    "keep_last": 3,
+    "patience": 0,
+    "seed": 0,
+    "device": "cpu",
+    "run": "",
+    "progress": True,
+}
+
+#: What each key means (the command's help and the README reference use it).
+HELP: dict[str, str] = {
+    "text": "training text file (UTF-8); empty: the Python standard library's source",
+    "vocab": "token vocabulary: char or byte",
+    "corpus_chars": "size cap of the standard-library corpus, in characters",
+    "val_fraction": "fraction of the text (its end) held out for validation",
+    "d_model": "model width",
+    "n_layers": "transformer blocks",
+    "n_heads": "attention heads (must divide d_model)",
+    "seq_len": "context length in tokens",
+    "mlp_ratio": "MLP hidden width as a multiple of d_model",
+    "dropout": "dropout probability in [0, 1)",
+    "steps": "optimizer steps",
+    "batch_size": "sequences per batch",
+    "grad_accum": "batches accumulated into one step",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr": "learning rate at the end of the cosine decay",
+    "warmup_steps": "linear warmup steps (at most the step count)",
+    "weight_decay": "AdamW weight decay",
+    "clip_norm": "global gradient-norm clip; 0 turns clipping off",
+    "eval_every": "evaluate on the validation split every N steps",
+    "eval_batches": "validation batches per evaluation",
+    "checkpoint_every": "write a checkpoint every N steps",
+    "keep_last": "periodic checkpoints kept (the best is kept as well)",
+    "patience": "stop after N evaluations without improvement; 0 never stops early",
+    "seed": "seed of initialization, batches and dropout",
+    "device": "cpu, or a device backend (cuda, mps, torch:cpu)",
+    "run": "run folder; empty: runs/<date-time>",
+    "progress": "show the progress bar",
+}
+
+_PATH_KEYS = ("text", "run")
+_CHOICES = {"vocab": ("char", "byte")}
+#: key -> (lowest allowed, whether the lowest is excluded, highest or None).
+_RANGES: dict[str, tuple[float, bool, float | None]] = {
+    "corpus_chars": (1, False, None),
+    "val_fraction": (0.0, True, 1.0),
+    "d_model": (1, False, None),
+    "n_layers": (1, False, None),
+    "n_heads": (1, False, None),
+    "seq_len": (1, False, None),
+    "mlp_ratio": (1, False, None),
+    "dropout": (0.0, False, 1.0),
+    "steps": (1, False, None),
+    "batch_size": (1, False, None),
+    "grad_accum": (1, False, None),
+    "lr": (0.0, True, None),
+    "min_lr": (0.0, False, None),
+    "warmup_steps": (0, False, None),
+    "weight_decay": (0.0, False, None),
+    "clip_norm": (0.0, False, None),
+    "eval_every": (1, False, None),
+    "eval_batches": (1, False, None),
+    "checkpoint_every": (1, False, None),
+    "keep_last": (1, False, None),
+    "patience": (0, False, None),
+    "seed": (0, False, None),
+}
+
+
+def check_value(key: str, value: Any, where: str = "", label: str | None = None) -> Any:
+    """``value`` checked (and, for float keys, converted) for ``key``; else ``ConfigError``.
+
+    The message names ``label`` (e.g. the flag ``--steps``) or the key and ``where``.
+    """
+    origin = f" in {where}" if where else ""
+    if key not in DEFAULTS:
+        known = ", ".join(sorted(DEFAULTS))
+        raise ConfigError(f"unknown config key {key!r}{origin} (known keys: {known})")
+    name = label or f"config key {key!r}{origin}"
+    default = DEFAULTS[key]
+    kind = type(default)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            ok = math.isfinite(value)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(
+            f"{name}: expected {'a finite ' if kind is float else 'a '}"
+            f"{kind.__name__}, got {value!r}"
+        )
+    if key in _CHOICES and value not in _CHOICES[key]:
+        raise ConfigError(f"{name}: expected one of {_CHOICES[key]}, got {value!r}")
+    if key in _RANGES:
+        low, strict, high = _RANGES[key]
+        bad_low = value <= low if strict else value < low
+        bad_high = high is not None and value >= high
+        if bad_low or bad_high:
+            span = f"{'>' if strict else '>='} {low}" + (
+                f" and < {high}" if high is not None else ""
+            )
+            raise ConfigError(f"{name}: expected a value {span}, got {value!r}")
+    return value
+
+
+def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Check every key of a complete configuration and the rules between keys."""
+    missing = sorted(set(DEFAULTS) - set(config))
+    if missing:
+        raise ConfigError(f"configuration lacks keys {missing}")
+    out = {k: check_value(k, v) for k, v in config.items()}
+    if out["d_model"] % out["n_heads"]:
+        raise ConfigError(
+            f"config: n_heads ({out['n_heads']}) must divide d_model ({out['d_model']})"
+        )
+    if out["min_lr"] > out["lr"]:
+        raise ConfigError(f"config: min_lr ({out['min_lr']}) exceeds lr ({out['lr']})")
+    return out
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The key-value pairs of a TOML file, relative paths resolved against its folder.
+
+    Python 3.11+ parses with ``tomllib``; on 3.10 a small parser reads flat
+    ``key = value`` lines (strings, integers, floats, booleans, comments). Unknown
+    keys and bad values are ``ConfigError``s naming the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist or is not a file")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
+    data = _parse_toml(raw, str(path))
+    out = {}
+    for key, value in data.items():
+        value = check_value(key, value, str(path))
+        if key in _PATH_KEYS and value and not os.path.isabs(value):
+            value = os.path.normpath(path.parent / value)
+        out[key] = value
+    return out
+
+
+def _parse_toml(raw: str, where: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        try:
+            return tomllib.loads(raw)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {where!r} is not valid TOML: {e}") from None
+    return parse_flat_toml(raw, where)
+
+
+_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*(.+?)\s*$")
+
+
+def parse_flat_toml(raw: str, where: str) -> dict[str, Any]:
+    """A subset of TOML: flat ``key = value`` lines, ``#`` comments, basic strings,
+    literal strings, integers, floats and booleans. Anything else is a ``ConfigError``
+    naming the line (use Python 3.11+ for full TOML)."""
+    out: dict[str, Any] = {}
+    for n, line in enumerate(raw.splitlines(), 1):
+        text = _strip_comment(line).strip()
+        if not text:
+            continue
+        m = _LINE.match(text)
+        if not m:
+            raise ConfigError(
+                f"config file {where!r} line {n}: expected 'key = value' (tables and other "
+                f"TOML forms need Python 3.11+), got {line.strip()!r}"
+            )
+        key, value = m.group(1), m.group(2)
+        if key in out:
+            raise ConfigError(f"config file {where!r} line {n}: key {key!r} is set twice")
+        out[key] = _scalar(value, where, n)
+    return out
+
+
+def _strip_comment(line: str) -> str:
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            if c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c == "#":
+            return line[:i]
+    return line
+
+
+def _scalar(text: str, where: str, n: int) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    if len(text) >= 2 and text[0] == text[-1] == "'":
+        return text[1:-1]
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    else:
+        number = text.replace("_", "")
+        try:
+            return int(number)
+        except ValueError:
+            pass
+        try:
+            value = float(number)
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(value):
+                return value
+    raise ConfigError(f"config file {where!r} line {n}: cannot read the value {text!r}")
+
+
+def resolve(
+    file: str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """``DEFAULTS``, then the TOML ``file``, then ``overrides`` (flags), checked.
+
+    ``labels`` names the flag of each override key in error messages.
+    """
+    config = dict(DEFAULTS)
+    if file is not None:
+        config.update(read_toml(file))
+    labels = labels or {}
+    for key, value in (overrides or {}).items():
+        config[key] = check_value(key, value, "the command line", labels.get(key))
+    return check_config(config)

@@ -1,0 +1,114 @@
+"""``RunDir``: the layout of a run folder.
+
+::
+
+    RUN/
+      config.json                 the resolved configuration (written by the command)
+      checkpoints/step_0000100.safetensors   the last K periodic checkpoints
+      checkpoints/best.safetensors           the checkpoint with the lowest val loss
+      metrics.jsonl, metrics.csv  one record per logged step and per evaluation
+      loss.png                    train and validation loss
+
+The latest checkpoint is the periodic one with the highest step; a run resumes from
+it. Pruning keeps the newest ``keep_last`` periodic checkpoints and never touches
+``best``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+_STEP_FILE = re.compile(r"^step_(\d+)\.safetensors$")
+
+
+class RunDir:
+    """Paths and checkpoint bookkeeping of one run folder (created on demand)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"run folder {str(self.path)!r} exists and is not a folder")
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def csv_path(self) -> Path:
+        return self.path / "metrics.csv"
+
+    @property
+    def plot_path(self) -> Path:
+        return self.path / "loss.png"
+
+    @property
+    def best_path(self) -> Path:
+        return self.checkpoints / "best.safetensors"
+
+    def create(self) -> None:
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+
+    def step_path(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:07d}.safetensors"
+
+    def step_checkpoints(self) -> list[tuple[int, Path]]:
+        """Periodic checkpoints as ``(step, path)``, oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = []
+        for p in self.checkpoints.iterdir():
+            m = _STEP_FILE.match(p.name)
+            if m and p.is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        """The periodic checkpoint with the highest step, or ``None``."""
+        found = self.step_checkpoints()
+        return found[-1][1] if found else None
+
+    def best_or_latest(self) -> Path | None:
+        """``best`` when it exists, else the latest periodic checkpoint."""
+        return self.best_path if self.best_path.is_file() else self.latest()
+
+    def prune(self, keep_last: int) -> list[Path]:
+        """Delete all but the newest ``keep_last`` periodic checkpoints; returns them."""
+        found = self.step_checkpoints()
+        removed = [p for _, p in found[: max(0, len(found) - keep_last)]]
+        for p in removed:
+            p.unlink()
+        return removed
+
+    # -- configuration ------------------------------------------------------------------
+    def write_config(self, config: dict[str, Any]) -> None:
+        """Write ``config.json`` atomically."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.config_path.with_name("config.json.tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, self.config_path)
+
+    def read_config(self) -> dict[str, Any]:
+        """The run's ``config.json``; a missing or damaged file is a ``ConfigError``."""
+        if not self.config_path.is_file():
+            raise ConfigError(f"{str(self.path)!r} is not a run folder: it has no config.json")
+        try:
+            data = json.loads(self.config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{str(self.config_path)!r} cannot be read: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{str(self.config_path)!r} does not hold a JSON object")
+        return data

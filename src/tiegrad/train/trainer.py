@@ -1,0 +1,560 @@
+"""``Trainer``: the training loop over an eager session, with a run folder.
+
+One step draws ``grad_accum`` batches, records each on a fresh tape of one
+``EagerSession``, sums the gradients per storage (C4) across the batches, clips
+them (optional), lets the optimizer update each storage once from its current value
+(C3) and advances the schedule. Around that loop the trainer evaluates every
+``eval_every`` steps, writes metrics (``metrics.jsonl``, ``metrics.csv``), shows a
+progress bar, saves checkpoints every ``checkpoint_every`` steps keeping the last
+``keep_last`` plus the best, stops early when validation stops improving, and plots
+``loss.png`` at the end.
+
+Reproducibility: ``seed`` seeds both generators the trainer owns, the data
+generator (batch order, window offsets) and the session generator (dropout); the
+model seeds its own initialization. A checkpoint stores both generators' states,
+the data position (epoch, batches consumed) and the counters, so a resumed run
+continues exactly where the checkpoint was taken.
+
+Ctrl-C (SIGINT) during ``fit`` finishes the current step, writes a checkpoint and
+returns a result with ``status == "interrupted"``; a second Ctrl-C aborts at once.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from ..data.loader import Batch, BatchSource, check_positive
+from ..errors import CheckpointError, ConfigError
+from ..optim.clip import clip_grad_norm
+from ..session import EagerSession, TensorRef
+from .metrics import MetricsWriter, read_metrics
+from .plot import plot_losses
+from .progress import Progress
+from .rundir import RunDir
+
+LossFn = Callable[[EagerSession, Batch], TensorRef]
+STATUSES = ("completed", "early_stopped", "interrupted")
+
+
+@dataclass
+class TrainResult:
+    """What ``Trainer.fit`` did: the final step, why it stopped, losses and paths."""
+
+    step: int
+    status: str
+    elapsed: float
+    train_loss: float | None = None
+    val_loss: float | None = None
+    best_val_loss: float | None = None
+    resumed_from: int | None = None
+    checkpoint: Path | None = None
+    best_checkpoint: Path | None = None
+    metrics: Path | None = None
+    metrics_csv: Path | None = None
+    plot: Path | None = None
+
+
+def derive_seeds(seed: int) -> tuple[int, int]:
+    """The seeds of a run's data generator and session generator, derived from ``seed``."""
+    data_seed, session_seed = np.random.SeedSequence(seed).generate_state(2)
+    return int(data_seed), int(session_seed)
+
+
+def rng_state(rng: np.random.Generator) -> dict[str, Any]:
+    """A generator's state as JSON-safe data (its big integers as decimal strings)."""
+
+    def enc(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: enc(x) for k, x in v.items()}
+        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            return str(int(v))
+        return v
+
+    return enc(rng.bit_generator.state)
+
+
+def set_rng_state(rng: np.random.Generator, state: Any) -> None:
+    """Restore a state written by ``rng_state``; a malformed one is a ``CheckpointError``."""
+
+    def dec(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: dec(x) for k, x in v.items()}
+        if isinstance(v, str) and v.lstrip("-").isdigit():
+            return int(v)
+        return v
+
+    try:
+        rng.bit_generator.state = dec(state)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"trainer state: bad generator state ({e})") from None
+
+
+def _model_loss(model: Any) -> LossFn:
+    """The default loss function: ``model.loss(session, *batch)``."""
+
+    def loss_fn(session: EagerSession, batch: Batch) -> TensorRef:
+        return model.loss(session, *batch)
+
+    return loss_fn
+
+
+def _accumulate(total: list[Any], new: list[Any], first: bool) -> list[Any]:
+    """``total + new`` per slot. The first addition (``first``) makes new arrays and later
+    ones add into those, so the arrays the optimizer handed out are never written."""
+    for i, g in enumerate(new):
+        if g is not None:
+            if first:
+                total[i] = total[i] + g
+            else:
+                total[i] += g
+    return total
+
+
+class _Interrupt:
+    """SIGINT handling during ``fit``: the first Ctrl-C sets a flag, the second aborts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupt: finishing the current step, then saving a checkpoint", file=sys.stderr)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` on batches of ``train_data``.
+
+    ``loss_fn(session, batch)`` records the loss of one batch and returns the scalar
+    ``TensorRef``; it defaults to ``model.loss(session, *batch)``. ``train_data`` is a
+    batch source (``tiegrad.data.BatchSource``: ``TextDataset.loader(...)``,
+    ``DataLoader``). ``val_data`` is a batch source or a fixed list of batches (e.g.
+    ``TextDataset.eval_batches``); the validation loss is the mean over its batches.
+
+    Length: ``max_steps`` optimizer steps, or ``epochs`` passes over ``train_data``.
+    ``grad_accum`` batches make one step (their losses averaged). ``clip_norm`` clips
+    the global gradient norm (each storage counted once). ``eval_every`` and
+    ``checkpoint_every`` are in steps; a final evaluation and checkpoint always run.
+    ``patience`` stops after that many evaluations without an improvement of more
+    than ``min_delta``. With ``run_dir`` the trainer writes metrics, checkpoints and
+    the plot there; ``resume=True`` continues from its latest checkpoint when there is
+    one, and an existing checkpoint with ``resume=False`` is a ``ConfigError`` (a run
+    is never silently overwritten). ``extra`` is stored in every checkpoint.
+
+    Bad settings raise ``ConfigError`` in the constructor, before anything runs.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        loss_fn: LossFn | None = None,
+        train_data: BatchSource | None = None,
+        val_data: BatchSource | Sequence[Batch] | None = None,
+        schedule: Any = None,
+        *,
+        max_steps: int | None = None,
+        epochs: int | None = None,
+        grad_accum: int = 1,
+        clip_norm: float | None = None,
+        eval_every: int | None = None,
+        checkpoint_every: int | None = None,
+        keep_last: int = 3,
+        patience: int | None = None,
+        min_delta: float = 0.0,
+        run_dir: str | Path | None = None,
+        resume: bool = False,
+        seed: int = 0,
+        device: str | None = None,
+        log_every: int = 1,
+        progress: bool = True,
+        plot: bool = True,
+        extra: dict[str, Any] | None = None,
+        resume_hint: str | None = None,
+        out: TextIO | None = None,
+    ) -> None:
+        if train_data is None or not isinstance(train_data, BatchSource):
+            raise ConfigError(
+                "Trainer: train_data must be a batch source with epoch(rng), len() and "
+                f"count(batch) (e.g. TextDataset.loader), got {type(train_data).__name__}"
+            )
+        if len(train_data) < 1:
+            raise ConfigError("Trainer: train_data yields no batch")
+        if (max_steps is None) == (epochs is None):
+            raise ConfigError("Trainer: give exactly one of max_steps and epochs")
+        self.grad_accum = check_positive("Trainer: grad_accum", grad_accum)
+        if max_steps is not None:
+            self.max_steps = check_positive("Trainer: max_steps", max_steps)
+        else:
+            epochs = check_positive("Trainer: epochs", epochs)
+            self.max_steps = max(1, epochs * len(train_data) // self.grad_accum)
+        self.eval_every = None if eval_every is None else check_positive("eval_every", eval_every)
+        self.checkpoint_every = (
+            None
+            if checkpoint_every is None
+            else check_positive("checkpoint_every", checkpoint_every)
+        )
+        self.keep_last = check_positive("Trainer: keep_last", keep_last)
+        self.log_every = check_positive("Trainer: log_every", log_every)
+        self.patience = None if patience is None else check_positive("Trainer: patience", patience)
+        if patience is not None and val_data is None:
+            raise ConfigError("Trainer: early stopping (patience) needs val_data")
+        if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and clip_norm > 0):
+            raise ConfigError(f"Trainer: clip_norm must be a positive number, got {clip_norm!r}")
+        if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
+            raise ConfigError(f"Trainer: min_delta must be a number >= 0, got {min_delta!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"Trainer: seed must be an integer >= 0, got {seed!r}")
+        if loss_fn is None:
+            if not callable(getattr(model, "loss", None)):
+                raise ConfigError("Trainer: the model has no loss(); pass loss_fn")
+            loss_fn = _model_loss(model)
+        self.model = model
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.train_data = train_data
+        self.val_data = val_data
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.min_delta = float(min_delta)
+        self.seed = seed
+        self.run = RunDir(run_dir) if run_dir is not None else None
+        self.resume = resume
+        self.progress_enabled = progress
+        self.plot_enabled = plot
+        self.extra = dict(extra or {})
+        self.resume_hint = resume_hint
+        self.out = out if out is not None else sys.stdout
+        data_seed, session_seed = derive_seeds(seed)
+        self.data_rng = np.random.default_rng(data_seed)
+        self.session = EagerSession(device=device, seed=session_seed)
+        self.step = 0
+        self.epoch = 0
+        self.batches_in_epoch = 0
+        self.epoch_start_state = rng_state(self.data_rng)
+        self.best_val: float | None = None
+        self.bad_evals = 0
+        self.elapsed_before = 0.0
+        self._epoch_iter: Iterator[Batch] | None = None
+        if self.run is not None and not resume and self.run.latest() is not None:
+            raise ConfigError(
+                f"run folder {str(self.run.path)!r} already holds checkpoints; resume it "
+                "or choose another folder"
+            )
+
+    # -- data ------------------------------------------------------------------------
+    def _next_batch(self) -> Batch:
+        while True:
+            if self._epoch_iter is None:
+                self._epoch_iter = self.train_data.epoch(self.data_rng)
+            batch = next(self._epoch_iter, None)
+            if batch is not None:
+                self.batches_in_epoch += 1
+                if self.batches_in_epoch >= len(self.train_data):
+                    self._end_epoch()
+                return batch
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        self._epoch_iter = None
+        self.epoch += 1
+        self.batches_in_epoch = 0
+        self.epoch_start_state = rng_state(self.data_rng)
+
+    def _restore_data_position(self) -> None:
+        set_rng_state(self.data_rng, self.epoch_start_state)
+        self._epoch_iter = self.train_data.epoch(self.data_rng)
+        for _ in range(self.batches_in_epoch):
+            if next(self._epoch_iter, None) is None:
+                raise CheckpointError(
+                    f"trainer state: {self.batches_in_epoch} batches consumed in an epoch of "
+                    f"{len(self.train_data)}: the data differs from the checkpointed run"
+                )
+
+    # -- one step ----------------------------------------------------------------------
+    def _set_mode(self, training: bool) -> None:
+        fn = getattr(self.model, "train" if training else "eval", None)
+        if callable(fn):
+            fn()
+
+    def train_step(self) -> tuple[float, float | None, int]:
+        """One optimizer step; returns (mean loss, gradient norm or None, items seen).
+
+        Each of the ``grad_accum`` batches is recorded on a fresh tape and its
+        gradients are summed per canonical slot (``optimizer.canonical_gradients``:
+        the uses of one storage summed, C4), so only one tape is alive at a time.
+        """
+        s = self.session
+        total = 0.0
+        items = 0
+        scale = 1.0 / self.grad_accum
+        grads: list[Any] | None = None
+        for k in range(self.grad_accum):
+            batch = self._next_batch()
+            items += self.train_data.count(batch)
+            s.reset()
+            loss = self.loss_fn(s, batch)
+            total += float(loss.item())
+            if self.grad_accum > 1:
+                loss = loss * scale
+            new = self.optimizer.canonical_gradients(s.backward(loss))
+            grads = new if grads is None else _accumulate(grads, new, k == 1)
+        norm = None
+        if self.clip_norm is not None:
+            grads, norm = clip_grad_norm(grads, self.clip_norm)
+        self.optimizer.step(grads)
+        s.reset()
+        if self.schedule is not None:
+            self.schedule.step()
+        self.step += 1
+        return total * scale, norm, items
+
+    def evaluate(self) -> float | None:
+        """The mean loss over ``val_data`` without gradients (``None`` without val data)."""
+        if self.val_data is None:
+            return None
+        batches: Any = self.val_data
+        if isinstance(batches, BatchSource):
+            batches = batches.epoch(np.random.default_rng(0))
+        s = self.session
+        self._set_mode(False)
+        losses = []
+        try:
+            with s.no_grad():
+                for batch in batches:
+                    s.reset()
+                    losses.append(float(self.loss_fn(s, batch).item()))
+        finally:
+            s.reset()
+            self._set_mode(True)
+        if not losses:
+            raise ConfigError("Trainer: val_data yields no batch")
+        return float(np.mean(losses))
+
+    def current_lr(self) -> float | None:
+        groups = getattr(self.optimizer, "param_groups", None)
+        if groups:
+            return float(groups[0]["lr"])
+        return None
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "epoch_start_rng": self.epoch_start_state,
+            "best_val": self.best_val,
+            "bad_evals": self.bad_evals,
+            "elapsed": self.elapsed_before + (time.perf_counter() - self._t0),
+            "seed": self.seed,
+        }
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write model, optimizer, schedule, trainer state and ``extra`` to ``path``."""
+        from ..checkpoint import save
+
+        extra = dict(self.extra)
+        extra["trainer"] = self._trainer_state()
+        save(
+            path,
+            self.model,
+            optimizer=self.optimizer,
+            schedule=self.schedule,
+            extra=extra,
+            rng=self.session,
+        )
+        return Path(path)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore model, optimizer, schedule and the trainer's position from ``path``.
+
+        The checkpoint must come from the same model layout (``CheckpointError``
+        otherwise, with nothing changed, C9).
+        """
+        from ..checkpoint import load
+
+        info = load(
+            path, self.model, optimizer=self.optimizer, schedule=self.schedule, rng=self.session
+        )
+        state = (info.extra or {}).get("trainer")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: the checkpoint holds no trainer state")
+        try:
+            self.step = int(state["step"])
+            self.epoch = int(state["epoch"])
+            self.batches_in_epoch = int(state["batches_in_epoch"])
+            self.epoch_start_state = state["epoch_start_rng"]
+            self.best_val = None if state["best_val"] is None else float(state["best_val"])
+            self.bad_evals = int(state["bad_evals"])
+            self.elapsed_before = float(state["elapsed"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: malformed trainer state ({e})") from None
+        self._restore_data_position()
+
+    # -- the loop ------------------------------------------------------------------------
+    def _say(self, progress: Progress, text: str) -> None:
+        progress.message(text, self.out)
+
+    def fit(self) -> TrainResult:
+        """Run until ``max_steps``, early stopping or Ctrl-C; see the class docstring."""
+        self._t0 = time.perf_counter()
+        resumed_from = None
+        if self.run is not None:
+            self.run.create()
+            latest = self.run.latest() if self.resume else None
+            if latest is not None:
+                self.load_checkpoint(latest)
+                resumed_from = self.step
+                self._t0 = time.perf_counter()
+        unit = getattr(self.train_data, "unit", "samples")
+        metrics = MetricsWriter(self.run.path, resumed_from) if self.run is not None else None
+        progress = Progress(self.max_steps, self.step, unit, self.progress_enabled)
+        if resumed_from is not None:
+            self._say(progress, f"resumed from step {resumed_from} ({latest})")
+        status = "completed"
+        train_loss = val_loss = None
+        last_saved = resumed_from
+        rate: float | None = None
+        self._set_mode(True)
+        try:
+            with _Interrupt() as interrupt:
+                while self.step < self.max_steps:
+                    lr = self.current_lr()
+                    started = time.perf_counter()
+                    train_loss, norm, items = self.train_step()
+                    step_rate = items / max(time.perf_counter() - started, 1e-9)
+                    rate = step_rate if rate is None else 0.9 * rate + 0.1 * step_rate
+                    progress.update(train_loss, lr, rate)
+                    if metrics is not None and (
+                        self.step % self.log_every == 0 or self.step == self.max_steps
+                    ):
+                        metrics.write(
+                            {
+                                "step": self.step,
+                                "train_loss": train_loss,
+                                "lr": lr,
+                                "grad_norm": norm,
+                                "throughput": round(step_rate, 1),
+                                "elapsed": round(self._elapsed(), 3),
+                            }
+                        )
+                    stop = False
+                    if self.eval_every is not None and self.step % self.eval_every == 0:
+                        val_loss = self._eval_and_track(progress, metrics, train_loss)
+                        stop = self.patience is not None and self.bad_evals >= self.patience
+                    if self.run is not None and (
+                        self.checkpoint_every is not None and self.step % self.checkpoint_every == 0
+                    ):
+                        self.save_checkpoint(self.run.step_path(self.step))
+                        self.run.prune(self.keep_last)
+                        last_saved = self.step
+                    if stop:
+                        status = "early_stopped"
+                        self._say(
+                            progress,
+                            f"early stop at step {self.step}: no improvement in "
+                            f"{self.patience} evaluations",
+                        )
+                        break
+                    if interrupt.requested:
+                        status = "interrupted"
+                        break
+                if (
+                    status != "interrupted"
+                    and self.val_data is not None
+                    and (self.eval_every is None or self.step % self.eval_every != 0)
+                ):
+                    val_loss = self._eval_and_track(progress, metrics, train_loss)
+                if self.run is not None and last_saved != self.step:
+                    self.save_checkpoint(self.run.step_path(self.step))
+                    self.run.prune(self.keep_last)
+        finally:
+            progress.close()
+            if metrics is not None:
+                metrics.close()
+        return self._finish(status, train_loss, val_loss, resumed_from)
+
+    def _elapsed(self) -> float:
+        return self.elapsed_before + (time.perf_counter() - self._t0)
+
+    def _eval_and_track(
+        self, progress: Progress, metrics: MetricsWriter | None, train_loss: float | None
+    ) -> float | None:
+        val = self.evaluate()
+        if val is None:
+            return None
+        improved = self.best_val is None or val < self.best_val - self.min_delta
+        if improved:
+            self.best_val = val
+            self.bad_evals = 0
+            if self.run is not None:
+                self.save_checkpoint(self.run.best_path)
+        else:
+            self.bad_evals += 1
+        if metrics is not None:
+            metrics.write(
+                {"step": self.step, "val_loss": val, "elapsed": round(self._elapsed(), 3)}
+            )
+        mark = " (best)" if improved else ""
+        tl = "" if train_loss is None else f"train {train_loss:.4f}  "
+        self._say(progress, f"step {self.step:>6}  {tl}val {val:.4f}{mark}")
+        return val
+
+    def _finish(
+        self, status: str, train_loss: float | None, val_loss: float | None, resumed: int | None
+    ) -> TrainResult:
+        result = TrainResult(
+            step=self.step,
+            status=status,
+            elapsed=self._elapsed(),
+            train_loss=train_loss,
+            val_loss=val_loss,
+            best_val_loss=self.best_val,
+            resumed_from=resumed,
+        )
+        if self.run is not None:
+            result.checkpoint = self.run.latest()
+            result.best_checkpoint = self.run.best_path if self.run.best_path.is_file() else None
+            result.metrics = self.run.metrics_path
+            result.metrics_csv = self.run.csv_path
+            if self.plot_enabled:
+                unit = "token" if getattr(self.train_data, "unit", "") == "tokens" else "sample"
+                result.plot = plot_losses(
+                    read_metrics(self.run.metrics_path),
+                    self.run.plot_path,
+                    unit=self.extra.get("loss_unit", unit),
+                    notify=lambda m: print(m, file=self.out),
+                )
+        if status == "interrupted":
+            hint = self.resume_hint or (
+                f"Trainer(..., run_dir={str(self.run.path)!r}, resume=True).fit()"
+                if self.run is not None
+                else "(no run folder: nothing was saved)"
+            )
+            where = f" checkpoint {result.checkpoint};" if result.checkpoint else ""
+            print(f"interrupted at step {self.step};{where} resume with: {hint}", file=self.out)
+        if val_loss is not None and not math.isfinite(val_loss):
+            print(f"warning: the final validation loss is {val_loss}", file=self.out)
+        return result

@@ -1,0 +1,404 @@
+"""The fused (numba) host step against the NumPy rules and torch.optim (C3-C6).
+
+Both paths must give the same bytes: parameters and state after several steps, in
+float32 and float64, with ties, frozen slots, a 0-d parameter, a non-contiguous
+gradient and batches that the fused path splits into chunks shared by threads
+(``CHUNK_MIN`` is lowered so small tensors exercise the chunking). The fused path is
+checked against torch in float64 at 1e-10 here and in ``test_optim_torch.py`` (which
+runs it by default); the NumPy path against torch here. Then what only the fused
+path has: its finiteness check (C6), gradients that share memory with what a step
+writes, concurrent steps, a forked child, the switch and the fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+
+from tiegrad import NonFiniteError, Param, ParamList  # noqa: E402
+from tiegrad.optim import SGD, Adagrad, Adam, AdamW, RMSprop, fused  # noqa: E402
+
+CASES = [
+    (SGD, {"lr": 0.1}),
+    (SGD, {"lr": 0.1, "weight_decay": 0.05, "maximize": True}),
+    (SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.01}),
+    (SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    (SGD, {"lr": 0.1, "momentum": 0.5, "maximize": True}),
+    (Adam, {"lr": 0.01}),
+    (Adam, {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True, "maximize": True}),
+    (Adam, {"lr": 0.01, "betas": (0.5, 0.8), "eps": 1e-3, "weight_decay": 0.1}),
+    (AdamW, {"lr": 0.01}),
+    (AdamW, {"lr": 0.01, "weight_decay": 0.3, "amsgrad": True, "maximize": True}),
+    (RMSprop, {"lr": 0.005}),
+    (RMSprop, {"lr": 0.005, "momentum": 0.9}),
+    (RMSprop, {"lr": 0.005, "centered": True}),
+    (RMSprop, {"lr": 0.005, "alpha": 0.5, "momentum": 0.9, "centered": True, "weight_decay": 0.05}),
+    (Adagrad, {"lr": 0.05}),
+    (
+        Adagrad,
+        {"lr": 0.05, "lr_decay": 0.1, "weight_decay": 0.05, "initial_accumulator_value": 0.2},
+    ),
+]
+IDS = [f"{cls.kind}-{i}" for i, (cls, _) in enumerate(CASES)]
+
+
+@pytest.fixture(autouse=True)
+def fused_on(monkeypatch):
+    """The fused path, even under ``TIEGRAD_NO_NUMBA=1``; tests comparing paths flip it."""
+    monkeypatch.setattr(fused, "ENABLED", True)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 512 elements shared by three threads, so small batches are split."""
+    monkeypatch.setattr(fused, "CHUNK_MIN", 512)
+    monkeypatch.setattr(fused, "THREADS", 3)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The number of ``fused.run`` calls so far, in a one-element list."""
+    calls = [0]
+    real = fused.run
+
+    def counting(*args):
+        calls[0] += 1
+        real(*args)
+
+    monkeypatch.setattr(fused, "run", counting)
+    return calls
+
+
+def make_list(dtype, seed=0) -> ParamList:
+    """[w, b, w (tied), s (0-d), f (frozen), v (large)]: canonical [0, 1, 0, 3, None, 5]."""
+    g = np.random.default_rng(seed)
+    w = Param(g.standard_normal((40, 30)), dtype=dtype, name="w")
+    b = Param(g.standard_normal(7), dtype=dtype, name="b")
+    s = Param(g.standard_normal(()), dtype=dtype, name="s")
+    f = Param(g.standard_normal(5), dtype=dtype, requires_grad=False, name="f")
+    v = Param(g.standard_normal(3001), dtype=dtype, name="v")
+    return ParamList([w, b, w.alias(), s, f, v])
+
+
+def gradients(plist: ParamList, g: np.random.Generator) -> list:
+    """One gradient per canonical slot; w's is a transposed (non-contiguous) view."""
+    out = []
+    for i, c in enumerate(plist.canonical_slot_indices()):
+        p = plist[i]
+        if c != i:
+            out.append(None)
+        elif i == 0:
+            out.append(np.ascontiguousarray(g.standard_normal(p.shape[::-1]), p.dtype).T)
+        else:
+            out.append(np.asarray(g.standard_normal(p.shape), p.dtype))
+    return out
+
+
+def state_bytes(opt) -> tuple:
+    """Every parameter's bytes and ``{slot: {name: bytes or step}}`` of the state."""
+    values = [p.value.tobytes() for p in opt.params]
+    state = {
+        slot: {k: v.tobytes() if isinstance(v, np.ndarray) else v for k, v in entry.items()}
+        for slot, entry in opt.state.items()
+    }
+    return values, state
+
+
+def trajectory(monkeypatch, enabled, cls, kwargs, dtype, steps=4) -> tuple:
+    """``state_bytes`` after ``steps`` steps on the fused or the NumPy path."""
+    monkeypatch.setattr(fused, "ENABLED", enabled)
+    plist = make_list(dtype)
+    opt = cls(plist, **kwargs)
+    g = np.random.default_rng(1)
+    for _ in range(steps):
+        opt.step(gradients(plist, g))
+    return state_bytes(opt)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("cls, kwargs", CASES, ids=IDS)
+def test_fused_and_numpy_paths_agree_bit_for_bit(
+    monkeypatch, small_chunks, fused_calls, cls, kwargs, dtype
+):
+    ours = trajectory(monkeypatch, True, cls, kwargs, dtype)
+    assert fused_calls[0] == 4  # one batch per step: every slot shares coefficients
+    reference = trajectory(monkeypatch, False, cls, kwargs, dtype)
+    assert fused_calls[0] == 4
+    assert ours == reference
+    assert sorted(ours[1]) == [0, 1, 3, 5]  # state at canonical trainable slots only (C5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    case=st.integers(0, len(CASES) - 1),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    sizes=st.lists(st.integers(0, 2000), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_paths_agree_on_random_layouts(case, dtype, sizes, seed):
+    cls, kwargs = CASES[case]
+    results = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "CHUNK_MIN", 256)
+        mp.setattr(fused, "THREADS", 2)
+        for enabled in (True, False):
+            mp.setattr(fused, "ENABLED", enabled)
+            g = np.random.default_rng(seed)
+            plist = ParamList.of_pack([g.standard_normal(n).astype(dtype) for n in sizes])
+            opt = cls(plist, **kwargs)
+            for _ in range(2):
+                opt.step([g.standard_normal(n).astype(dtype) for n in sizes])
+            results.append([p.value.tobytes() for p in plist])
+    assert results[0] == results[1]
+
+
+def test_mixed_dtypes_take_one_batch_each(monkeypatch, fused_calls):
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(fused, "ENABLED", enabled)
+        g = np.random.default_rng(0)
+        dtypes = (np.float32, np.float64, np.float32)
+        plist = ParamList([Param(g.standard_normal(5), dtype=dt) for dt in dtypes])
+        opt = Adam(plist, lr=0.1)
+        for _ in range(2):
+            opt.step([g.standard_normal(5).astype(p.dtype) for p in plist])
+        results.append([p.value.tobytes() for p in plist])
+    assert fused_calls[0] == 4  # two steps of a float32 and a float64 batch
+    assert results[0] == results[1]
+
+
+def test_unsupported_dtypes_take_the_numpy_rule(fused_calls):
+    plist = ParamList([Param(np.ones(4), dtype=np.float16), Param(np.ones(3), dtype=np.float32)])
+    opt = SGD(plist, lr=0.5)
+    opt.step([np.ones(4, np.float16), np.ones(3, np.float32)])
+    assert fused_calls[0] == 1  # the float32 slot only
+    np.testing.assert_array_equal(plist[0].value, np.full(4, 0.5, np.float16))
+    np.testing.assert_array_equal(plist[1].value, np.full(3, 0.5, np.float32))
+
+
+# -- against torch in float64 -------------------------------------------------------------
+TORCH_CASES = [
+    (Adam, "Adam", {"lr": 0.02, "weight_decay": 0.1, "amsgrad": True, "maximize": True}),
+    (AdamW, "AdamW", {"lr": 0.02, "weight_decay": 0.3}),
+    (SGD, "SGD", {"lr": 0.05, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.05}),
+    (SGD, "SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "maximize": True}),
+    (RMSprop, "RMSprop", {"lr": 0.005, "momentum": 0.9, "centered": True, "weight_decay": 0.05}),
+    (Adagrad, "Adagrad", {"lr": 0.05, "lr_decay": 0.1, "initial_accumulator_value": 0.2}),
+]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["fused", "numpy"])
+@pytest.mark.parametrize(
+    "cls, torch_name, kwargs", TORCH_CASES, ids=[f"{c[1]}-{i}" for i, c in enumerate(TORCH_CASES)]
+)
+def test_both_paths_match_torch_in_float64(monkeypatch, enabled, cls, torch_name, kwargs):
+    torch = pytest.importorskip("torch")
+    from test_optim_torch import run  # the tied model, 25 steps, 1e-10 after each
+
+    monkeypatch.setattr(fused, "ENABLED", enabled)
+    run(cls, getattr(torch.optim, torch_name), kwargs)
+
+
+def test_large_tensors_on_threads_match_torch(monkeypatch):
+    # The real thread settings and sizes: batches above 2 * CHUNK_MIN are split.
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(fused, "THREADS", 2)
+    g = np.random.default_rng(5)
+    shapes = [(3 * fused.CHUNK_MIN + 17,), (300, 7), ()]
+    values = [g.standard_normal(s) for s in shapes]
+    plist = ParamList.of_pack(values)
+    tensors = [torch.tensor(v, requires_grad=True) for v in values]
+    opt = AdamW(plist, lr=0.01, amsgrad=True)
+    topt = torch.optim.AdamW(tensors, lr=0.01, amsgrad=True)
+    for _ in range(3):
+        grads = [g.standard_normal(s) for s in shapes]
+        for t, gr in zip(tensors, grads):
+            t.grad = torch.tensor(gr)
+        opt.step(grads)
+        topt.step()
+    for p, t in zip(plist, tensors):
+        np.testing.assert_allclose(p.value, t.detach().numpy(), rtol=0, atol=1e-10)
+
+
+# -- the finiteness check (C6) ------------------------------------------------------------
+def first_nonfinite(arrays: list[np.ndarray]) -> int | None:
+    return fused.GradientTable(range(10, 10 + len(arrays)), arrays).first_nonfinite()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_the_check_finds_every_position(small_chunks, dtype, bad):
+    arrays = [np.ones(n, dtype) for n in (0, 3, 1000, 5, 2049)]
+    assert first_nonfinite(arrays) is None
+    for k, a in enumerate(arrays):
+        for j in sorted({0, a.size // 4, a.size // 2, a.size - 2, a.size - 1}):
+            if 0 <= j < a.size:
+                a[j] = bad
+                assert first_nonfinite(arrays) == 10 + k, (k, j)  # the slot
+                a[j] = 1
+    big = np.full((5, 2), np.finfo(dtype).max, dtype)  # finite, however large
+    assert first_nonfinite([big, big[:, 0]]) is None  # the second one strided
+    big[3, 0] = bad
+    assert first_nonfinite([big[:, 1], big[:, 0]]) == 11
+
+
+def test_a_batch_selects_its_rows():
+    arrays = [np.full(n, n, np.float32) for n in (4, 7, 1, 9)]
+    table = fused.GradientTable([2, 5, 6, 9], arrays)
+    chosen, at, starts = table.select([5, 9])
+    assert [a is b for a, b in zip(chosen, [arrays[1], arrays[3]])] == [True, True]
+    assert at.tolist() == fused.addresses([arrays[1], arrays[3]]).tolist()
+    assert starts.tolist() == [0, 7, 16]
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_a_nonfinite_gradient_changes_nothing_on_either_path(monkeypatch, small_chunks, mode):
+    outcomes = []
+    for enabled in (True, False):
+        monkeypatch.setattr(fused, "ENABLED", enabled)
+        plist = make_list(np.float32)
+        opt = Adam(plist, lr=0.1, nonfinite=mode)
+        g = np.random.default_rng(2)
+        opt.step(gradients(plist, g))
+        before = state_bytes(opt)
+        grads = gradients(plist, g)
+        grads[5][2500] = np.nan
+        grads[3][...] = np.inf  # slot 3 comes first: the error names it
+        if mode == "raise":
+            with pytest.raises(NonFiniteError, match=r"slot 3 \('s'\)") as info:
+                opt.step(grads)
+            outcomes.append(str(info.value))
+        else:
+            opt.step(grads)
+            assert opt.skipped_steps == 1
+        assert state_bytes(opt) == before
+        assert opt.step_count == 1
+    if mode == "raise":
+        assert outcomes[0] == outcomes[1]
+
+
+# -- gradients sharing memory with what a step writes ---------------------------------------
+def two_steps(grads_of, copy: bool) -> list[np.ndarray]:
+    """Values after two Adam steps, the second one's gradients ``grads_of(plist, opt)``."""
+    g = np.random.default_rng(3)
+    plist = ParamList.of_pack([g.standard_normal(n).astype(np.float32) for n in (3000, 3000, 5)])
+    opt = Adam(plist, lr=0.1)
+    opt.step([np.ones(p.shape, np.float32) for p in plist])
+    grads = grads_of(plist, opt)
+    opt.step([np.array(x, copy=True) for x in grads] if copy else grads)
+    return [p.value.copy() for p in plist]
+
+
+@pytest.mark.parametrize(
+    "grads_of",
+    [
+        lambda plist, opt: [p.value for p in plist],  # each its own storage's array
+        lambda plist, opt: [plist[1].value, plist[0].value, plist[2].value],  # crossed
+        lambda plist, opt: [opt.state[i]["exp_avg"] for i in range(3)],  # the state
+    ],
+    ids=["own-value", "other-value", "state"],
+)
+def test_gradients_that_alias_parameters_or_state_are_read_before_any_write(
+    small_chunks, fused_calls, grads_of
+):
+    expected = two_steps(grads_of, copy=True)
+    got = two_steps(grads_of, copy=False)
+    assert fused_calls[0] == 4
+    for value, want in zip(got, expected):
+        np.testing.assert_array_equal(value, want)
+
+
+# -- threads and processes ----------------------------------------------------------------
+def test_concurrent_steps_from_two_threads_match_sequential_steps(small_chunks):
+    def train(seed: int) -> list[bytes]:
+        g = np.random.default_rng(seed)
+        plist = ParamList.of_pack([g.standard_normal(4000).astype(np.float32) for _ in range(3)])
+        opt = RMSprop(plist, lr=0.01, momentum=0.5)
+        for _ in range(20):
+            opt.step([g.standard_normal(4000).astype(np.float32) for _ in range(3)])
+        return [p.value.tobytes() for p in plist]
+
+    expected = [train(0), train(1)]
+    results: list = [None, None]
+    workers = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, train(i))) for i in (0, 1)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert results == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_steps_after_its_parent_used_the_threads(small_chunks):
+    g = np.random.default_rng(4)
+    plist = ParamList.of_pack([g.standard_normal(5000).astype(np.float32)])
+    opt = SGD(plist, lr=0.5)
+    grad = np.ones(5000, np.float32)
+    opt.step([grad])  # starts the pool in the parent
+    expected = plist[0].value - np.float32(0.5)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one more step on its own pool, then report
+        try:
+            opt.step([grad])
+            threads = fused._pool._threads  # the child's own pool, its threads alive
+            alive = bool(threads) and all(t.is_alive() for t in threads)
+            right = np.array_equal(plist[0].value, expected)
+            os.write(write, b"ok" if right and alive else b"bad")
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            pytest.fail("the forked child hung in its optimizer step")
+        time.sleep(0.01)
+    assert os.read(read, 16) == b"ok"
+    os.close(read)
+
+
+# -- the switch and the fallback ----------------------------------------------------------
+@pytest.mark.parametrize("value, enabled", [("1", False), ("0", True), ("", True)])
+def test_the_environment_switch(value, enabled):
+    env = dict(os.environ, **{fused.ENV_SWITCH: value})
+    code = "from tiegrad.optim import fused; print(fused.ENABLED)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == str(enabled)
+
+
+def test_without_numba_the_numpy_rules_run(monkeypatch, fused_calls):
+    monkeypatch.setattr(fused, "_kernels", lambda: None)
+    assert not fused.supports(np.dtype(np.float32))
+    plist = ParamList.of_pack([np.ones(3, np.float32)])
+    SGD(plist, lr=0.25).step([np.ones(3, np.float32)])
+    assert fused_calls[0] == 0
+    np.testing.assert_array_equal(plist[0].value, np.full(3, 0.75, np.float32))
+
+
+def test_a_numba_that_does_not_import_warns_and_falls_back(monkeypatch):
+    def broken(name, package=None):
+        raise ImportError("numba needs another NumPy")
+
+    monkeypatch.setattr(fused.importlib, "import_module", broken)
+    with pytest.warns(RuntimeWarning, match="numba is installed but does not import"):
+        assert fused._kernels.__wrapped__() is None
+
+
+def test_addresses_are_the_data_pointers():
+    base = np.arange(100, dtype=np.float32)
+    arrays = [base, base[7:], base[::-1], np.zeros(()), np.empty((0, 3)), base.reshape(10, 10).T]
+    want = [a.__array_interface__["data"][0] for a in arrays]
+    assert fused.addresses(arrays).tolist() == want

@@ -1,0 +1,312 @@
+"""tiegrad.train: the Trainer loop, run folders, metrics, plots, resume and interrupts."""
+
+import json
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+import tiegrad
+from tiegrad import CheckpointError, ConfigError
+from tiegrad.data import ArrayDataset, DataLoader, TextDataset
+from tiegrad.models import MLPClassifier, TiedLM
+from tiegrad.optim import SGD, AdamW, total_norm
+from tiegrad.optim.schedules import CosineWarmup
+from tiegrad.train import MetricsWriter, RunDir, Trainer, plot_losses, read_metrics
+from tiegrad.train import plot as plot_module
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(120))
+
+
+def text_job(tmp_path=None, dropout=0.1, seed=0, lr=3e-3, total=12, **kw):
+    data = TextDataset(TEXT, block_size=12)
+    model = TiedLM(
+        data.vocab_size,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        max_seq_len=12,
+        dropout=dropout,
+        seed=seed,
+    )
+    opt = AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = CosineWarmup(opt, warmup_steps=2, total_steps=total)
+    kw.setdefault("max_steps", 12)
+    trainer = Trainer(
+        model,
+        opt,
+        None,
+        data.loader("train", 4),
+        data.eval_batches("val", 4, 2),
+        schedule,
+        progress=False,
+        seed=seed,
+        run_dir=tmp_path,
+        out=sys.stdout,
+        **kw,
+    )
+    return trainer, model, opt
+
+
+def digits_like(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, size=n)
+    x = (rng.normal(size=(n, 5)) + y[:, None]).astype(np.float32)
+    return ArrayDataset(x, y)
+
+
+def mlp_job(tmp_path=None, opt_cls=AdamW, batch=8, **kw):
+    model = MLPClassifier(5, 8, 3, dropout=0.2, seed=1)
+    opt = opt_cls(model.parameters(), lr=0.05)
+    data = digits_like()
+    trainer = Trainer(
+        model,
+        opt,
+        None,
+        DataLoader(data, batch),
+        DataLoader(data, 16, shuffle=False),
+        progress=False,
+        run_dir=tmp_path,
+        out=sys.stdout,
+        **kw,
+    )
+    return trainer, model, opt
+
+
+def values(model):
+    return [v.copy() for v in model.param_list().values()]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y)
+
+
+# -- the loop ----------------------------------------------------------------------------
+def test_training_lowers_the_loss_and_keeps_the_tie(tmp_path):
+    trainer, model, _ = text_job(
+        tmp_path, dropout=0.0, max_steps=30, eval_every=10, lr=1e-2, total=30
+    )
+    first = trainer.evaluate()
+    result = trainer.fit()
+    assert result.status == "completed" and result.step == 30
+    assert result.val_loss < first - 0.5
+    assert model.lm_head.weight.storage is model.embed.weight.storage  # C1 tie kept
+
+
+def test_one_seed_makes_runs_reproducible():
+    a_tr, a_model, _ = text_job(seed=3)
+    b_tr, b_model, _ = text_job(seed=3)
+    a, b = a_tr.fit(), b_tr.fit()
+    assert a.train_loss == b.train_loss and a.val_loss == b.val_loss
+    assert_same(values(a_model), values(b_model))
+    c_tr, c_model, _ = text_job(seed=4)
+    c_tr.fit()
+    assert not np.array_equal(values(a_model)[0], values(c_model)[0])
+
+
+def test_epochs_count_steps_from_the_loader():
+    trainer, _, opt = mlp_job(epochs=2)
+    assert trainer.max_steps == 12  # 48 samples / batch 8 = 6 batches per epoch
+    trainer.fit()
+    assert opt.step_count == 12 and trainer.epoch == 2
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+    big, big_model, _ = mlp_job(opt_cls=SGD, batch=16, max_steps=3, grad_accum=1)
+    acc, acc_model, _ = mlp_job(opt_cls=SGD, batch=8, max_steps=3, grad_accum=2)
+    for t in (big, acc):
+        t.model.mlp.drop.p = 0.0
+        t.train_data.shuffle = False
+    big.fit()
+    acc.fit()
+    for x, y in zip(values(big_model), values(acc_model)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_bounds_the_update_and_records_the_norm(tmp_path):
+    trainer, model, opt = mlp_job(tmp_path, opt_cls=SGD, max_steps=1, clip_norm=1e-3)
+    trainer.model.mlp.drop.p = 0.0
+    before = values(model)
+    trainer.fit()
+    step = [np.asarray(a, np.float64) - b for a, b in zip(values(model), before)]
+    assert total_norm(step) <= 0.05 * 1e-3 * (1 + 1e-4)
+    record = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert record["grad_norm"] > 1e-3
+
+
+# -- run folder ----------------------------------------------------------------------------
+def test_run_folder_holds_checkpoints_metrics_and_plot(tmp_path):
+    trainer, model, _ = text_job(
+        tmp_path, max_steps=12, eval_every=4, checkpoint_every=3, keep_last=2, extra={"note": "x"}
+    )
+    result = trainer.fit()
+    run = RunDir(tmp_path)
+    assert [s for s, _ in run.step_checkpoints()] == [9, 12]
+    assert result.checkpoint == run.step_path(12) and result.best_checkpoint == run.best_path
+    records = read_metrics(run.metrics_path)
+    assert [r["step"] for r in records if "train_loss" in r] == list(range(1, 13))
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
+    best = min(r["val_loss"] for r in records if "val_loss" in r)
+    assert result.best_val_loss == best
+    rows = run.csv_path.read_text().splitlines()
+    assert rows[0] == "step,train_loss,val_loss,lr,grad_norm,throughput,elapsed"
+    assert len(rows) == 1 + len(records)
+    assert result.plot == run.plot_path and run.plot_path.read_bytes()[:4] == b"\x89PNG"
+    info = tiegrad.load(run.latest(), TiedLM(**model.config))
+    assert info.extra["note"] == "x" and info.extra["trainer"]["step"] == 12
+
+
+def test_a_run_folder_is_never_overwritten(tmp_path):
+    text_job(tmp_path, max_steps=2)[0].fit()
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        text_job(tmp_path, max_steps=2)
+
+
+def test_resume_into_another_model_changes_nothing(tmp_path):
+    text_job(tmp_path, max_steps=2)[0].fit()
+    data = TextDataset(TEXT, block_size=12)
+    other = TiedLM(data.vocab_size, d_model=8, n_layers=1, n_heads=2, max_seq_len=12)
+    before = values(other)
+    opt = AdamW(other.parameters())
+    trainer = Trainer(
+        other,
+        opt,
+        None,
+        data.loader("train", 4),
+        max_steps=4,
+        run_dir=tmp_path,
+        resume=True,
+        progress=False,
+    )
+    with pytest.raises(CheckpointError):
+        trainer.fit()
+    assert_same(values(other), before)
+
+
+@pytest.mark.parametrize("job", ["text", "mlp"])
+def test_resume_continues_exactly(tmp_path, job):
+    make = text_job if job == "text" else mlp_job
+    full, full_model, full_opt = make(tmp_path / "full", max_steps=10)
+    full.fit()
+    part, _, _ = make(tmp_path / "part", max_steps=4, checkpoint_every=2)
+    part.fit()
+    again, model, opt = make(tmp_path / "part", max_steps=10, resume=True)
+    result = again.fit()
+    assert result.resumed_from == 4 and result.step == 10
+    assert_same(values(model), values(full_model))
+    sa, sb = opt.state_dict(), full_opt.state_dict()
+    for slot in sb["state"]:
+        for name, v in sb["state"][slot].items():
+            assert np.array_equal(sa["state"][slot][name], v)
+    steps = [r["step"] for r in read_metrics(tmp_path / "part" / "metrics.jsonl")]
+    assert [s for s in steps if s] == sorted(steps)  # no duplicated steps after resume
+
+
+def test_early_stopping_after_patience(tmp_path):
+    trainer, _, opt = mlp_job(tmp_path, max_steps=100, eval_every=2, patience=2)
+    opt.param_groups[0]["lr"] = 0.0  # the validation loss can never improve
+    result = trainer.fit()
+    assert result.status == "early_stopped" and result.step == 6
+    assert RunDir(tmp_path).latest() == RunDir(tmp_path).step_path(6)
+
+
+def test_sigint_finishes_the_step_and_checkpoints(tmp_path, capsys):
+    data = TextDataset(TEXT, block_size=12)
+    model = TiedLM(data.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=12)
+    opt = AdamW(model.parameters())
+    calls = []
+
+    def loss_fn(session, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return model.loss(session, *batch)
+
+    trainer = Trainer(
+        model,
+        opt,
+        loss_fn,
+        data.loader("train", 4),
+        max_steps=50,
+        run_dir=tmp_path,
+        progress=False,
+        resume_hint="run it again",
+    )
+    result = trainer.fit()
+    assert result.status == "interrupted" and result.step == 3 and opt.step_count == 3
+    assert result.checkpoint == RunDir(tmp_path).step_path(3)
+    assert tiegrad.load(result.checkpoint, TiedLM(**model.config)).extra["trainer"]["step"] == 3
+    assert "resume with: run it again" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# -- settings ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"max_steps": 3, "epochs": 1}, "exactly one"),
+        ({}, "exactly one"),
+        ({"max_steps": -1}, "max_steps"),
+        ({"max_steps": 3, "grad_accum": 0}, "grad_accum"),
+        ({"max_steps": 3, "clip_norm": -1.0}, "clip_norm"),
+        ({"max_steps": 3, "eval_every": 0}, "eval_every"),
+    ],
+)
+def test_bad_settings_are_config_errors(kw, match):
+    model = MLPClassifier(5, 8, 3)
+    with pytest.raises(ConfigError, match=match):
+        Trainer(model, SGD(model.parameters(), lr=0.1), None, DataLoader(digits_like(), 8), **kw)
+
+
+def test_train_data_must_be_a_batch_source_and_patience_needs_val():
+    model = MLPClassifier(5, 8, 3)
+    opt = SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="batch source"):
+        Trainer(model, opt, None, [(np.zeros((2, 5)), np.zeros(2))], max_steps=1)
+    with pytest.raises(ConfigError, match="val_data"):
+        Trainer(model, opt, None, DataLoader(digits_like(), 8), max_steps=1, patience=2)
+
+
+# -- metrics and plot ------------------------------------------------------------------------
+def test_metrics_writer_drops_records_past_the_resumed_step(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        for step in range(1, 6):
+            w.write({"step": step, "train_loss": float(step)})
+        w.write({"step": 5, "val_loss": 0.5})
+    with MetricsWriter(tmp_path, resume_step=3) as w:
+        w.write({"step": 4, "train_loss": 9.0})
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["train_loss"]) for r in records] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 9.0),
+    ]
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[-1].startswith("4,9.0,")
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_one_notice(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(plot_module, "_notified", [False])
+    notes = []
+    records = [{"step": 1, "train_loss": 2.0}, {"step": 1, "val_loss": 2.5}]
+    assert plot_losses(records, tmp_path / "a.png", notify=notes.append) is None
+    assert plot_losses(records, tmp_path / "b.png", notify=notes.append) is None
+    assert len(notes) == 1 and "matplotlib" in notes[0]
+    assert not list(tmp_path.iterdir())
+
+
+# -- the digits example ------------------------------------------------------------------------
+def test_digits_example_reaches_95_percent(capsys):
+    pytest.importorskip("sklearn")
+    import runpy
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
+    main = runpy.run_path(str(example))["main"]
+    assert main(epochs=15, seed=0, progress=False) >= 0.95
+    assert "test accuracy" in capsys.readouterr().out
