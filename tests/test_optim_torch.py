@@ -317,7 +317,8 @@ def test_one_cycle_cycles_torchs_momentum():
 # -- clipping ------------------------------------------------------------------------------
 def norm_clip(max_norm: float, norm_type: float):
     def clip(opt, given, tensors):
-        grads, norm = clip_grad_norm(opt.canonical_gradients(given), max_norm, norm_type)
+        grads = opt.canonical_gradients(given)
+        norm = clip_grad_norm(grads, max_norm, norm_type)
         tnorm = float(torch.nn.utils.clip_grad_norm_(tensors, max_norm, norm_type))
         return grads, norm, tnorm
 
@@ -327,7 +328,9 @@ def norm_clip(max_norm: float, norm_type: float):
 def value_clip(value: float):
     def clip(opt, given, tensors):
         torch.nn.utils.clip_grad_value_(tensors, value)
-        return clip_grad_value(opt.canonical_gradients(given), value), 0.0, 0.0
+        grads = opt.canonical_gradients(given)
+        clip_grad_value(grads, value)
+        return grads, 0.0, 0.0
 
     return clip
 

@@ -2,12 +2,13 @@
 
 Both functions take the per-slot list form that ``Optimizer.step`` accepts (one entry
 per slot, None at frozen and alias slots), as returned by
-``opt.canonical_gradients(...)`` or ``ParamList.canonical_gradients``, and return a
-new list of the same form; the input list and its arrays are never written. The
-clipped list goes straight into ``step``::
+``opt.canonical_gradients(...)`` or ``ParamList.canonical_gradients``. Like PyTorch's
+``clip_grad_norm_`` they clip in place and ``clip_grad_norm`` returns the total norm:
+the list's entries are replaced by clipped arrays, while the arrays themselves (which
+may be borrowed from a tape, C8) are never written. The list then goes into ``step``::
 
     grads = opt.canonical_gradients(session.backward(loss))
-    grads, total_norm = clip_grad_norm(grads, max_norm=1.0)
+    norm = clip_grad_norm(grads, max_norm=1.0)
     opt.step(grads)
 
 Because a tied storage appears once (its summed gradient at its canonical slot), the
@@ -54,21 +55,21 @@ def total_norm(gradients: Sequence[np.ndarray | None], norm_type: float = 2.0) -
 
 
 def clip_grad_norm(
-    gradients: Sequence[np.ndarray | None],
+    gradients: list[np.ndarray | None],
     max_norm: float,
     norm_type: float = 2.0,
     *,
     error_if_nonfinite: bool = False,
-) -> tuple[list[np.ndarray | None], float]:
+) -> float:
     """Scale all gradients together so their global norm is at most ``max_norm``.
 
-    Returns ``(clipped, total_norm)``: ``total_norm`` is the norm before clipping;
-    every entry of ``clipped`` is the input array times ``max_norm / (total_norm +
-    1e-6)`` when that factor is below 1 (PyTorch's rule), else the input array itself.
-    A non-finite norm leaves the gradients as they are (the optimizer's ``nonfinite``
-    policy then applies), or raises ``NonFiniteError`` with ``error_if_nonfinite``.
+    Returns the total norm before clipping. When ``max_norm / (total_norm + 1e-6)`` is
+    below 1 (PyTorch's rule) every entry of the list is replaced by the array times that
+    factor; otherwise the list is left as it is. A non-finite norm leaves the gradients
+    as they are (the optimizer's ``nonfinite`` policy then applies), or raises
+    ``NonFiniteError`` with ``error_if_nonfinite``. Everything is checked first (C6).
     """
-    grads = _arrays("clip_grad_norm", gradients)
+    grads = _mutable(_arrays("clip_grad_norm", gradients), gradients, "clip_grad_norm")
     max_norm = at_least_zero("clip_grad_norm", "max_norm", max_norm)
     norm = total_norm(grads, norm_type)
     if not math.isfinite(norm):
@@ -76,20 +77,27 @@ def clip_grad_norm(
             raise NonFiniteError(
                 f"clip_grad_norm: the total {norm_type}-norm of the gradients is {norm}"
             )
-        return grads, norm
+        return norm
     coef = max_norm / (norm + 1e-6)
-    if coef >= 1.0:
-        return grads, norm
-    return [None if g is None else g * coef for g in grads], norm
+    if coef < 1.0:
+        gradients[:] = [None if g is None else g * coef for g in grads]
+    return norm
 
 
-def clip_grad_value(
-    gradients: Sequence[np.ndarray | None], clip_value: float
-) -> list[np.ndarray | None]:
-    """Every gradient element clamped to ``[-clip_value, clip_value]``, in a new list."""
-    grads = _arrays("clip_grad_value", gradients)
+def clip_grad_value(gradients: list[np.ndarray | None], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, replacing list entries."""
+    grads = _mutable(_arrays("clip_grad_value", gradients), gradients, "clip_grad_value")
     v = at_least_zero("clip_grad_value", "clip_value", clip_value)
-    return [None if g is None else np.clip(g, -v, v) for g in grads]
+    gradients[:] = [None if g is None else np.clip(g, -v, v) for g in grads]
+
+
+def _mutable(grads: list[Any], gradients: Sequence[Any], what: str) -> list[Any]:
+    if not isinstance(gradients, list):
+        raise DTypeError(
+            f"{what}: expected a list (its entries are replaced by the clipped gradients), "
+            f"got {type(gradients).__name__}"
+        )
+    return grads
 
 
 def _norm_type(what: str, norm_type: Any) -> float:

@@ -322,9 +322,9 @@ class Trainer:
             grads = new if grads is None else _accumulate(grads, new, k == 1)
         norm = None
         if self.clip_norm is not None:
-            grads, norm = clip_grad_norm(grads, self.clip_norm)
+            norm = clip_grad_norm(grads, self.clip_norm)
+        s.reset()  # nothing pins the storages any more: the update is written in place
         self.optimizer.step(grads)
-        s.reset()
         if self.schedule is not None:
             self.schedule.step()
         self.step += 1
