@@ -12,15 +12,12 @@ SECTION = "## Optimizers"
 
 
 def section_text() -> str:
-    """The section from ``docs/readme_optim.md``, or from README.md once merged there."""
-    for name in ("docs/readme_optim.md", "README.md"):
-        path = ROOT / name
-        if path.exists() and SECTION in path.read_text():
-            text = path.read_text()
-            start = text.index(SECTION)
-            end = text.find("\n## ", start + len(SECTION))
-            return text[start : end if end != -1 else len(text)]
-    raise AssertionError(f"no {SECTION!r} section in docs/readme_optim.md or README.md")
+    """The section of README.md that starts at ``SECTION``."""
+    text = (ROOT / "README.md").read_text()
+    assert SECTION in text, f"no {SECTION!r} section in README.md"
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    return text[start : end if end != -1 else len(text)]
 
 
 def test_readme_optimizer_example_runs_and_its_output_matches():
