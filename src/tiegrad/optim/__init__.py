@@ -4,7 +4,9 @@ torch.optim's names, arguments and defaults (``SGD``, ``Adam``, ``AdamW``, ``RMS
 ``Adagrad``) with tiegrad's guarantees: one summed gradient and one update per storage
 (C4), state by canonical slot (C5), updates from the current value (C3) and complete
 validation before the first write (C6). See ``Optimizer`` for the step protocol,
-``clip`` for clipping and ``schedules`` for learning-rate schedules.
+``clip`` for clipping and ``schedules`` for learning-rate schedules. With numba installed
+(the extra ``tiegrad[fast]``) host steps run compiled single-pass kernels, bit for bit
+equal to the NumPy rules (``fused``, ``kernels``).
 """
 
 from . import schedules

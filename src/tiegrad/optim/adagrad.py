@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .fused import FusedRule
 from .hyperparams import at_least_zero, check_eps_in, flag, learning_rate, positive
 from .optimizer import Optimizer, ParamsArg, l2_gradient
 
@@ -50,6 +51,11 @@ def adagrad_rule(
     p += w
 
 
+def adagrad_fused(c: AdagradCoefficients) -> tuple[tuple[float, ...], tuple[bool, ...]]:
+    """``adagrad_rule``'s coefficients as ``kernels.adagrad``'s scalars and flags."""
+    return (-c.clr, c.eps, c.weight_decay), (bool(c.weight_decay), c.maximize)
+
+
 class Adagrad(Optimizer):
     """``torch.optim.Adagrad`` with tiegrad's guarantees (see ``Optimizer``).
 
@@ -68,6 +74,7 @@ class Adagrad(Optimizer):
     }
     work_buffers = 2
     rule = staticmethod(adagrad_rule)
+    fused_rule = FusedRule("adagrad", ("sum",), adagrad_fused)
 
     def __init__(
         self,

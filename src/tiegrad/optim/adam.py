@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .fused import FusedRule
 from .hyperparams import at_least_zero, betas, check_eps_in, flag, learning_rate, positive
 from .optimizer import Optimizer, ParamsArg, l2_gradient
 
@@ -73,6 +74,13 @@ def adam_rule(
     p += z
 
 
+def adam_fused(c: AdamCoefficients) -> tuple[tuple[float, ...], tuple[bool, ...]]:
+    """``adam_rule``'s coefficients as ``kernels.adam``'s scalars and flags."""
+    scalars = (c.decay, c.l2, c.beta1, c.beta2, c.one_minus_beta1, c.one_minus_beta2)
+    flags = (c.decay != 1.0, bool(c.l2), c.maximize, c.amsgrad)
+    return (*scalars, c.eps_hat, c.step_hat), flags
+
+
 class Adam(Optimizer):
     """``torch.optim.Adam`` with tiegrad's guarantees (see ``Optimizer``).
 
@@ -91,6 +99,7 @@ class Adam(Optimizer):
     }
     work_buffers = 3
     rule = staticmethod(adam_rule)
+    fused_rule = FusedRule("adam", ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), adam_fused)
     decoupled = False
 
     def __init__(

@@ -31,6 +31,12 @@ operators, so the same rule runs on torch tensors (``xp=torch``). The host drive
 feeds it cache-sized chunks: a large parameter in slices of ``CHUNK`` elements,
 consecutive small parameters gathered into one buffer (their state is contiguous in
 ``FlatState``), with reused work buffers, so a step allocates no temporaries.
+
+When numba is installed (``tiegrad.optim.fused``), a subclass's ``fused_rule`` replaces
+``rule`` for float32 and float64 parameters: all canonical slots sharing coefficients
+are updated by one compiled kernel that reads and writes each element once, with the
+same arithmetic, bit for bit. The finiteness check is then one compiled read of the
+gradients.
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ from ..errors import (
 from ..params import Param, ParamList, dense_group_gradient
 from ..params.storage import check_host_array
 from ..session import Gradients, latest_gradients
+from . import fused
 from .device import device_step, is_device_step, release_state, sync_state
+from .fused import FusedRule
 from .hyperparams import Checker, count
 from .norms import sum_of_squares
 from .state import FlatState, SlotSpec
@@ -89,13 +97,15 @@ class Optimizer:
 
     Subclasses set ``kind`` (the name in ``state_dict``), ``hyperparameters`` (name ->
     checker, in torch.optim's order), ``work_buffers`` (scratch arrays ``rule`` needs)
-    and ``rule``, and implement ``_state_names`` and ``_coefficients``.
+    and ``rule``, and implement ``_state_names`` and ``_coefficients``; ``fused_rule``
+    optionally names the compiled kernel of the same rule (``tiegrad.optim.fused``).
     """
 
     kind: ClassVar[str] = "Optimizer"
     hyperparameters: ClassVar[Mapping[str, Checker]] = {}
     work_buffers: ClassVar[int] = 0
     rule: ClassVar[Callable[..., None]]
+    fused_rule: ClassVar[FusedRule | None] = None
 
     def __init__(
         self, params: ParamsArg, defaults: Mapping[str, Any], *, nonfinite: str = "raise"
@@ -172,17 +182,18 @@ class Optimizer:
         slots, grads = self._resolve(gradients)
         hps = self._checked_groups(self.param_groups, slots)
         specs = self._state_specs(slots, hps)
-        for slot in specs:
-            if not math.isfinite(sum_of_squares(grads[slot])):
-                if self.nonfinite == "skip":
-                    self.skipped_steps += 1
-                    return
-                raise NonFiniteError(
-                    f"{self.kind}.step: the gradient of {self._label(slot)} holds NaN or "
-                    f"infinity; nothing was updated (nonfinite='skip' skips such steps)"
-                )
+        tables = self._gradient_tables(grads, specs)
+        bad = self._first_nonfinite(grads, specs, tables)
+        if bad is not None:
+            if self.nonfinite == "skip":
+                self.skipped_steps += 1
+                return
+            raise NonFiniteError(
+                f"{self.kind}.step: the gradient of {self._label(bad)} holds NaN or "
+                f"infinity; nothing was updated (nonfinite='skip' skips such steps)"
+            )
         release_state(self)
-        self._apply(grads, hps, specs)
+        self._apply(grads, hps, specs, tables)
         self.step_count += 1
 
     def state_tensor_specs(self) -> dict[int, dict[str, tuple[tuple[int, ...], str]]]:
@@ -336,9 +347,10 @@ class Optimizer:
     ) -> list[dict[str, Any]]:
         """Every group's hyperparameters, normalized; raises on the first invalid one."""
         hps = []
+        params = list(self.params)
         for gi, group in enumerate(groups):
             members = self.param_groups[gi]["slots"]
-            dtypes = {self.params[i].dtype for i in members if self.params[i].requires_grad}
+            dtypes = {params[i].storage.dtype for i in members if params[i].requires_grad}
             hps.append(self._checked_hyper(group, f"{self.kind} group {gi}", dtypes))
         sg = self._slot_group
         for i, c in enumerate(slots):
@@ -356,8 +368,10 @@ class Optimizer:
         self, slots: Sequence[int | None], hps: Sequence[Mapping[str, Any]]
     ) -> dict[int, SlotSpec]:
         sg = self._slot_group
+        names = [self._state_names(hp) for hp in hps]
+        storages = [p.storage for p in self.params]
         return {
-            i: (self.params[i].shape, self.params[i].dtype, self._state_names(hps[sg[i]]))
+            i: (storages[i].shape, storages[i].dtype, names[sg[i]])
             for i, c in enumerate(slots)
             if c == i
         }
@@ -371,6 +385,8 @@ class Optimizer:
         now shares another slot's storage is an error (two histories cannot merge).
         """
         specs = self._required_specs(slots, hps)
+        if self._state.matches(specs):  # the layout of the last step: nothing to check
+            return specs
         for slot in self._state.slots():
             c = slots[slot]
             if c is not None and c != slot:
@@ -421,7 +437,7 @@ class Optimizer:
             entry = _mapping(where, f"state of slot {slot}", entry)
             shape, dtype, names = required[slot]
             _exact_keys(where, f"state of slot {slot}", entry, ("step", *names))
-            _counter(where, f"step of slot {slot}", entry["step"])
+            _counter(where, f"step of slot {slot}", entry["step"], 1)  # state exists after a step
             for name in names:
                 arr = entry[name]
                 if not isinstance(arr, np.ndarray):
@@ -455,9 +471,7 @@ class Optimizer:
                 )
         if isinstance(gradients, Gradients):
             raw = self._session_gradients(gradients, slots)
-            hint = (
-                " (no trainable use of its storage was recorded before that backward)"
-            )
+            hint = " (no trainable use of its storage was recorded before that backward)"
         elif isinstance(gradients, (list, tuple)):
             raw = self._list_gradients(gradients, slots)
             hint = ""
@@ -470,13 +484,16 @@ class Optimizer:
         for i, c in enumerate(slots):
             if c != i:
                 continue
-            p = self.params[i]
-            if raw[i] is None:
+            g, p = raw[i], self.params[i].storage
+            if g is None:
                 raise MissingGradientError(
                     f"{self.kind}.step: {self._label(i)} is trainable but has no gradient{hint}"
                 )
+            if isinstance(g, np.ndarray) and g.dtype == p.dtype and g.shape == p.shape:
+                out[i] = g  # what check_host_array returns, without building its message
+                continue
             out[i] = check_host_array(
-                f"{self.kind}.step: gradient of {self._label(i)}", raw[i], p.shape, p.dtype
+                f"{self.kind}.step: gradient of {self._label(i)}", g, p.shape, p.dtype
             )
         return slots, out
 
@@ -506,36 +523,78 @@ class Optimizer:
         return list(gradients)
 
     # -- the update ----------------------------------------------------------------------
+    def _gradient_tables(
+        self, grads: Sequence[np.ndarray | None], specs: Mapping[int, SlotSpec]
+    ) -> dict[np.dtype, fused.GradientTable]:
+        """The gradients of the canonical slots of each dtype ``fused`` supports, located."""
+        by_dtype: dict[np.dtype, list[int]] = {}
+        for slot, spec in specs.items():
+            by_dtype.setdefault(spec[1], []).append(slot)
+        return {
+            dtype: fused.GradientTable(slots, [grads[slot] for slot in slots])
+            for dtype, slots in by_dtype.items()
+            if fused.supports(dtype)
+        }
+
+    def _first_nonfinite(
+        self,
+        grads: Sequence[np.ndarray | None],
+        specs: Mapping[int, SlotSpec],
+        tables: Mapping[np.dtype, fused.GradientTable],
+    ) -> int | None:
+        """The first canonical slot whose gradient holds NaN or infinity, or None (C6)."""
+        bad = [table.first_nonfinite() for table in tables.values()]
+        rest = [slot for slot, spec in specs.items() if spec[1] not in tables]
+        bad += [slot for slot in rest if not math.isfinite(sum_of_squares(grads[slot]))]
+        return min((slot for slot in bad if slot is not None), default=None)
+
     def _apply(
         self,
         grads: Sequence[np.ndarray | None],
         hps: Sequence[Mapping[str, Any]],
         specs: Mapping[int, SlotSpec],
+        tables: Mapping[np.dtype, fused.GradientTable],
     ) -> None:
         sg = self._slot_group
         created = self._state.arrange(specs, lambda s, name: self._initial_value(name, hps[sg[s]]))
-        for (gi, step, fresh, _), run in self._runs(specs, created):
+        for (gi, step, fresh, dtype), run in self._runs(specs, created, tables):
             names = specs[run[0]][2]
             c = self._coefficients(hps[gi], step, fresh)
-            if len(run) == 1:
+            if dtype in tables and self.fused_rule is not None:
+                self._update_fused(run, tables[dtype].select(run), names, c)
+            elif len(run) == 1:
                 self._update_one(run[0], grads[run[0]], names, c)
             else:
                 self._update_many(run, grads, names, c)
-            for slot in run:
-                self._state.set_step(slot, step)
+            self._state.set_steps(run, step)
 
     def _runs(
-        self, specs: Mapping[int, SlotSpec], created: set[tuple[int, str]]
+        self,
+        specs: Mapping[int, SlotSpec],
+        created: set[tuple[int, str]],
+        tables: Mapping[np.dtype, fused.GradientTable],
     ) -> list[tuple[tuple[int, int, frozenset[str], np.dtype], list[int]]]:
-        """Canonical slots in order, consecutive small ones with equal coefficients merged."""
+        """Canonical slots in order, consecutive small ones with equal coefficients merged.
+
+        Slots updated fused (a dtype in ``tables``) are merged whatever their size and
+        position: one run per coefficients.
+        """
         runs: list[tuple[tuple[int, int, frozenset[str], np.dtype], list[int]]] = []
+        batches: dict[tuple[int, int, frozenset[str], np.dtype], list[int]] = {}
+        fusable = set(tables) if self.fused_rule is not None else set()
         total = 0
         steps = self._state.step
         for slot in sorted(specs):
             shape, dtype, names = specs[slot]
-            size = math.prod(shape)
             fresh = frozenset(n for n in names if (slot, n) in created) if created else NOTHING
             key = (self._slot_group[slot], steps(slot) + 1, fresh, dtype)
+            if dtype in fusable:
+                if key not in batches:
+                    batches[key] = []
+                    runs.append((key, batches[key]))
+                batches[key].append(slot)
+                continue
+            size = math.prod(shape)
             small = size <= SMALL
             if small and runs and runs[-1][0] == key and total and total + size <= CHUNK:
                 runs[-1][1].append(slot)
@@ -555,9 +614,7 @@ class Optimizer:
 
     def _update_one(self, slot: int, g: np.ndarray, names: tuple[str, ...], c: Any) -> None:
         storage = self.params[slot].storage
-        arr = storage.host_for_update()
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
+        arr = _contiguous(storage.host_for_update())
         p = arr.reshape(-1)
         gf = g.reshape(-1)
         if np.may_share_memory(gf, p):
@@ -572,6 +629,23 @@ class Optimizer:
                 np, p[s:e], gf[s:e], {k: v[s:e] for k, v in state.items()}, [w[:n] for w in work], c
             )
         storage.commit_host(arr)
+
+    def _update_fused(
+        self,
+        run: list[int],
+        grads: tuple[list[np.ndarray], np.ndarray, np.ndarray],
+        names: tuple[str, ...],
+        c: Any,
+    ) -> None:
+        """The slots of ``run`` updated by one ``fused_rule`` kernel call, in place."""
+        params = self.params
+        storages = [params[slot].storage for slot in run]
+        arrs = [_contiguous(storage.host_for_update()) for storage in storages]
+        rows = np.array(run, np.intp)
+        state = {name: self._state.offsets(rows, name) for name in names}
+        fused.run(self.fused_rule, c, arrs, grads, state)
+        for storage, arr in zip(storages, arrs):
+            storage.commit_host(arr)
 
     def _update_many(
         self, run: list[int], grads: Sequence[Any], names: tuple[str, ...], c: Any
@@ -589,6 +663,11 @@ class Optimizer:
             a[...] = p[start : start + a.size].reshape(a.shape)
             start += a.size
             self.params[slot].storage.commit_host(a)
+
+
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    """``arr`` itself when C-contiguous, else a C-contiguous copy of the same shape."""
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -612,9 +691,9 @@ def _exact_keys(where: str, what: str, value: Mapping[str, Any], keys: Sequence[
         )
 
 
-def _counter(where: str, what: str, value: Any) -> int:
-    """A non-negative integer from a state dict, or a ``CheckpointError``."""
+def _counter(where: str, what: str, value: Any, minimum: int = 0) -> int:
+    """An integer >= ``minimum`` from a state dict, or a ``CheckpointError``."""
     try:
-        return count(where, what, value)
+        return count(where, what, value, minimum)
     except HyperparameterError as e:
         raise CheckpointError(str(e)) from None

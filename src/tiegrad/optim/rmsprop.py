@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .fused import FusedRule
 from .hyperparams import at_least_zero, check_eps_in, flag, learning_rate, positive, unit_interval
 from .optimizer import Optimizer, ParamsArg, l2_gradient
 
@@ -75,6 +76,12 @@ def rmsprop_rule(
     p += w
 
 
+def rmsprop_fused(c: RMSpropCoefficients) -> tuple[tuple[float, ...], tuple[bool, ...]]:
+    """``rmsprop_rule``'s coefficients as ``kernels.rmsprop``'s scalars and flags."""
+    scalars = (-c.lr, c.alpha, c.one_minus_alpha, c.eps, c.weight_decay, c.momentum)
+    return scalars, (bool(c.weight_decay), c.maximize, c.momentum > 0, c.centered)
+
+
 class RMSprop(Optimizer):
     """``torch.optim.RMSprop`` with tiegrad's guarantees (see ``Optimizer``).
 
@@ -94,6 +101,7 @@ class RMSprop(Optimizer):
     }
     work_buffers = 2
     rule = staticmethod(rmsprop_rule)
+    fused_rule = FusedRule("rmsprop", ("square_avg", "momentum_buffer", "grad_avg"), rmsprop_fused)
 
     def __init__(
         self,

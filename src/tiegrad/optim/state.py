@@ -12,7 +12,7 @@ trainable storages own state; frozen slots own none (C5).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -29,6 +29,7 @@ class FlatState:
         self._steps: dict[int, int] = {}
         self._tensors: dict[int, dict[str, np.ndarray]] = {}
         self._spans: dict[tuple[int, str], tuple[np.ndarray, int, int]] = {}
+        self._starts: dict[str, np.ndarray] = {}  # name -> start of each slot's tensor
         self._specs: dict[int, SlotSpec] = {}
 
     # -- reading -------------------------------------------------------------------------
@@ -52,6 +53,10 @@ class FlatState:
         buf, start, _ = self._spans[first, name]
         _, _, stop = self._spans[last, name]
         return buf[start:stop]
+
+    def offsets(self, slots: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The flat buffer of ``name`` holding ``slots`` (one dtype) and each slot's start in it."""
+        return self._spans[int(slots[0]), name][0], self._starts[name][slots]
 
     def read_only(self) -> Mapping[int, Mapping[str, Any]]:
         """``{slot: {"step": int, name: read-only view}}`` for inspection."""
@@ -84,6 +89,10 @@ class FlatState:
     # -- writing -------------------------------------------------------------------------
     def set_step(self, slot: int, step: int) -> None:
         self._steps[slot] = step
+
+    def set_steps(self, slots: Sequence[int], step: int) -> None:
+        """``set_step`` for each of ``slots``."""
+        self._steps.update(dict.fromkeys(slots, step))
 
     def arrange(
         self, specs: Mapping[int, SlotSpec], initial: Callable[[int, str], float]
@@ -139,6 +148,7 @@ class FlatState:
         buffers = {key: np.empty(total, np.dtype(key[0])) for key, total in totals.items()}
         tensors: dict[int, dict[str, np.ndarray]] = {slot: {} for slot in order}
         spans: dict[tuple[int, str], tuple[np.ndarray, int, int]] = {}
+        starts = {name: np.zeros(order[-1] + 1 if order else 0, np.intp) for _, name in totals}
         for slot, name, key, start, stop in placed:
             buf = buffers[key]
             view = buf[start:stop].reshape(specs[slot][0])
@@ -149,7 +159,9 @@ class FlatState:
                 view.fill(value)
             tensors[slot][name] = view
             spans[slot, name] = (buf, start, stop)
+            starts[name][slot] = start
         self._tensors = tensors
         self._spans = spans
+        self._starts = starts
         self._steps = {slot: steps[slot] for slot in order}
         self._specs = dict(specs)

@@ -1,0 +1,310 @@
+"""The fused host step: one pass over memory per optimizer step, when numba is installed.
+
+``Optimizer.step`` uses it for every parameter of a dtype in ``DTYPES`` when ``ENABLED``
+is true (the default when numba imports; ``TIEGRAD_NO_NUMBA=1`` in the environment, or
+setting ``ENABLED = False``, keeps the NumPy rules). Both paths compute the same values
+bit for bit (see ``kernels``); only the speed differs. numba is the optional extra
+``tiegrad[fast]``; ``kernels`` says why this dependency.
+
+A step locates its gradients once per dtype (``GradientTable``), checks them all for
+NaN and infinity before any write (C6, one read), then hands ``run`` each batch of
+canonical slots (C5) that share coefficients: their parameter arrays, gradients and
+state, which ``FlatState`` keeps in one flat buffer per name and dtype. ``run`` writes
+the addresses into a table and the rule's kernel updates every element once.
+
+Threads. A batch of at least ``2 * CHUNK_MIN`` elements is cut into ``CHUNKS`` chunks
+per thread, claimed in turn by the calling thread and ``THREADS - 1`` pool threads (the
+kernels release the GIL). The caller waits only for chunks a pool thread has claimed,
+so a pool thread the OS has not scheduled yet delays nothing: on a loaded machine the
+step degrades to one thread instead of waiting a time slice, which a fixed split per
+thread (numba's ``prange``) would. The pool is replaced in a forked child.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import numpy as np
+
+ENV_SWITCH = "TIEGRAD_NO_NUMBA"
+ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
+DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+THREADS: int = min(
+    8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+)
+CHUNK_MIN = 1 << 16  # elements; a batch under two of these runs on the calling thread
+CHUNKS = 4  # chunks per thread: the granularity of the sharing
+_UNSIGNED = {4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}  # exponent bits
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+class FusedRule(NamedTuple):
+    """How an optimizer's rule runs fused: a kernel of ``kernels`` and its operands.
+
+    ``kernel`` names the function ``kernels.<kernel>``; ``state`` lists the state
+    tensors in table column order (a tensor the hyperparameters do not need is absent,
+    address 0); ``pack`` maps the rule's coefficients to ``(scalars, flags)``, the
+    kernel's ``coef`` and ``flags`` in its documented order.
+    """
+
+    kernel: str
+    state: tuple[str, ...]
+    pack: Callable[[Any], tuple[Sequence[float], Sequence[bool]]]
+
+
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """``tiegrad.optim.kernels`` (importing numba), or None with a warning if that fails."""
+    if importlib.util.find_spec("numba") is None:
+        return None
+    try:
+        return importlib.import_module(".kernels", __package__)
+    except ImportError as e:  # e.g. a numba release that does not support this NumPy
+        warnings.warn(
+            f"tiegrad.optim: numba is installed but does not import ({e}); optimizer steps "
+            f"use the NumPy rules",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+def supports(dtype: np.dtype) -> bool:
+    """Whether steps over parameters of ``dtype`` run fused (``ENABLED``, numba, ``DTYPES``)."""
+    return ENABLED and dtype in DTYPES and _kernels() is not None
+
+
+class GradientTable:
+    """The gradients of one step's fused slots of one dtype, located once.
+
+    ``arrays`` (C-contiguous: a strided gradient is copied), their data ``addresses``
+    and ``starts`` (``starts[k]``: where row ``k`` begins in the batch). The finiteness
+    check (C6) and the update of any subset of the slots (``select``) use them.
+    """
+
+    def __init__(self, slots: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
+        self.slots = list(slots)
+        self.arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+        self.dtype = self.arrays[0].dtype
+        self.addresses = addresses(self.arrays)
+        self.starts = _starts(self.arrays)
+
+    def first_nonfinite(self) -> int | None:
+        """The first slot whose gradient holds a NaN or an infinity, or None.
+
+        One read of every gradient, as unsigned integers of its width: not finite
+        means all exponent bits set.
+        """
+        unsigned, exponent = _UNSIGNED[self.dtype.itemsize]
+        out = np.zeros(len(self.slots), np.uint8)
+        bits, top = np.zeros(1, unsigned), np.array([exponent], unsigned)
+        table = self.addresses.reshape(-1, 1)
+        _launch(_kernels().nonfinite_rows, table, self.starts, bits, top, out, keep=self.arrays)
+        hits = np.flatnonzero(out)
+        return self.slots[hits[0]] if hits.size else None
+
+    def select(self, slots: list[int]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """``(arrays, addresses, starts)`` of ``slots``, a subset of ``self.slots`` in order."""
+        if slots == self.slots:
+            return list(self.arrays), self.addresses, self.starts
+        index = {slot: k for k, slot in enumerate(self.slots)}
+        rows = np.array([index[slot] for slot in slots], np.intp)
+        starts = np.zeros(len(rows) + 1, np.intp)
+        np.cumsum(np.diff(self.starts)[rows], out=starts[1:])
+        return [self.arrays[k] for k in rows], self.addresses[rows], starts
+
+
+def run(
+    rule: FusedRule,
+    coefficients: Any,
+    params: Sequence[np.ndarray],
+    grads: tuple[list[np.ndarray], np.ndarray, np.ndarray],
+    state: Mapping[str, tuple[np.ndarray, np.ndarray]],
+) -> None:
+    """Update ``params`` and their state in place with ``rule``'s kernel, one pass.
+
+    ``params``: writable C-contiguous arrays of one dtype in ``DTYPES``; ``grads``: their
+    validated gradients as ``GradientTable.select`` gives them; ``state``: ``{name: (flat
+    buffer, element offset of each parameter's tensor)}`` for the names the coefficients
+    need. A gradient that shares memory with anything written is copied first.
+    """
+    scalars, flags = rule.pack(coefficients)
+    arrays, at, starts = grads
+    dtype = arrays[0].dtype
+    nbytes = np.diff(starts) * dtype.itemsize  # of each parameter and its gradient
+    table = np.zeros((len(params), 2 + len(rule.state)), np.intp)
+    table[:, 0] = addresses(params)
+    buffers = [buf for buf, _ in state.values()]
+    written = np.concatenate([table[:, 0], addresses(buffers)])
+    written_nbytes = np.concatenate([nbytes, [buf.nbytes for buf in buffers]]).astype(np.intp)
+    table[:, 1] = _disjoint(arrays, at, nbytes, written, written_nbytes)
+    for column, name in enumerate(rule.state, start=2):
+        if name in state:
+            buf, offsets = state[name]
+            table[:, column] = addresses([buf])[0] + offsets * dtype.itemsize
+    coef = np.array(scalars, dtype)
+    kernel = getattr(_kernels(), rule.kernel)
+    keep = (params, arrays, buffers)
+    _launch(kernel, table, starts, coef, np.array(flags, np.int64), keep=keep)
+
+
+def addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The data addresses of ``arrays`` (live ndarrays), as ``np.intp``.
+
+    ``__array_interface__`` costs a microsecond or two per array, a noticeable share of
+    a step over hundreds of tensors; reading the data pointer from NumPy's array struct
+    (``kernels.data_addresses``, the offset checked once) costs a few nanoseconds.
+    """
+    offset = _data_offset()
+    if offset is None:
+        return np.array([a.__array_interface__["data"][0] for a in arrays], np.intp)
+    out = np.empty(len(arrays), np.intp)
+    _kernels().data_addresses(np.fromiter(map(id, arrays), np.intp, len(arrays)), offset, out)
+    return out
+
+
+@functools.cache
+def _data_offset() -> int | None:
+    """Where an ndarray object keeps its data pointer, if right after the object header.
+
+    That is the field layout NumPy's C API exposes (``PyArrayObject_fields``); it is
+    confirmed on probe arrays (one a view with an offset), else None.
+    """
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    offset = object.__basicsize__
+    base = np.arange(16, dtype=np.float64)
+    probes = [base, base[3:], np.empty((2, 3), np.float32)]
+    out = np.empty(len(probes), np.intp)
+    kernels.data_addresses(np.array([id(p) for p in probes], np.intp), offset, out)
+    truth = [p.__array_interface__["data"][0] for p in probes]
+    return offset if out.tolist() == truth else None
+
+
+def _starts(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Prefix sums of the sizes: ``starts[k]`` is where array ``k`` begins in the batch."""
+    starts = np.zeros(len(arrays) + 1, np.intp)
+    np.cumsum(np.fromiter((a.size for a in arrays), np.intp, len(arrays)), out=starts[1:])
+    return starts
+
+
+def _disjoint(
+    grads: list[np.ndarray],
+    at: np.ndarray,
+    nbytes: np.ndarray,
+    written: np.ndarray,
+    written_nbytes: np.ndarray,
+) -> np.ndarray:
+    """The addresses ``at`` of ``grads`` after copying each one that overlaps a written range.
+
+    ``written`` and ``written_nbytes`` describe the memory the kernel writes: pairwise
+    disjoint ranges (distinct storages, state buffers), so sorted by address a gradient
+    can only overlap the last range starting before its end. Empty gradients overlap
+    nothing.
+    """
+    order = np.argsort(written)
+    lo, hi = written[order], written[order] + written_nbytes[order]
+    end = at + nbytes
+    last = np.searchsorted(lo, end, side="left") - 1
+    clash = (last >= 0) & (hi[np.maximum(last, 0)] > at) & (end > at)
+    if not clash.any():
+        return at
+    at = at.copy()
+    for i in np.flatnonzero(clash):
+        grads[i] = grads[i].copy()
+        at[i] = addresses([grads[i]])[0]
+    return at
+
+
+class _Chunks:
+    """A kernel's element range in chunks that threads claim one at a time.
+
+    ``keep`` holds the arrays whose addresses ``args`` carries, alive for as long as a
+    pool thread may still run a chunk, whatever happens to the caller.
+    """
+
+    def __init__(
+        self, kernel: Callable[..., None], args: tuple[Any, ...], bounds: list[int], keep: Any
+    ) -> None:
+        self.kernel, self.args, self.bounds, self.keep = kernel, args, bounds, keep
+        self.next = 0  # the next chunk to claim
+        self.active = 0  # chunks claimed and not finished
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def drain(self) -> None:
+        """Claim and run chunks until none is left."""
+        while True:
+            with self.cond:
+                i = self.next
+                if i == len(self.bounds) - 1:
+                    return
+                self.next, self.active = i + 1, self.active + 1
+            try:
+                self.kernel(*self.args, self.bounds[i], self.bounds[i + 1])
+            except BaseException as e:  # re-raised by the waiting caller
+                self.error = e
+            finally:
+                with self.cond:
+                    self.active -= 1
+                    self.cond.notify_all()
+
+    def wait(self) -> None:
+        """Return when every chunk has run; raise the first error of any thread."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.active == 0)
+        if self.error is not None:
+            raise self.error
+
+
+def _launch(
+    kernel: Callable[..., None], table: np.ndarray, starts: np.ndarray, *args: Any, keep: Any
+) -> None:
+    """``kernel`` over all elements of the batch, shared by up to ``THREADS`` threads.
+
+    ``keep``: the arrays ``table`` points into (see ``_Chunks``).
+    """
+    total = int(starts[-1])
+    threads = min(THREADS, total // CHUNK_MIN)
+    if threads <= 1:
+        kernel(table, starts, *args, 0, total)
+        return
+    n = threads * CHUNKS
+    bounds = [total * i // n for i in range(n + 1)]
+    chunks = _Chunks(kernel, (table, starts, *args), bounds, keep)
+    pool = _executor()
+    for _ in range(threads - 1):
+        pool.submit(chunks.drain)
+    chunks.drain()
+    chunks.wait()
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The pool threads, started on first use."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(32, thread_name_prefix="tiegrad-optim")
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist here; start anew."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
