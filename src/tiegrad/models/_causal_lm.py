@@ -11,6 +11,7 @@ small logits; every other layer keeps its PyTorch default.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,33 +19,42 @@ import numpy as np
 from .. import ops
 from ..errors import DTypeError, HyperparameterError, ShapeError
 from ..nn import init
+from ..nn.attention import TransformerBlock
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
-from ..nn.module import Module
 from ..nn.tying import tie
 from ..session import EagerSession, TensorRef
+from ._configured import ConfiguredModel
 
 EMBED_STD = 0.02
 
 
-class TiedCausalLM(Module):
-    """Base of ``TiedLM`` and ``SharedBlockLM``; subclasses build blocks and ``_body``."""
+class TiedCausalLM(ConfiguredModel):
+    """Base of ``TiedLM`` and ``SharedBlockLM``; subclasses add ``_build_blocks``, ``_body``."""
 
-    config: dict[str, Any]
-
-    def _build_input(
-        self, vocab_size: int, d_model: int, max_seq_len: int, dropout: float, rng: Any, dtype: Any
-    ) -> None:
+    def _build(self, seed: int, dtype: Any, **args: Any) -> None:
+        """Set ``config`` (``args``, ``seed``, ``dtype``) and build the layers in slot order,
+        all drawing from ``default_rng(seed)``; ``_build_blocks`` adds the blocks."""
+        rng, dt = self._configure(seed, dtype, **args)
+        vocab_size, d_model, max_seq_len = args["vocab_size"], args["d_model"], args["max_seq_len"]
+        n_heads, mlp_ratio, dropout = args["n_heads"], args["mlp_ratio"], args["dropout"]
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
-        self.embed = Embedding(vocab_size, d_model, rng=rng, dtype=dtype)
-        self.embed.weight = init.normal(rng, (vocab_size, d_model), EMBED_STD, dtype)
-        self.pos_embed = Embedding(max_seq_len, d_model, rng=rng, dtype=dtype)
-        self.pos_embed.weight = init.normal(rng, (max_seq_len, d_model), EMBED_STD, dtype)
+        self.embed = Embedding(vocab_size, d_model, rng=rng, dtype=dt)
+        self.embed.weight = init.normal(rng, (vocab_size, d_model), EMBED_STD, dt)
+        self.pos_embed = Embedding(max_seq_len, d_model, rng=rng, dtype=dt)
+        self.pos_embed.weight = init.normal(rng, (max_seq_len, d_model), EMBED_STD, dt)
         self.drop = Dropout(dropout)
-
-    def _build_output(self, vocab_size: int, d_model: int, rng: Any, dtype: Any) -> None:
-        self.ln_f = LayerNorm(d_model, dtype=dtype)
-        self.lm_head = Linear(d_model, vocab_size, bias=False, rng=rng, dtype=dtype)
+        self._build_blocks(
+            lambda: TransformerBlock(
+                d_model, n_heads, mlp_ratio, dropout, causal=True, rng=rng, dtype=dt
+            )
+        )
+        self.ln_f = LayerNorm(d_model, dtype=dt)
+        self.lm_head = Linear(d_model, vocab_size, bias=False, rng=rng, dtype=dt)
         tie(self, "lm_head.weight", "embed.weight")
+
+    def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
+        """Add the model's blocks, each made by ``new_block()`` (in drawing order)."""
+        raise NotImplementedError
 
     def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
         raise NotImplementedError
@@ -118,9 +128,6 @@ class TiedCausalLM(Module):
         finally:
             self.train(was_training)
         return out[0] if single else out
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
 
 
 def _sample(

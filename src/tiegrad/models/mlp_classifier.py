@@ -8,13 +8,12 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..nn import init
 from ..nn.layers import MLP
-from ..nn.module import Module
 from ..session import EagerSession, TensorRef
+from ._configured import ConfiguredModel
 
 
-class MLPClassifier(Module):
+class MLPClassifier(ConfiguredModel):
     """``mlp``: ``in_features -> hidden... -> n_classes`` logits (see ``tiegrad.nn.MLP``).
 
     ``loss(session, x, y)`` is the mean cross entropy against integer labels ``y`` (B,);
@@ -33,17 +32,15 @@ class MLPClassifier(Module):
         dtype: Any = "float32",
     ) -> None:
         super().__init__()
-        dt = init.float_dtype(dtype)
-        self.config = dict(
+        rng, dt = self._configure(
+            seed,
+            dtype,
             in_features=in_features,
             hidden=hidden if isinstance(hidden, int) else list(hidden),
             n_classes=n_classes,
             activation=activation,
             dropout=dropout,
-            seed=seed,
-            dtype=dt.name,
         )
-        rng = np.random.default_rng(seed)
         self.mlp = MLP(in_features, hidden, n_classes, activation, dropout, rng=rng, dtype=dt)
 
     def forward(self, session: EagerSession, x: Any) -> TensorRef:
@@ -63,6 +60,3 @@ class MLPClassifier(Module):
         finally:
             self.train(was_training)
         return np.argmax(logits, axis=-1)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from ..nn import init
 from ..nn.attention import TransformerBlock
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
@@ -34,8 +32,9 @@ class SharedBlockLM(TiedCausalLM):
         dtype: Any = "float32",
     ) -> None:
         super().__init__()
-        dt = init.float_dtype(dtype)
-        self.config = dict(
+        self._build(
+            seed,
+            dtype,
             vocab_size=vocab_size,
             d_model=d_model,
             n_heads=n_heads,
@@ -43,16 +42,11 @@ class SharedBlockLM(TiedCausalLM):
             max_seq_len=max_seq_len,
             dropout=dropout,
             mlp_ratio=mlp_ratio,
-            seed=seed,
-            dtype=dt.name,
         )
-        self.n_repeats = int(n_repeats)
-        rng = np.random.default_rng(seed)
-        self._build_input(vocab_size, d_model, max_seq_len, dropout, rng, dt)
-        self.block = TransformerBlock(
-            d_model, n_heads, mlp_ratio, dropout, causal=True, rng=rng, dtype=dt
-        )
-        self._build_output(vocab_size, d_model, rng, dt)
+
+    def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
+        self.n_repeats = int(self.config["n_repeats"])
+        self.block = new_block()
 
     def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
         for _ in range(self.n_repeats):

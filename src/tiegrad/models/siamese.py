@@ -9,14 +9,13 @@ import numpy as np
 
 from .. import ops
 from ..errors import HyperparameterError
-from ..nn import init
 from ..nn._input import check_shape
 from ..nn.layers import MLP
-from ..nn.module import Module
 from ..session import EagerSession, TensorRef
+from ._configured import ConfiguredModel
 
 
-class SiameseEncoder(Module):
+class SiameseEncoder(ConfiguredModel):
     """An MLP ``encoder`` (``in_features -> hidden -> embed_dim``) shared by both inputs.
 
     ``model(session, x1, x2)`` returns the two embeddings; both applications use the same
@@ -37,20 +36,18 @@ class SiameseEncoder(Module):
         dtype: Any = "float32",
     ) -> None:
         super().__init__()
-        dt = init.float_dtype(dtype)
-        if not margin > 0:
-            raise HyperparameterError(f"SiameseEncoder: margin must be > 0, got {margin}")
-        self.config = dict(
+        rng, dt = self._configure(
+            seed,
+            dtype,
             in_features=in_features,
             hidden=hidden if isinstance(hidden, int) else list(hidden),
             embed_dim=embed_dim,
             activation=activation,
             margin=margin,
-            seed=seed,
-            dtype=dt.name,
         )
+        if not margin > 0:
+            raise HyperparameterError(f"SiameseEncoder: margin must be > 0, got {margin}")
         self.margin = float(margin)
-        rng = np.random.default_rng(seed)
         self.encoder = MLP(in_features, hidden, embed_dim, activation, rng=rng, dtype=dt)
 
     def forward(self, session: EagerSession, x1: Any, x2: Any) -> tuple[TensorRef, TensorRef]:
@@ -66,6 +63,3 @@ class SiameseEncoder(Module):
         d2 = (diff * diff).sum(axis=-1)
         gap = ops.relu(self.margin - ops.sqrt(d2 + 1e-12))
         return (same * d2 + (1.0 - same) * (gap * gap)).mean()
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from ..nn import init
 from ..nn.attention import TransformerBlock
 from ..nn.module import ModuleList
 from ..session import EagerSession, TensorRef
@@ -39,8 +37,9 @@ class TiedLM(TiedCausalLM):
         dtype: Any = "float32",
     ) -> None:
         super().__init__()
-        dt = init.float_dtype(dtype)
-        self.config = dict(
+        self._build(
+            seed,
+            dtype,
             vocab_size=vocab_size,
             d_model=d_model,
             n_layers=n_layers,
@@ -48,16 +47,10 @@ class TiedLM(TiedCausalLM):
             max_seq_len=max_seq_len,
             dropout=dropout,
             mlp_ratio=mlp_ratio,
-            seed=seed,
-            dtype=dt.name,
         )
-        rng = np.random.default_rng(seed)
-        self._build_input(vocab_size, d_model, max_seq_len, dropout, rng, dt)
-        self.blocks = ModuleList(
-            TransformerBlock(d_model, n_heads, mlp_ratio, dropout, causal=True, rng=rng, dtype=dt)
-            for _ in range(n_layers)
-        )
-        self._build_output(vocab_size, d_model, rng, dt)
+
+    def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
+        self.blocks = ModuleList(new_block() for _ in range(self.config["n_layers"]))
 
     def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
         for block in self.blocks:

@@ -36,9 +36,9 @@ class Conv2d(Module):
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
         self.kernel_size, self.stride, self.padding = int(kernel_size), int(stride), int(padding)
         k = self.kernel_size
-        bound = init.fan_in_bound(self.in_channels * k * k)
-        self.weight = init.uniform(rng, (self.out_channels, self.in_channels, k, k), bound, dtype)
-        self.bias = init.uniform(rng, (self.out_channels,), bound, dtype) if bias else None
+        self.weight, self.bias = init.fan_in_uniform(
+            rng, (self.out_channels, self.in_channels, k, k), bias, dtype
+        )
 
     def forward(self, session: EagerSession, x: Any) -> TensorRef:
         x = layer_input(self, session, x, ("N", self.in_channels, "H", "W"))

@@ -64,6 +64,16 @@ def fan_in_bound(fan_in: int) -> float:
     return 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
 
 
+def fan_in_uniform(
+    rng: np.random.Generator, shape: tuple[int, ...], bias: bool, dtype: Any
+) -> tuple[Param, Param | None]:
+    """A weight of ``shape`` (out, in, ...) and, if ``bias``, a bias (out,), drawn in that
+    order from ``U(-b, b)``, ``b = fan_in_bound(in * ...)`` (PyTorch's Linear and Conv)."""
+    bound = fan_in_bound(int(np.prod(shape[1:])))
+    weight = uniform(rng, shape, bound, dtype)
+    return weight, uniform(rng, shape[:1], bound, dtype) if bias else None
+
+
 def xavier_bound(fan_in: int, fan_out: int) -> float:
     """The xavier-uniform bound ``sqrt(6 / (fan_in + fan_out))``."""
     return math.sqrt(6.0 / (fan_in + fan_out))

@@ -55,9 +55,9 @@ class Linear(Module):
         super().__init__()
         rng, dtype = init.generator(rng), init.float_dtype(dtype)
         self.in_features, self.out_features = int(in_features), int(out_features)
-        bound = init.fan_in_bound(self.in_features)
-        self.weight = init.uniform(rng, (self.out_features, self.in_features), bound, dtype)
-        self.bias = init.uniform(rng, (self.out_features,), bound, dtype) if bias else None
+        self.weight, self.bias = init.fan_in_uniform(
+            rng, (self.out_features, self.in_features), bias, dtype
+        )
 
     def forward(self, session: EagerSession, x: Any) -> TensorRef:
         x = layer_input(self, session, x, (..., self.in_features))

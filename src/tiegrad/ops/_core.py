@@ -81,6 +81,32 @@ def operands(
     return s, lift(s, a, av), lift(s, b, bv)
 
 
+def vector_value(s: EagerSession, op: str, name: str, x: Any, n: int, of: str) -> Array:
+    """The value of operand ``x``, which must have shape ``(n,)`` (``of``: what fixes ``n``)."""
+    xv = value_of(s, x)
+    if tuple(xv.shape) != (n,):
+        raise ShapeError(f"{op}: {name} has shape {tuple(xv.shape)}, expected ({n},) for {of}")
+    return xv
+
+
+def affine_operands(
+    s: EagerSession, op: str, x: Any, xv: Array, weight: Any, wv: Array, bias: Any, n_out: int
+) -> tuple[list[TensorRef], Array | None]:
+    """Refs of ``x``, ``weight`` and, if given, ``bias`` (in that order), and the bias value.
+
+    ``xv`` and ``wv`` are the operands' values (``value_of``). The bias must have shape
+    ``(n_out,)``; it is checked before an array operand is recorded as a constant, so a
+    failing op records nothing (C6).
+    """
+    bv = None
+    if bias is not None:
+        bv = vector_value(s, op, "bias", bias, n_out, f"weight of shape {tuple(wv.shape)}")
+    refs = [lift(s, x, xv), lift(s, weight, wv)]
+    if bias is not None:
+        refs.append(lift(s, bias, bv))
+    return refs, bv
+
+
 def scalar_value(x: Any) -> int | float | None:
     """A non-bool real number operand as a Python int or float, else None.
 

@@ -7,7 +7,7 @@ from typing import Any
 from ..backend import Array, Backend
 from ..errors import HyperparameterError, ShapeError
 from ..session import TensorRef
-from ._core import lift, needs_grad, session_of, value_of
+from ._core import affine_operands, needs_grad, session_of, value_of
 
 
 def _int_arg(op: str, name: str, value: int, minimum: int) -> int:
@@ -54,18 +54,7 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
             f"conv2d: padded input {(hp, wp)} is smaller than the kernel {(kh, kw)} "
             f"(input {xs}, weight {ws}, padding {padding})"
         )
-    if bias is not None:
-        bv = value_of(s, bias)
-        if tuple(bv.shape) != (o,):
-            raise ShapeError(
-                f"conv2d: bias has shape {tuple(bv.shape)}, expected ({o},) "
-                f"for weight of shape {ws}"
-            )
-    x, w = lift(s, x, xv), lift(s, weight, wv)
-    refs = [x, w]
-    if bias is not None:
-        b = lift(s, bias, bv)
-        refs.append(b)
+    refs, bv = affine_operands(s, "conv2d", x, xv, weight, wv, bias, o)
     xp = bk.pad(xv, [(0, 0), (0, 0), (padding, padding), (padding, padding)]) if padding else xv
     win = bk.sliding_windows(xp, kh, kw, stride)
     oh, ow = tuple(win.shape)[2:4]
@@ -76,8 +65,8 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
     if bias is not None:
         out2 = out2 + bv
     out = bk.transpose(bk.reshape(out2, (n, oh, ow, o)), (0, 3, 1, 2))
-    want_x, want_w = needs_grad(s, x), needs_grad(s, w)
-    want_b = bias is not None and needs_grad(s, b)
+    want_x, want_w = needs_grad(s, refs[0]), needs_grad(s, refs[1])
+    want_b = bias is not None and needs_grad(s, refs[2])
 
     def vjp(g):
         g2 = bk.reshape(bk.transpose(g, (0, 2, 3, 1)), (n * oh * ow, o))

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import ShapeError
 from ..session import TensorRef
-from ._core import lift, needs_grad, session_of, sum_rows, value_of
+from ._core import affine_operands, needs_grad, session_of, sum_rows, value_of
 
 
 def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
@@ -27,18 +27,7 @@ def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
             "(expected input (..., in) and weight (out, in))"
         )
     n_out, n_in = ws
-    if bias is not None:
-        bv = value_of(s, bias)
-        if tuple(bv.shape) != (n_out,):
-            raise ShapeError(
-                f"linear: bias has shape {tuple(bv.shape)}, expected ({n_out},) "
-                f"for weight of shape {ws}"
-            )
-    x, w = lift(s, x, xv), lift(s, weight, wv)
-    refs = [x, w]
-    if bias is not None:
-        b = lift(s, bias, bv)
-        refs.append(b)
+    refs, bv = affine_operands(s, "linear", x, xv, weight, wv, bias, n_out)
     x2 = bk.reshape(xv, (-1, n_in))
     out2 = bk.matmul(x2, bk.transpose(wv, (1, 0)))
     if bias is not None:
@@ -47,8 +36,8 @@ def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
         else:
             out2 = out2 + bv  # keep NumPy's type promotion
     out = bk.reshape(out2, xs[:-1] + (n_out,))
-    want_x, want_w = needs_grad(s, x), needs_grad(s, w)
-    want_b = bias is not None and needs_grad(s, b)
+    want_x, want_w = needs_grad(s, refs[0]), needs_grad(s, refs[1])
+    want_b = bias is not None and needs_grad(s, refs[2])
 
     def vjp(g):
         g2 = bk.reshape(g, (-1, n_out))

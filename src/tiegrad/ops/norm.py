@@ -7,7 +7,7 @@ from typing import Any
 
 from ..errors import HyperparameterError, ShapeError
 from ..session import TensorRef
-from ._core import lift, needs_grad, session_of, sum_last, sum_rows, value_of
+from ._core import lift, needs_grad, session_of, sum_last, sum_rows, value_of, vector_value
 
 
 def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> TensorRef:
@@ -32,13 +32,7 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     params = {}
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None:
-            pv = value_of(s, p)
-            if tuple(pv.shape) != (d,):
-                raise ShapeError(
-                    f"layer_norm: {name} has shape {tuple(pv.shape)}, expected ({d},) "
-                    f"for input of shape {shape}"
-                )
-            params[name] = (p, pv)
+            params[name] = (p, vector_value(s, "layer_norm", name, p, d, f"input of shape {shape}"))
     x = lift(s, x, xv)
     w = lift(s, *params["weight"]) if "weight" in params else None
     b = lift(s, *params["bias"]) if "bias" in params else None
