@@ -221,7 +221,3 @@ def test_case_15_of_pack_mask_length():  # seed 001: ofPackWithRequiresGrad
     pl = ParamList.of_pack(values, [True, False])
     assert pl.requires_grad_array() == [True, False]
 
-
-@pytest.mark.parametrize("case", [16, 17, 18])
-def test_cases_16_to_18_need_device_mirrors(case):
-    pytest.skip(f"reference case {case} needs device mirrors: covered by the device tests")
