@@ -1,6 +1,6 @@
 """tiegrad: eager autodiff and training with explicit, tieable parameter storage."""
 
-from . import ops
+from . import data, models, nn, ops, optim, train
 from .checkpoint import LoadResult, inspect, load, save
 from .errors import (
     AliasError,
@@ -59,5 +59,10 @@ __all__ = [
     "TapeError",
     "TensorRef",
     "TiegradError",
+    "data",
+    "models",
+    "nn",
     "ops",
+    "optim",
+    "train",
 ]
