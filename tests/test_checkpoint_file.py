@@ -363,41 +363,42 @@ def test_format_version_from_the_future(saved):
     expect_rejected(saved, mixed_list(seed=9), "newer than this tiegrad reads")
 
 
-def test_schema_canonical_slot_pointing_forward(saved):
+@pytest.mark.parametrize(
+    "edits, fragments",
+    [
+        pytest.param(
+            [(1, "canonical", 3)],
+            ("slot 1 ('embed.weight')", "points forward"),
+            id="canonical_slot_pointing_forward",
+        ),
+        pytest.param(
+            [(1, "canonical", 0), (3, "canonical", 0)],
+            ("slot 1 ('embed.weight')", "is a frozen slot"),
+            id="canonical_slot_at_a_frozen_slot",
+        ),
+        pytest.param(
+            [(0, "canonical", 0)],
+            ("slot 0 ('frozen.embed')", "is frozen but"),
+            id="frozen_slot_with_a_canonical_slot",
+        ),
+        pytest.param(
+            [(0, "storage", 1)],
+            ("slot 0 ('frozen.embed')", "storage slot 1"),
+            id="storage_slot_pointing_forward",
+        ),
+        pytest.param(
+            [(2, "storage", 0), (2, "tensor", "param/frozen.embed")],
+            ("slot 2 ('block.bias')", "shares the storage"),
+            id="tie_with_another_shape",
+        ),
+    ],
+)
+def test_schema_slot_edit_is_rejected(saved, edits, fragments):
     tensors, doc = read_doc(saved)
-    doc["slots"][1]["canonical"] = 3
+    for slot, key, value in edits:
+        doc["slots"][slot][key] = value
     write_doc(saved, tensors, doc)
-    expect_rejected(saved, mixed_list(seed=9), "slot 1 ('embed.weight')", "points forward")
-
-
-def test_schema_canonical_slot_at_a_frozen_slot(saved):
-    tensors, doc = read_doc(saved)
-    doc["slots"][1]["canonical"] = 0
-    doc["slots"][3]["canonical"] = 0
-    write_doc(saved, tensors, doc)
-    expect_rejected(saved, mixed_list(seed=9), "slot 1 ('embed.weight')", "is a frozen slot")
-
-
-def test_schema_frozen_slot_with_a_canonical_slot(saved):
-    tensors, doc = read_doc(saved)
-    doc["slots"][0]["canonical"] = 0
-    write_doc(saved, tensors, doc)
-    expect_rejected(saved, mixed_list(seed=9), "slot 0 ('frozen.embed')", "is frozen but")
-
-
-def test_schema_storage_slot_pointing_forward(saved):
-    tensors, doc = read_doc(saved)
-    doc["slots"][0]["storage"] = 1
-    write_doc(saved, tensors, doc)
-    expect_rejected(saved, mixed_list(seed=9), "slot 0 ('frozen.embed')", "storage slot 1")
-
-
-def test_schema_tie_with_another_shape(saved):
-    tensors, doc = read_doc(saved)
-    doc["slots"][2]["storage"] = 0
-    doc["slots"][2]["tensor"] = "param/frozen.embed"
-    write_doc(saved, tensors, doc)
-    expect_rejected(saved, mixed_list(seed=9), "slot 2 ('block.bias')", "shares the storage")
+    expect_rejected(saved, mixed_list(seed=9), *fragments)
 
 
 # -- mismatches with the target -----------------------------------------------------------------

@@ -380,6 +380,31 @@ def test_retying_a_slot_with_state_is_refused_and_changes_nothing():  # C5, C6
     assert snapshot(opt) == before
 
 
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (
+            np.zeros(3),
+            ShapeError,
+            r"state 'exp_avg' of slot 1 has shape \(2,\), the parameter \(3,\)",
+        ),
+        (np.zeros(2, np.float32), DTypeError, "has dtype float64, the parameter float32"),
+    ],
+)
+def test_state_that_no_longer_fits_its_slot_is_refused_and_changes_nothing(value, error, message):
+    # C6: a step checks existing state against its slot's storage before any write.
+    p, q = Param(np.ones(2)), Param(np.zeros(2))
+    opt = Adam(ParamList([p, q]), lr=0.1)
+    opt.step([np.ones(2), np.ones(2)])
+    before = snapshot(opt)
+    own = q.storage
+    q.storage = Param(value).storage
+    with pytest.raises(error, match=message):
+        opt.step([np.ones(2), np.ones_like(value)])
+    q.storage = own
+    assert snapshot(opt) == before
+
+
 def test_freezing_a_slot_drops_its_state_at_the_next_step():  # C5
     p, q = Param(np.ones(2)), Param(np.zeros(2))
     opt = Adam(ParamList([p, q]), lr=0.1)

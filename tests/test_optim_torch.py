@@ -169,29 +169,21 @@ ADAGRAD_CASES = combos(
 )
 
 
-@pytest.mark.parametrize("kwargs", SGD_CASES, ids=str)
-def test_sgd_matches_torch(kwargs):
-    run(SGD, torch.optim.SGD, kwargs)
+CASES = [
+    (SGD, SGD_CASES),
+    (Adam, ADAM_CASES),
+    (AdamW, ADAMW_CASES),
+    (RMSprop, RMSPROP_CASES),
+    (Adagrad, ADAGRAD_CASES),
+]
 
 
-@pytest.mark.parametrize("kwargs", ADAM_CASES, ids=str)
-def test_adam_matches_torch(kwargs):
-    run(Adam, torch.optim.Adam, kwargs)
-
-
-@pytest.mark.parametrize("kwargs", ADAMW_CASES, ids=str)
-def test_adamw_matches_torch(kwargs):
-    run(AdamW, torch.optim.AdamW, kwargs)
-
-
-@pytest.mark.parametrize("kwargs", RMSPROP_CASES, ids=str)
-def test_rmsprop_matches_torch(kwargs):
-    run(RMSprop, torch.optim.RMSprop, kwargs)
-
-
-@pytest.mark.parametrize("kwargs", ADAGRAD_CASES, ids=str)
-def test_adagrad_matches_torch(kwargs):
-    run(Adagrad, torch.optim.Adagrad, kwargs)
+@pytest.mark.parametrize(
+    "opt_cls, kwargs",
+    [pytest.param(cls, kw, id=f"{cls.__name__}-{kw}") for cls, cases in CASES for kw in cases],
+)
+def test_optimizer_matches_torch(opt_cls, kwargs):
+    run(opt_cls, getattr(torch.optim, opt_cls.__name__), kwargs)
 
 
 @pytest.mark.parametrize("route", ["list", "latest"])

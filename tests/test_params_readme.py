@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import re
-from pathlib import Path
+from readme_sections import run_example, section_text
 
-ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Tying and freezing"
 
 
-def section_text() -> str:
-    """The section of README.md that starts at ``SECTION``."""
-    text = (ROOT / "README.md").read_text()
-    assert SECTION in text, f"no {SECTION!r} section in README.md"
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
-    return text[start : end if end != -1 else len(text)]
-
-
 def test_readme_tying_example_runs_and_its_output_matches():
-    text = section_text()
+    text = section_text(SECTION)
     assert len(text.strip().splitlines()) < 30
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
-    shown = re.search(r"```text\n(.*?)```", text, re.S).group(1)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, "readme_params", "exec"), {})
-    assert out.getvalue() == shown
+    printed, shown = run_example(text, "readme_params")
+    assert printed == shown

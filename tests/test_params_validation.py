@@ -295,3 +295,21 @@ def test_dense_group_gradient_reports_leaf_and_shapes():
         tiegrad.dense_group_gradient(group, [np.zeros(2, F32)])
     with pytest.raises(ShapeError, match=r"leaf 1 has shape \(3,\), expected \(2,\)"):
         tiegrad.dense_group_gradient(group, [np.zeros(2, F32), np.zeros(3, F32)])
+
+
+class _NoAdd(np.ndarray):
+    def __add__(self, other):
+        raise AssertionError("a gradient was added before every leaf was validated")
+
+
+def test_dense_group_gradient_checks_every_leaf_dtype_before_adding():  # C4, C6
+    s = EagerSession()
+    p = Param(np.zeros(2, F32))
+    for _ in range(3):
+        s.use(p)
+    (group,) = s.parameter_groups()
+    grads = [np.zeros(2, F32).view(_NoAdd), np.zeros(2, F32), np.zeros(2, np.float64)]
+    with pytest.raises(
+        DTypeError, match=r"group 0: gradient of leaf 2 has dtype float64, expected float32"
+    ):
+        tiegrad.dense_group_gradient(group, grads)

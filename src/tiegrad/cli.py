@@ -96,14 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=_METAVARS.get(key, flag[2:].upper().replace("-", "_")),
             help=f"{HELP[key]} (default: {shown})",
         )
-    train.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_const",
-        const=False,
-        default=None,
-        help="hide the progress bar",
-    )
+    _add_no_progress(train)
 
     sample = sub.add_parser("sample", help="generate text from a run's best checkpoint")
     sample.add_argument("--run", metavar="DIR", help="run folder (its best checkpoint)")
@@ -120,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
     resume.add_argument("run", metavar="DIR", help="run folder")
     resume.add_argument("--steps", type=int, default=None, help="new total step count")
-    resume.add_argument(
+    _add_no_progress(resume)
+    return parser
+
+
+def _add_no_progress(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--no-progress",
         dest="progress",
         action="store_const",
@@ -128,7 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="hide the progress bar",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

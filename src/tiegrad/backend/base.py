@@ -54,9 +54,6 @@ class Backend:
         """A fresh array whose contents the caller overwrites entirely before reading."""
         return self.zeros(shape, dtype)
 
-    def full(self, shape: Shape, value: float, dtype: DType) -> Array:
-        raise NotImplementedError
-
     def arange(self, n: int, dtype: DType) -> Array:
         raise NotImplementedError
 
@@ -92,9 +89,6 @@ class Backend:
         raise NotImplementedError
 
     def erf(self, x: Array) -> Array:
-        raise NotImplementedError
-
-    def abs(self, x: Array) -> Array:
         raise NotImplementedError
 
     def maximum(self, x: Array, y: Array | float) -> Array:

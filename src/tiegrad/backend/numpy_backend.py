@@ -357,9 +357,6 @@ class NumpyBackend(Backend):
     def empty(self, shape: Shape, dtype: DType) -> Array:
         return np.empty(shape, dtype=dtype)
 
-    def full(self, shape: Shape, value: float, dtype: DType) -> Array:
-        return np.full(shape, value, dtype=dtype)
-
     def arange(self, n: int, dtype: DType) -> Array:
         return np.arange(n, dtype=dtype)
 
@@ -379,7 +376,6 @@ class NumpyBackend(Backend):
     log = staticmethod(np.log)
     sqrt = staticmethod(np.sqrt)
     tanh = staticmethod(np.tanh)
-    abs = staticmethod(np.abs)
     maximum = staticmethod(np.maximum)
     where = staticmethod(np.where)
     matmul = staticmethod(np.matmul)

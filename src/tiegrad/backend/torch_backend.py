@@ -150,9 +150,6 @@ class TorchBackend(Backend):
     def empty(self, shape: Shape, dtype: DType) -> Array:
         return torch.empty(tuple(shape), dtype=self.to_dtype(dtype), device=self.torch_device)
 
-    def full(self, shape: Shape, value: float, dtype: DType) -> Array:
-        return torch.full(tuple(shape), value, dtype=self.to_dtype(dtype), device=self.torch_device)
-
     def arange(self, n: int, dtype: DType) -> Array:
         return torch.arange(n, dtype=self.to_dtype(dtype), device=self.torch_device)
 
@@ -186,9 +183,6 @@ class TorchBackend(Backend):
 
     def erf(self, x: Array) -> Array:
         return torch.erf(x)
-
-    def abs(self, x: Array) -> Array:
-        return torch.abs(x)
 
     def maximum(self, x: Array, y: Array | float) -> Array:
         if not isinstance(x, torch.Tensor):

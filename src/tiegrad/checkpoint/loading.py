@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import CheckpointError, TiegradError
 from ..params import ParameterStorage
-from .fileio import SafetensorsFile, read_safetensors
+from .fileio import SafetensorsFile, _is_int, read_safetensors
 from .saving import as_param_list, check_optimizer_params, generator_of
 from .schema import OptimizerRecord, Schema, SlotRecord, layout_table, slot_records
 
@@ -113,7 +113,7 @@ def load(
     step = None if schema.optimizer is None else schema.optimizer.config.get("step_count")
     return LoadResult(
         path,
-        step if isinstance(step, int) and not isinstance(step, bool) else None,
+        step if _is_int(step) else None,
         schema.extra,
         tuple(missing),
         tuple(unexpected),

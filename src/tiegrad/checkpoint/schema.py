@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..params import ParamList
-from .fileio import SafetensorsFile, supported_dtype
+from .fileio import SafetensorsFile, _is_int, supported_dtype
 
 FORMAT = "tiegrad-checkpoint"
 FORMAT_VERSION = 1
@@ -154,10 +154,6 @@ class Schema:
         schema = cls(slots, optimizer, doc["schedule"], rng, doc["extra"], version)
         _check_tensors(schema, file, where)
         return schema
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _slot_label(i: int, path: str) -> str:

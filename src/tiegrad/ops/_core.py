@@ -283,9 +283,7 @@ def int_array(s: EagerSession, op: str, x: Any) -> Array:
     bk = s.backend
     if isinstance(x, TensorRef):
         s.check(x)
-        arr = x.value
-    else:
-        arr = s._array(x)
+    arr = value_of(s, x)
     if bk.is_floating(arr.dtype) or bk.dtype_name(arr.dtype).startswith(("bool", "complex")):
         raise DTypeError(f"{op}: indices must have an integer dtype, got {arr.dtype}")
     return arr

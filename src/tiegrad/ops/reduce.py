@@ -5,6 +5,7 @@ VJPs are module-level functions bound with ``functools.partial`` (see ``arithmet
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -46,10 +47,7 @@ def mean(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
     bk = s.backend
     shape = tuple(x.value.shape)
     axes = normalize_axes(axis, len(shape), "mean")
-    n = 1
-    for a in axes:
-        n *= shape[a]
-    inv = 1.0 / n
+    inv = 1.0 / math.prod(shape[a] for a in axes)
     out = bk.sum(x.value, axis=axes, keepdims=keepdims) * inv
     vjp = partial(_spread_vjp, bk, _kept_shape(shape, axes), shape, inv)
     return s._record(out, (x.id,), vjp)

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..backend import NUMPY, Backend, backend_of, dtype_name
 from ..errors import DeviceError, DTypeError, MissingGradientError, NonFiniteError, ShapeError
-from ..params.device import check_device_gradients, with_device_group_gradients
+from ..params.device import check_device_gradients, with_checked_device_sums
 from ..session import Gradients, latest_gradients
 from .state import FlatState, SlotSpec
 
@@ -118,7 +118,7 @@ def device_step(opt: Any, gradients: Any) -> None:
     slots = opt.params.canonical_slot_indices()
     if isinstance(gradients, Gradients):
         session = gradients.session
-        index = {id(opt.params[i].storage): i for i, c in enumerate(slots) if c == i}
+        index = opt._storage_index(slots)
         groups = [
             g
             for g in gradients.parameter_groups()
@@ -128,9 +128,10 @@ def device_step(opt: Any, gradients: Any) -> None:
         for group in groups:
             check_device_gradients(group, gradients, session.backend)
         _check_complete(opt, slots, set(order), " (no trainable use of its storage on the tape)")
-        with_device_group_gradients(
+        with_checked_device_sums(
             groups,
             gradients,
+            session.backend,
             lambda sums: _step(opt, session.backend, slots, dict(zip(order, sums))),
         )
         return
@@ -197,8 +198,7 @@ def _step(opt: Any, bk: Backend, slots: list[int | None], grads: Mapping[int, An
             g = flat[key] if len(part) == len(run) else _flat(xp, [grads[i] for i in part])
             c = opt._coefficients(hps[gi], step, fresh)
             _update(opt, ds, part, g, specs[part[0]][2], c)
-            for i in part:
-                opt._state.set_step(i, step)
+            opt._state.set_steps(part, step)
     if ds.spans:
         ds.host_current = False
     opt.step_count += 1

@@ -399,16 +399,8 @@ class Optimizer:
                 continue
             shape, dtype, _ = specs[slot]
             for name, arr in self._state.tensors(slot).items():
-                if arr.shape != shape:
-                    raise ShapeError(
-                        f"{self.kind}.step: state {name!r} of {self._label(slot)} has shape "
-                        f"{arr.shape}, the parameter {shape}"
-                    )
-                if arr.dtype != dtype:
-                    raise DTypeError(
-                        f"{self.kind}.step: state {name!r} of {self._label(slot)} has dtype "
-                        f"{arr.dtype.name}, the parameter {dtype.name}"
-                    )
+                what = f"{self.kind}.step: state {name!r} of {self._label(slot)}"
+                _check_state_tensor(what, arr, shape, dtype, "the parameter")
         return specs
 
     def _checked_state(
@@ -445,16 +437,8 @@ class Optimizer:
                         f"{where}: state {name!r} of slot {slot} is a {type(arr).__name__}, "
                         f"expected a NumPy array"
                     )
-                if arr.shape != shape:
-                    raise ShapeError(
-                        f"{where}: state {name!r} of slot {slot} has shape {arr.shape}, "
-                        f"expected {shape}"
-                    )
-                if arr.dtype != dtype:
-                    raise DTypeError(
-                        f"{where}: state {name!r} of slot {slot} has dtype {arr.dtype.name}, "
-                        f"expected {dtype.name}"
-                    )
+                what = f"{where}: state {name!r} of slot {slot}"
+                _check_state_tensor(what, arr, shape, dtype, "expected")
             specs[slot] = required[slot]
             entries[slot] = entry
         return specs, entries
@@ -499,13 +483,18 @@ class Optimizer:
 
     def _session_gradients(self, gradients: Gradients, slots: Sequence[int | None]) -> list[Any]:
         session = gradients.session
-        index = {id(self.params[i].storage): i for i, c in enumerate(slots) if c == i}
+        index = self._storage_index(slots)
         raw: list[Any] = [None] * len(slots)
         for group in gradients.parameter_groups():
             i = None if group.storage is None else index.get(id(group.storage))
             if i is not None:
                 raw[i] = session.backend.to_numpy(dense_group_gradient(group, gradients))
         return raw
+
+    def _storage_index(self, slots: Sequence[int | None]) -> dict[int, int]:
+        """``{id(storage): canonical slot}`` for the trainable storages (C1: by identity)."""
+        params = self.params
+        return {id(params[i].storage): i for i, c in enumerate(slots) if c == i}
 
     def _list_gradients(self, gradients: Sequence[Any], slots: Sequence[int | None]) -> list[Any]:
         if len(gradients) != len(slots):
@@ -668,6 +657,16 @@ class Optimizer:
 def _contiguous(arr: np.ndarray) -> np.ndarray:
     """``arr`` itself when C-contiguous, else a C-contiguous copy of the same shape."""
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def _check_state_tensor(
+    what: str, arr: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, expected: str
+) -> None:
+    """``ShapeError`` / ``DTypeError`` unless the state tensor ``arr`` has ``shape``, ``dtype``."""
+    if arr.shape != shape:
+        raise ShapeError(f"{what} has shape {arr.shape}, {expected} {shape}")
+    if arr.dtype != dtype:
+        raise DTypeError(f"{what} has dtype {arr.dtype.name}, {expected} {dtype.name}")
 
 
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -87,11 +87,8 @@ class FlatState:
         return dict(specs) == self._specs
 
     # -- writing -------------------------------------------------------------------------
-    def set_step(self, slot: int, step: int) -> None:
-        self._steps[slot] = step
-
     def set_steps(self, slots: Sequence[int], step: int) -> None:
-        """``set_step`` for each of ``slots``."""
+        """Record ``step`` as the number of updates of each of ``slots``."""
         self._steps.update(dict.fromkeys(slots, step))
 
     def arrange(
@@ -104,7 +101,7 @@ class FlatState:
         state of slots absent from ``specs`` is dropped. When the layout already
         matches nothing is allocated or copied. Callers validate shapes first.
         """
-        if dict(specs) == self._specs:
+        if self.matches(specs):
             return set()
         created = {
             (slot, name)

@@ -77,6 +77,17 @@ def with_device_group_gradients(
         bk = check_device_gradients(group, gradients, bk)
     if bk is None:
         return action([])
+    return with_checked_device_sums(groups, gradients, bk, action)
+
+
+def with_checked_device_sums(
+    groups: Sequence[ParameterGroup],
+    gradients: Mapping[int, Any],
+    bk: Backend,
+    action: Callable[[list[Any]], T],
+) -> T:
+    """The summing part of ``with_device_group_gradients``, for gradients already checked
+    on ``bk`` by ``check_device_gradients``."""
     tracker = bk.temporaries
     sums: list[Any] = []
     owned: list[Any] = []
@@ -118,7 +129,7 @@ def sgd_step_device_groups(session: Any, lr: float, gradients: Mapping[int, Any]
         check_device_gradients(group, gradients, bk)
     for group in groups:
         group.current_device_value(bk)
-    with_device_group_gradients(groups, gradients, lambda sums: _sgd_update(groups, bk, lr, sums))
+    with_checked_device_sums(groups, gradients, bk, lambda sums: _sgd_update(groups, bk, lr, sums))
 
 
 def _sgd_update(groups: Sequence[ParameterGroup], bk: Backend, lr: float, sums: list[Any]) -> None:

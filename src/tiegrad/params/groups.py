@@ -119,37 +119,34 @@ def group_parameter_registrations(
     return [ParameterGroup(g[0], g[1], tuple(g[2]), g[3]) for g in groups]
 
 
-def _leaf_gradient(group: ParameterGroup, gradients: Mapping[int, Any], leaf: int) -> Any:
-    try:
-        g = gradients[leaf]
-    except (KeyError, IndexError):
-        g = None
-    if g is None:
-        raise MissingGradientError(
-            f"group {group.id}: no gradient for leaf {leaf} (expected shape {group.shape})"
-        )
-    if not hasattr(g, "shape") or not hasattr(g, "dtype"):
-        raise DTypeError(
-            f"group {group.id}: gradient of leaf {leaf} is a {type(g).__name__}, "
-            f"expected an array of shape {group.shape}"
-        )
-    if tuple(g.shape) != group.shape:
-        raise ShapeError(
-            f"group {group.id}: gradient of leaf {leaf} has shape {tuple(g.shape)}, "
-            f"expected {group.shape}"
-        )
-    dtype = getattr(group.parameter, "dtype", None)
-    if dtype is not None and dtype_name(g) != np.dtype(dtype).name:
-        raise DTypeError(
-            f"group {group.id}: gradient of leaf {leaf} has dtype {g.dtype}, expected {dtype}"
-        )
-    return g
-
-
 def check_group_gradients(group: ParameterGroup, gradients: Mapping[int, Any]) -> None:
     """Validate every leaf gradient of ``group`` (presence, shape, dtype) without summing."""
+    shape = group.shape
+    dtype = getattr(group.parameter, "dtype", None)
+    expected = None if dtype is None else np.dtype(dtype).name
     for leaf in group.leaves:
-        _leaf_gradient(group, gradients, leaf)
+        try:
+            g = gradients[leaf]
+        except (KeyError, IndexError):
+            g = None
+        if g is None:
+            raise MissingGradientError(
+                f"group {group.id}: no gradient for leaf {leaf} (expected shape {shape})"
+            )
+        if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+            raise DTypeError(
+                f"group {group.id}: gradient of leaf {leaf} is a {type(g).__name__}, "
+                f"expected an array of shape {shape}"
+            )
+        if tuple(g.shape) != shape:
+            raise ShapeError(
+                f"group {group.id}: gradient of leaf {leaf} has shape {tuple(g.shape)}, "
+                f"expected {shape}"
+            )
+        if expected is not None and dtype_name(g) != expected:
+            raise DTypeError(
+                f"group {group.id}: gradient of leaf {leaf} has dtype {g.dtype}, expected {dtype}"
+            )
 
 
 def dense_group_gradient(group: ParameterGroup, gradients: Mapping[int, Any]) -> Any:
