@@ -35,6 +35,13 @@ def gelu_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- GELU ---------------------------------------------------------------------------------
+@pytest.fixture(params=["numba kernel", "numpy kernel"])
+def gelu_path(request, monkeypatch):
+    """Each float32 GELU test runs on both kernels (the numba one where numba imports)."""
+    monkeypatch.setattr(nb, "FUSED_KERNELS", request.param == "numba kernel")
+
+
+@pytest.mark.usefixtures("gelu_path")
 def test_gelu_float32_is_accurate_to_float32_precision():
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_normal(100_000) * 3, np.linspace(-14, 14, 100_001)])
@@ -51,6 +58,7 @@ def test_gelu_float32_is_accurate_to_float32_precision():
     assert np.max(rel[(x <= -3) & (x > -10)]) < 3e-3
 
 
+@pytest.mark.usefixtures("gelu_path")
 def test_gelu_float32_special_values():
     x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e30, -1e30, 1e-30], np.float32)
     with np.errstate(invalid="ignore"):
@@ -70,6 +78,7 @@ def test_gelu_float64_takes_the_exact_path():
     np.testing.assert_allclose(d, want_d, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.usefixtures("gelu_path")
 def test_gelu_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
     x = np.random.default_rng(1).standard_normal((5, nb._GELU_BLOCK + 7)).astype(np.float32)
     monkeypatch.setattr(nb, "_THREADS", 1)
@@ -81,6 +90,7 @@ def test_gelu_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.usefixtures("gelu_path")
 def test_gelu_op_keeps_only_the_derivative_and_matches_float64():
     x = np.random.default_rng(2).standard_normal((4, 33)).astype(np.float32) * 2
     s = EagerSession()

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
-from tiegrad import NonFiniteError, Param, ParamList  # noqa: E402
+from tiegrad import NonFiniteError, Param, ParamList, _numba  # noqa: E402
 from tiegrad.optim import SGD, Adagrad, Adam, AdamW, RMSprop, fused  # noqa: E402
 
 CASES = [
@@ -392,7 +392,7 @@ def test_a_numba_that_does_not_import_warns_and_falls_back(monkeypatch):
     def broken(name, package=None):
         raise ImportError("numba needs another NumPy")
 
-    monkeypatch.setattr(fused.importlib, "import_module", broken)
+    monkeypatch.setattr(_numba.importlib, "import_module", broken)
     with pytest.warns(RuntimeWarning, match="numba is installed but does not import"):
         assert fused._kernels.__wrapped__() is None
 

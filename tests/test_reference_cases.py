@@ -220,4 +220,3 @@ def test_case_15_of_pack_mask_length():  # seed 001: ofPackWithRequiresGrad
         ParamList.of_pack(values, [True, False, True])
     pl = ParamList.of_pack(values, [True, False])
     assert pl.requires_grad_array() == [True, False]
-

@@ -124,6 +124,43 @@ class Backend:
         density = self.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
         return x * cdf, cdf + x * density
 
+    # Fused row kernels: a backend that has one for the operands fills the outputs and
+    # returns True; False (the default) makes the op run its generic code instead. The
+    # softmax kernels run on the calling thread (attention calls them per block).
+    def layer_norm_rows(
+        self,
+        x: Array,
+        w: Array | None,
+        b: Array | None,
+        eps: float,
+        xhat: Array,
+        rstd: Array,
+        out: Array,
+    ) -> bool:
+        """``layer_norm`` of the rows of 2-D ``x``: ``xhat``, ``rstd`` (rows, 1), ``out``.
+
+        ``out = xhat * w + b`` (``w``, ``b`` may be None; ``out`` may be ``xhat``).
+        """
+        return False
+
+    def layer_norm_backward_rows(
+        self, g: Array, w: Array | None, xhat: Array, rstd: Array, gx: Array
+    ) -> bool:
+        """``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))``, ``gh = g * w``, per row."""
+        return False
+
+    def softmax_rows_(self, x: Array) -> bool:
+        """``x`` replaced by its softmax over the last axis, each row shifted by its maximum.
+
+        A row of only ``-inf`` becomes zeros.
+        """
+        return False
+
+    def softmax_backward_rows_(self, gp: Array, p: Array) -> bool:
+        """``gp`` (cotangent of ``p``, a softmax over the last axis) replaced in place by the
+        cotangent of the softmax's input: ``p * (gp - sum(gp * p))`` per row."""
+        return False
+
     # -- reductions and shape ------------------------------------------------------
     def sum(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
         raise NotImplementedError

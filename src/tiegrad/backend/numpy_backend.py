@@ -21,6 +21,7 @@ PyTorch's kernels do. A thread pool starts on first use; a forked child starts i
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import threading
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _numba
 from .base import Array, Backend, DType, Shape
 
 _M_TRIM_THRESHOLD = -1
@@ -311,6 +313,62 @@ def _gelu_blocks(xf: np.ndarray, y: np.ndarray, d: np.ndarray, first: int, last:
             db += eb
 
 
+@functools.cache
+def _loaded_kernels() -> Any:
+    """``tiegrad.backend.host_kernels`` (importing numba), or None without numba."""
+    return _numba.load("tiegrad.backend.host_kernels")
+
+
+def _fused_kernels(*arrays: Any) -> Any:
+    """The host kernels when enabled, loadable and every array is C-contiguous float32."""
+    if not (_numba.ENABLED and FUSED_KERNELS):
+        return None
+    for a in arrays:
+        if a is not None and (a.dtype != np.float32 or not a.flags.c_contiguous):
+            return None
+    return _loaded_kernels()
+
+
+FUSED_KERNELS = True
+"""Whether float32 GELU, layer norm and softmax rows use ``host_kernels`` when numba loads."""
+
+_PAGE = 4096
+
+
+def _outputs_apart(x: np.ndarray, count: int) -> list[np.ndarray]:
+    """``count`` fresh float32 arrays of ``x.size`` elements for one kernel reading ``x``.
+
+    They share one allocation, placed so that the addresses of ``x`` and of every output
+    differ modulo 4 KiB by at least ``4 KiB / (count + 1)``. Arrays of one size that
+    the allocator hands out back to back tend to lie a multiple of 2 MiB apart, and a
+    loop streaming through several of them at the same index then runs several times
+    slower (their cache lines compete for the same cache sets); the placement rules
+    that out.
+    """
+    n = x.size
+    slack = _PAGE // 4
+    buf = np.empty(count * (n + slack), np.float32)
+    at = buf.__array_interface__["data"][0]
+    home = x.__array_interface__["data"][0]
+    outs, start = [], 0
+    for k in range(1, count + 1):
+        want = (home + k * (_PAGE // (count + 1))) & ~63
+        start += (want - (at + 4 * start)) % _PAGE // 4
+        outs.append(buf[start : start + n])
+        start += n
+    return outs
+
+
+def _rows_parallel(kernel: Callable[..., None], rows: int, row_size: int, *args: Any) -> None:
+    """``kernel(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads."""
+    step = max(1, _BLOCK // max(1, row_size))
+
+    def run(first: int, last: int) -> None:
+        kernel(*args, first * step, min(rows, last * step))
+
+    _parallel(run, -(-rows // step))
+
+
 _add_reduce = np.add.reduce
 _max_reduce = np.maximum.reduce
 
@@ -390,9 +448,62 @@ class NumpyBackend(Backend):
         return np.exp(x, out=x)
 
     def gelu(self, x: Array) -> tuple[Array, Array]:
-        if x.dtype == np.float32:
+        if x.dtype != np.float32:
+            return super().gelu(x)
+        kernels = _fused_kernels(x)
+        if kernels is None:
             return _gelu32(x)
-        return super().gelu(x)
+        y, d = _outputs_apart(x, 2)
+        _rows_parallel(kernels.gelu, x.size, 1, x.reshape(-1), y, d)
+        return y.reshape(x.shape), d.reshape(x.shape)
+
+    def layer_norm_rows(
+        self,
+        x: Array,
+        w: Array | None,
+        b: Array | None,
+        eps: float,
+        xhat: Array,
+        rstd: Array,
+        out: Array,
+    ) -> bool:
+        kernels = _fused_kernels(x, w, b, xhat, rstd, out)
+        if kernels is None:
+            return False
+        rows, d = x.shape
+        w = np.ones(d, np.float32) if w is None else w
+        b = np.zeros(d, np.float32) if b is None else b
+        _rows_parallel(kernels.layer_norm, rows, d, x, w, b, eps, xhat, rstd, out)
+        return True
+
+    def layer_norm_backward_rows(
+        self, g: Array, w: Array | None, xhat: Array, rstd: Array, gx: Array
+    ) -> bool:
+        kernels = _fused_kernels(g, w, xhat, rstd, gx)
+        if kernels is None:
+            return False
+        rows, d = g.shape
+        w = np.ones(d, np.float32) if w is None else w
+        _rows_parallel(kernels.layer_norm_backward, rows, d, g, w, xhat, rstd, gx)
+        return True
+
+    def softmax_rows_(self, x: Array) -> bool:
+        kernels = _fused_kernels(x)
+        if kernels is None or x.ndim == 0:
+            return False
+        n = x.shape[-1]
+        rows = x.size // n if n else 0
+        kernels.softmax(x.reshape(rows, n), 0, rows)
+        return True
+
+    def softmax_backward_rows_(self, gp: Array, p: Array) -> bool:
+        kernels = _fused_kernels(gp, p)
+        if kernels is None or gp.ndim == 0 or gp.shape != p.shape:
+            return False
+        n = gp.shape[-1]
+        rows = gp.size // n if n else 0
+        kernels.softmax_backward(gp.reshape(rows, n), p.reshape(rows, n), 0, rows)
+        return True
 
     def blockwise(self, kernel: Callable[[int, int], None], n: int, item_size: int) -> None:
         rows = max(1, _BLOCK // max(1, item_size))

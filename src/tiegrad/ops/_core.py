@@ -237,10 +237,14 @@ def shifted_exp(bk: Backend, x: Array) -> tuple[Array, Array, Array]:
 def softmax_(bk: Backend, x: Array, remake: Callable[[], Array]) -> Array:
     """The softmax of ``x`` over its last axis, computed in place in ``x`` and returned.
 
-    ``x`` is a temporary of the caller. Shifted like ``shifted_exp``; when that
-    underflows, ``remake()`` builds ``x`` afresh and each row is shifted by its own
-    maximum. A row of only ``-inf`` (a query that sees no key) becomes zeros.
+    ``x`` is a temporary of the caller. The backend's fused kernel shifts each row by
+    its own maximum (``Backend.softmax_rows_``); without one, ``x`` is shifted like
+    ``shifted_exp``, and when that underflows, ``remake()`` builds ``x`` afresh and each
+    row is shifted by its own maximum. A row of only ``-inf`` (a query that sees no key)
+    becomes zeros.
     """
+    if bk.softmax_rows_(x):
+        return x
     x -= _block_shift(bk, x)
     e = bk.exp_(x)
     den = sum_last(bk, e)

@@ -109,9 +109,10 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
             if not (want_q or want_k):
                 return
             gs = bk.matmul(gb, swap_last(bk, vv[i]))
-            rowdot = bk.einsum("ij,ij->i", bk.reshape(gs, (-1, tk)), bk.reshape(pb, (-1, tk)))
-            gs -= bk.reshape(rowdot, tuple(gs.shape)[:-1] + (1,))
-            gs *= pb
+            if not bk.softmax_backward_rows_(gs, pb):
+                rowdot = bk.einsum("ij,ij->i", bk.reshape(gs, (-1, tk)), bk.reshape(pb, (-1, tk)))
+                gs -= bk.reshape(rowdot, tuple(gs.shape)[:-1] + (1,))
+                gs *= pb
             if want_q:
                 gqb = gq[i]
                 gqb[...] = bk.matmul(gs, kv[i])

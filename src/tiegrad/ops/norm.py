@@ -15,10 +15,11 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
 
     ``weight`` and ``bias`` have shape ``(x.shape[-1],)``. One node with a closed-form
     VJP: ``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` with ``gh = g * weight``.
-    Rows are handled as a 2-D array in cache-sized blocks (``Backend.blockwise``): row
-    means are matrix-vector products, row and column dot products ``einsum`` reductions
-    (no product temporaries), and the other passes run in place on the block's slice of
-    the op's own outputs.
+    Rows run through the backend's fused kernel where it has one
+    (``Backend.layer_norm_rows``), else as a 2-D array in cache-sized blocks
+    (``Backend.blockwise``): row means are matrix-vector products, row and column dot
+    products ``einsum`` reductions (no product temporaries), and the other passes run in
+    place on the block's slice of the op's own outputs.
     """
     s = session_of(x, weight, bias)
     bk = s.backend
@@ -65,7 +66,8 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
             if bv is not None:
                 o += bv
 
-    bk.blockwise(forward_rows, rows, d)
+    if not bk.layer_norm_rows(x2, wv, bv, eps, xhat, rstd, out2):
+        bk.blockwise(forward_rows, rows, d)
     out = bk.reshape(out2, shape)
     want_x = needs_grad(s, x)
     want_w = w is not None and needs_grad(s, w)
@@ -89,7 +91,8 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
                 o += gh
                 o *= rstd[lo:hi]
 
-            bk.blockwise(backward_rows, rows, d)
+            if not bk.layer_norm_backward_rows(g2, wv, xhat, rstd, gx):
+                bk.blockwise(backward_rows, rows, d)
             grads[0] = bk.reshape(gx, shape)
         if w is not None:
             grads.append(bk.einsum("ij,ij->j", g2, xhat) if want_w else None)

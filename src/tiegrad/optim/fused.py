@@ -23,11 +23,8 @@ thread (numba's ``prange``) would. The pool is replaced in a forked child.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import os
 import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -35,8 +32,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-ENV_SWITCH = "TIEGRAD_NO_NUMBA"
-ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
+from .. import _numba
+
+ENV_SWITCH = _numba.ENV_SWITCH
+ENABLED: bool = _numba.ENABLED
 DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 THREADS: int = min(
     8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -65,19 +64,8 @@ class FusedRule(NamedTuple):
 
 @functools.cache
 def _kernels() -> ModuleType | None:
-    """``tiegrad.optim.kernels`` (importing numba), or None with a warning if that fails."""
-    if importlib.util.find_spec("numba") is None:
-        return None
-    try:
-        return importlib.import_module(".kernels", __package__)
-    except ImportError as e:  # e.g. a numba release that does not support this NumPy
-        warnings.warn(
-            f"tiegrad.optim: numba is installed but does not import ({e}); optimizer steps "
-            f"use the NumPy rules",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+    """``tiegrad.optim.kernels`` (importing numba), or None where numba is missing or broken."""
+    return _numba.load("tiegrad.optim.kernels")
 
 
 def supports(dtype: np.dtype) -> bool:

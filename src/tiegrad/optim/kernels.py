@@ -38,15 +38,9 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-OPTIONS = {"nogil": True, "error_model": "numpy"}  # "numpy": no zero-division branch
+from .. import _numba
 
-
-def _jit(func: Any) -> Any:
-    """``numba.njit`` with the disk cache when a cache directory is usable, else without."""
-    try:
-        return numba.njit(cache=True, **OPTIONS)(func)
-    except RuntimeError:  # no writable cache location: compile in every process
-        return numba.njit(cache=False, **OPTIONS)(func)
+_jit = _numba.jit(nogil=True, error_model="numpy")  # "numpy": no zero-division branch
 
 
 @intrinsic

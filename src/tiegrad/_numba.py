@@ -1,0 +1,58 @@
+"""numba, the optional compiler of tiegrad's fused host kernels (the extra ``tiegrad[fast]``).
+
+Two kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates) and
+``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows). ``ENABLED`` is false
+when the environment sets ``TIEGRAD_NO_NUMBA`` to anything but ``""`` or ``"0"``; the
+NumPy code paths then run everywhere. ``load`` imports a kernel module, or returns None
+(with one warning) when numba is missing or fails to import, so the library runs the
+same without it, only slower.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import warnings
+from types import ModuleType
+from typing import Any
+
+ENV_SWITCH = "TIEGRAD_NO_NUMBA"
+ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
+
+
+def load(module: str) -> ModuleType | None:
+    """Import the kernel module ``module`` (absolute name), or None without numba.
+
+    Callers cache the answer: the first call compiles or loads the kernels.
+    """
+    if importlib.util.find_spec("numba") is None:
+        return None
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:  # e.g. a numba release that does not support this NumPy
+        warnings.warn(
+            f"tiegrad: numba is installed but does not import ({e}); {module} is not used "
+            f"and the NumPy code runs instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def jit(**options: Any) -> Any:
+    """A decorator: ``numba.njit(**options)`` with the on-disk cache where one is usable.
+
+    The cache lives next to the module, or in the user's cache directory when that is
+    not writable (numba's own fallback); without either the kernel compiles in every
+    process.
+    """
+    import numba
+
+    def wrap(func: Any) -> Any:
+        try:
+            return numba.njit(cache=True, **options)(func)
+        except RuntimeError:  # no writable cache location
+            return numba.njit(cache=False, **options)(func)
+
+    return wrap

@@ -1,0 +1,224 @@
+"""Fused float32 kernels of the NumPy backend, compiled by numba: GELU, layer norm, softmax.
+
+Imported only through ``tiegrad._numba.load`` by ``numpy_backend``, which decides when
+to use them (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``) and runs them
+on its threads in blocks: every kernel takes the range ``lo .. hi`` of elements or rows
+it handles and releases the GIL. Each one reads its inputs once and writes its outputs
+once, where NumPy needs a pass over memory per ufunc; numba turns the loops into
+8-wide vector loops. ``exp_neg`` is a vectorizable exponential (libm's ``expf`` is a
+call per element that stops the vectorizer).
+
+Accuracy: float32 throughout; ``exp_neg`` is within 1 ulp; the reductions of a row may
+be reassociated (vector lanes), so a row sum can differ from NumPy's in the last bits.
+NaN propagates through every kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .. import _numba
+
+_kernel = _numba.jit(nogil=True, error_model="numpy")
+_row_kernel = _numba.jit(nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
+_inline = _numba.jit(inline="always")
+
+_F = np.float32
+_LOG2E = _F(1.4426950408889634)
+_LN2_HI = _F(0.693359375)  # ln 2 = _LN2_HI + _LN2_LO, _LN2_HI exact in 9 bits
+_LN2_LO = _F(-2.12194440e-4)
+_EXP_MIN = _F(-87.33654)  # below this exp underflows float32's normal range: 0
+# exp(r) = 1 + r + r^2 * P(r) on |r| <= ln(2)/2 (Cephes expf, relative error ~1 ulp)
+_EXP_P = (
+    _F(1.9875691500e-4),
+    _F(1.3981999507e-3),
+    _F(8.3334519073e-3),
+    _F(4.1665795894e-2),
+    _F(1.6666665459e-1),
+    _F(5.0000001201e-1),
+)
+# The upper normal tail Phi(-a) = t * P(t) * exp(-a*a/2), t = 1 / (1 + p * a), a >= 0,
+# absolute error below 4e-9 (the NumPy backend's ``_normal_tail`` uses the same fit).
+_TAIL_P = _F(0.2759956359010431)
+_TAIL_C = (
+    _F(-0.11345756156690588),
+    _F(0.44086028893966595),
+    _F(-0.3139303774906198),
+    _F(0.32219998220208323),
+    _F(0.04670261267675377),
+    _F(0.11762505136854265),
+)
+_INV_SQRT_2PI = _F(1.0 / math.sqrt(2.0 * math.pi))
+_F32_MAX = _F(np.finfo(np.float32).max)
+
+
+@intrinsic
+def _float_from_bits(typingctx: Any, bits: Any) -> Any:
+    """The float32 whose IEEE bit pattern is the int32 ``bits``."""
+    sig = types.float32(types.int32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@_inline
+def exp_neg(z: Any) -> Any:
+    """``exp(z)`` of a float32 ``z <= 0``: 0 below ``_EXP_MIN``, NaN for NaN.
+
+    ``z = k ln 2 + r`` with ``|r| <= ln(2) / 2``; ``2**k`` is built from its exponent bits.
+    """
+    zc = z if z >= _EXP_MIN else _EXP_MIN
+    k = np.floor(zc * _LOG2E + _F(0.5))
+    r = zc - k * _LN2_HI
+    r = r - k * _LN2_LO
+    p = _EXP_P[0]
+    p = p * r + _EXP_P[1]
+    p = p * r + _EXP_P[2]
+    p = p * r + _EXP_P[3]
+    p = p * r + _EXP_P[4]
+    p = p * r + _EXP_P[5]
+    p = p * (r * r) + r + _F(1.0)
+    e = p * _float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
+    if z >= _EXP_MIN:
+        return e
+    return _F(0.0) if z < _EXP_MIN else z
+
+
+@_kernel
+def gelu(x: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
+    """``y = x Phi(x)`` and ``d = Phi(x) + x phi(x)`` on flat elements ``lo .. hi``.
+
+    ``x Phi(x) = max(x, 0) - |x| Phi(-|x|)``: no ``1 + erf`` cancellation for negative
+    ``x`` (the NumPy backend's ``_gelu32`` formula, one pass instead of a dozen).
+    """
+    for i in range(lo, hi):
+        v = x[i]
+        a = abs(v)
+        a = _F32_MAX if a > _F32_MAX else a
+        t = _F(1.0) / (_F(1.0) + _TAIL_P * a)
+        e = exp_neg(_F(-0.5) * (a * a))
+        tail = t * _TAIL_C[0]
+        tail = (tail + _TAIL_C[1]) * t
+        tail = (tail + _TAIL_C[2]) * t
+        tail = (tail + _TAIL_C[3]) * t
+        tail = (tail + _TAIL_C[4]) * t
+        tail = (tail + _TAIL_C[5]) * t
+        tail = tail * e
+        y[i] = (v if v > _F(0.0) else _F(0.0)) - a * tail
+        half = _F(0.5) - tail
+        d[i] = (half if v >= _F(0.0) else -half) + _F(0.5) + v * e * _INV_SQRT_2PI
+
+
+@_row_kernel
+def layer_norm(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray,
+    eps: float,
+    xhat: np.ndarray,
+    rstd: np.ndarray,
+    out: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """Rows ``lo .. hi`` of ``(rows, d)`` ``x``: ``xhat``, ``rstd`` (rows, 1) and ``out``.
+
+    ``xhat = (x - mean) * rstd``, ``rstd = 1 / sqrt(var + eps)`` (biased variance, two
+    passes over the row), ``out = xhat * w + b``; ``out`` may be ``xhat`` itself.
+    """
+    n = x.shape[1]
+    inv_n = _F(1.0) / _F(n)
+    epsf = _F(eps)
+    for r in range(lo, hi):
+        s = _F(0.0)
+        for j in range(n):
+            s += x[r, j]
+        mean = s * inv_n
+        v = _F(0.0)
+        for j in range(n):
+            c = x[r, j] - mean
+            xhat[r, j] = c
+            v += c * c
+        rs = _F(1.0) / np.sqrt(v * inv_n + epsf)
+        rstd[r, 0] = rs
+        for j in range(n):
+            h = xhat[r, j] * rs
+            xhat[r, j] = h
+            out[r, j] = h * w[j] + b[j]
+
+
+@_row_kernel
+def layer_norm_backward(
+    g: np.ndarray,
+    w: np.ndarray,
+    xhat: np.ndarray,
+    rstd: np.ndarray,
+    gx: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """Rows ``lo .. hi`` of the input cotangent of ``layer_norm``.
+
+    ``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` with ``gh = g * w``.
+    """
+    n = g.shape[1]
+    inv_n = _F(1.0) / _F(n)
+    for r in range(lo, hi):
+        m1 = _F(0.0)
+        m2 = _F(0.0)
+        for j in range(n):
+            gh = g[r, j] * w[j]
+            m1 += gh
+            m2 += gh * xhat[r, j]
+        m1 *= inv_n
+        m2 *= inv_n
+        rs = rstd[r, 0]
+        for j in range(n):
+            gx[r, j] = (g[r, j] * w[j] - m1 - xhat[r, j] * m2) * rs
+
+
+@_row_kernel
+def softmax(x: np.ndarray, lo: int, hi: int) -> None:
+    """Rows ``lo .. hi`` of ``(rows, n)`` ``x`` replaced by their softmax.
+
+    Each row is shifted by its own maximum; a row of only ``-inf`` (a query that sees no
+    key) becomes zeros, a row with a NaN becomes NaN.
+    """
+    n = x.shape[1]
+    for r in range(lo, hi):
+        m = _F(-np.inf)
+        for j in range(n):
+            v = x[r, j]
+            m = v if v > m else m
+        m = _F(0.0) if m == -np.inf else m
+        s = _F(0.0)
+        for j in range(n):
+            e = exp_neg(x[r, j] - m)
+            x[r, j] = e
+            s += e
+        scale = _F(1.0) / (s if s != _F(0.0) else _F(1.0))
+        for j in range(n):
+            x[r, j] *= scale
+
+
+@_row_kernel
+def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
+    """Rows ``lo .. hi``: ``gp`` (the cotangent of ``p = softmax(s)``) becomes that of ``s``.
+
+    ``gs = p * (gp - sum(gp * p))`` row by row, in place.
+    """
+    n = p.shape[1]
+    for r in range(lo, hi):
+        dot = _F(0.0)
+        for j in range(n):
+            dot += gp[r, j] * p[r, j]
+        for j in range(n):
+            gp[r, j] = p[r, j] * (gp[r, j] - dot)

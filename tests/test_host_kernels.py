@@ -1,0 +1,171 @@
+"""The numba kernels of the NumPy backend (``tiegrad.backend.host_kernels``, issue 9).
+
+Each kernel is checked against the NumPy code path it replaces (``FUSED_KERNELS`` off)
+and against float64 references: the exponential, GELU, layer norm forward and
+backward, the attention softmax and its backward, special values, the fallbacks
+(float64, strided operands, the environment switch) and the placement of a kernel's
+output arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+import tiegrad.backend.numpy_backend as nb  # noqa: E402
+import tiegrad.ops as T  # noqa: E402
+from tiegrad import EagerSession  # noqa: E402
+from tiegrad.backend import NUMPY  # noqa: E402
+from tiegrad.backend import host_kernels as hk  # noqa: E402
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """Run with the kernels on (the default when numba imports)."""
+    monkeypatch.setattr(nb, "FUSED_KERNELS", True)
+    monkeypatch.setattr(nb._numba, "ENABLED", True)
+
+
+def both_paths(monkeypatch, run):
+    """``run()`` with the kernels, then with the NumPy code, as two lists of arrays."""
+    monkeypatch.setattr(nb._numba, "ENABLED", True)
+    monkeypatch.setattr(nb, "FUSED_KERNELS", True)
+    with_kernels = run()
+    monkeypatch.setattr(nb, "FUSED_KERNELS", False)
+    without = run()
+    return with_kernels, without
+
+
+@numba.njit
+def _exp_all(z, out):
+    for i in range(z.size):
+        out[i] = hk.exp_neg(z[i])
+
+
+def test_exp_neg_is_within_two_ulp_and_handles_the_ends():
+    z = -np.concatenate([np.linspace(0, 87, 200_001), np.random.default_rng(0).random(10**5)])
+    z = z.astype(np.float32)
+    out = np.empty_like(z)
+    _exp_all(z, out)
+    want = np.exp(z.astype(np.float64))
+    ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(out - want) / ulp) <= 2.0
+    ends = np.array([0.0, -0.0, -87.0, -88.0, -1e30, -np.inf, np.nan], np.float32)
+    got = np.empty_like(ends)
+    _exp_all(ends, got)
+    assert got[0] == 1 and got[1] == 1 and got[2] > 0
+    assert got[3] == 0 and got[4] == 0 and got[5] == 0 and np.isnan(got[6])
+
+
+def test_gelu_kernel_matches_the_numpy_kernel(monkeypatch):
+    x = np.random.default_rng(1).standard_normal((3, 70_001)).astype(np.float32) * 4
+    (y, d), (y0, d0) = both_paths(monkeypatch, lambda: list(NUMPY.gelu(x)))
+    scale = np.maximum(1.0, np.abs(x))
+    assert np.max(np.abs(y - y0) / scale) < 3e-7
+    assert np.max(np.abs(d - d0)) < 3e-7
+    assert y.shape == d.shape == x.shape and y.dtype == d.dtype == np.float32
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "both"])
+def test_layer_norm_kernels_match_the_numpy_path(monkeypatch, affine):
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((5, 301, 24)) * 3 + 1).astype(np.float32)
+    w = rng.standard_normal(24).astype(np.float32)
+    b = rng.standard_normal(24).astype(np.float32)
+    cot = rng.standard_normal(x.shape).astype(np.float32)
+
+    def run():
+        s = EagerSession()
+        refs = [s.leaf(x), s.leaf(w), s.leaf(b)]
+        args = {"none": (), "weight": (refs[1],), "both": (refs[1], refs[2])}[affine]
+        y = T.layer_norm(refs[0], *args)
+        grads = s.backward(y, seed=cot)
+        return [y.value] + [grads[r] for r in refs[: 1 + len(args)]]
+
+    fast, slow = both_paths(monkeypatch, run)
+    for a, c in zip(fast, slow):
+        np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-5)
+    x64 = x.astype(np.float64)
+    xhat = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+    want = {"none": xhat, "weight": xhat * w, "both": xhat * w + b}[affine]
+    np.testing.assert_allclose(fast[0], want, rtol=0, atol=3e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_softmax_kernels_match_the_numpy_path(monkeypatch, causal):
+    rng = np.random.default_rng(3)
+    qkv = (rng.standard_normal((6, 17, 48)) * 2).astype(np.float32)
+    mask = np.zeros((6, 17), bool)
+    mask[1, 5:] = True
+    mask[2] = True  # every key hidden: zeros and no gradient
+    cot = rng.standard_normal((6, 17, 16)).astype(np.float32)
+
+    def run():
+        s = EagerSession()
+        xr = s.leaf(qkv)
+        y = T.self_attention(xr, 2, causal=causal, key_padding_mask=mask)
+        return [y.value, s.backward(y, seed=cot)[xr]]
+
+    fast, slow = both_paths(monkeypatch, run)
+    for a, c in zip(fast, slow):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)
+    assert np.all(fast[0][2] == 0) and np.all(fast[1][2] == 0)
+
+
+def test_softmax_kernel_rows_far_apart_nan_and_hidden(fused):
+    x = np.array(
+        [[0.0, 1.0, 2.0], [-500.0, -501.0, -499.0], [-np.inf] * 3, [1.0, np.nan, 0.0]],
+        np.float32,
+    )
+    p = x.copy()
+    assert NUMPY.softmax_rows_(p)
+    e = np.exp(x[:2].astype(np.float64) - x[:2].max(-1, keepdims=True))
+    np.testing.assert_allclose(p[:2], e / e.sum(-1, keepdims=True), rtol=1e-6)
+    assert np.all(p[2] == 0) and np.all(np.isnan(p[3]))
+    g = np.random.default_rng(4).standard_normal((2, 3)).astype(np.float32)
+    gp = g.copy()
+    assert NUMPY.softmax_backward_rows_(gp, p[:2].copy())
+    want = p[:2] * (g - (g * p[:2]).sum(-1, keepdims=True))
+    np.testing.assert_allclose(gp, want, rtol=1e-6, atol=1e-7)
+
+
+def test_float64_and_strided_operands_take_the_numpy_path(fused):
+    x64 = np.ones((4, 8))
+    out = np.empty_like(x64)
+    rstd = np.empty((4, 1))
+    assert not NUMPY.layer_norm_rows(x64, None, None, 1e-5, out, rstd, out)
+    x = np.ones((8, 4), np.float32).T
+    assert not NUMPY.layer_norm_rows(x, None, None, 1e-5, out, rstd, out)
+    assert not NUMPY.softmax_rows_(x)
+    assert not NUMPY.softmax_backward_rows_(x, x)
+
+
+def test_kernel_outputs_lie_apart_from_the_input_and_each_other():
+    base = np.empty(10_000, np.float32)
+    for skip in (0, 1, 16, 1000):
+        x = base[skip : skip + 4096]
+        outs = nb._outputs_apart(x, 2)
+        addresses = [a.__array_interface__["data"][0] for a in (x, *outs)]
+        for i, a in enumerate(addresses):
+            for c in addresses[i + 1 :]:
+                gap = (a - c) % 4096
+                assert min(gap, 4096 - gap) >= 4096 // 3 - 64
+        assert all(o.size == x.size and o.dtype == np.float32 for o in outs)
+        assert not np.shares_memory(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("value, enabled", [("1", False), ("0", True)])
+def test_the_environment_switch_turns_the_kernels_off(value, enabled):
+    code = (
+        "import numpy as np; import tiegrad.backend.numpy_backend as nb; "
+        "print(nb._fused_kernels(np.ones(2, np.float32)) is not None)"
+    )
+    env = dict(os.environ, TIEGRAD_NO_NUMBA=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == str(enabled), out.stderr
