@@ -6,8 +6,9 @@ Method (issue 9):
   initial weights (``Workload.make_data``). Each side warms up (its first step's
   probe, normally the loss, is compared across sides: a relative gap above
   ``PROBE_RTOL`` prints a warning, which catches mismatched models), then the sides
-  run one step each in turn, alternating the order every round (ABBA), and every
-  step is timed with ``time.perf_counter``. The table reports the median and the
+  take turns in runs of steps, alternating the order every round (ABBA); the first
+  step of a run is not timed (another framework's idle worker threads may still be
+  spinning), the others are timed with ``time.perf_counter``. The table reports the median and the
   min-max in ms per step and the ratio of medians tiegrad/PyTorch.
 - Peak RSS is measured per side in a fresh subprocess (``python -m benchmarks rss``,
   Linux ``/proc``) that imports both frameworks and does their one-time lazy imports,
@@ -42,6 +43,7 @@ PROBE_RTOL = 1e-4
 REFERENCE = "reference"
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_STEPS = (1, 1)
+RUNS = 6  # runs per side in ``measure``: each starts with an untimed settling step
 RSS_STEPS = (2, 3)
 QUICK_RSS_STEPS = (1, 1)
 RSS_TIMEOUT_S = 600
@@ -184,7 +186,13 @@ def _peak_mb(rss: dict[str, Any] | None) -> float | None:
 
 # -- timing ------------------------------------------------------------------------------
 def measure(sides: Sequence[Side], warmup: int, steps: int) -> dict[str, SideStats]:
-    """Warm every side up, then time ``steps`` steps per side, alternating ABBA.
+    """Warm every side up, then time ``steps`` steps per side in runs, alternating ABBA.
+
+    A run is one untimed settling step and up to ``steps // RUNS`` timed steps of one
+    side; the sides take turns run by run, in ABBA order. The settling step absorbs
+    what the previous side left behind: its BLAS and OpenMP worker threads keep
+    spinning for a while after their last task and would slow the first step of the
+    next side, whichever framework it is.
 
     The first warm-up step of each side is its first step from the initial weights;
     its probe is kept for the agreement check. An optional side whose first step raises
@@ -210,11 +218,14 @@ def measure(sides: Sequence[Side], warmup: int, steps: int) -> dict[str, SideSta
     order = list(sides)
     gc.collect()
     clock = time.perf_counter
-    for i in range(steps):
+    run = max(1, steps // RUNS)
+    for i, start in enumerate(range(0, steps, run)):
         for side in order if i % 2 == 0 else reversed(order):
-            t0 = clock()
             side.step()
-            times[side.name].append((clock() - t0) * 1e3)
+            for _ in range(min(run, steps - start)):
+                t0 = clock()
+                side.step()
+                times[side.name].append((clock() - t0) * 1e3)
     return {
         side.name: SideStats(side.name, side.framework, times[side.name], first[side.name])
         for side in sides
@@ -253,20 +264,33 @@ def _status_mb() -> dict[str, float]:
 
 
 def _warm_frameworks() -> None:
-    """Do the one-time lazy imports of both frameworks before the baseline is taken.
+    """Do the one-time lazy loads of both frameworks before the baseline is taken.
 
-    The first ``torch.optim`` optimizer imports ``torch._dynamo`` (about 65 MB); that is
-    the cost of importing a library, not memory of a training step.
+    The first ``torch.optim`` optimizer imports ``torch._dynamo`` (about 65 MB); tiegrad's
+    first fused op or optimizer step loads numba and its compiled kernels (about 40 MB of
+    anonymous memory, where PyTorch's compiled kernels are file-backed library pages).
+    Both are the cost of loading a library, not memory of a training step, so a tiny
+    step of each framework runs first: an SGD step for PyTorch; for tiegrad a layer
+    norm, GELU and attention forward and backward and one step of each optimizer.
     """
+    import numpy as np
     import torch
 
-    import tiegrad.models
-    import tiegrad.nn
-    import tiegrad.optim  # noqa: F401
+    import tiegrad.ops as T
+    from tiegrad import EagerSession, Param, optim
 
     p = torch.zeros(1, requires_grad=True)
     p.sum().backward()
     torch.optim.SGD([p], lr=0.1).step()
+
+    s = EagerSession()
+    w = Param(np.ones((2, 6), np.float32))
+    x = T.layer_norm(T.gelu(s.use(w)), s.use(w)[0], s.use(w)[1])
+    y = T.self_attention(T.reshape(x, (1, 2, 6)), 1, causal=True)
+    grads = s.backward(T.sum(y))
+    s.reset()
+    for make in (optim.SGD, optim.Adam, optim.AdamW, optim.RMSprop, optim.Adagrad):
+        make([w], lr=1e-3).step(grads)
 
 
 def rss_child(workload_id: str, side_name: str, quick: bool) -> dict[str, Any]:

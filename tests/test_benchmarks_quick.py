@@ -137,13 +137,21 @@ class _Recorder:
         return float(self.n)
 
 
-def test_measure_warms_up_then_alternates_abba():
+def test_measure_warms_up_then_alternates_runs_abba_each_with_a_settling_step():
     log: list[str] = []
     a, b = _Recorder("a", log), _Recorder("b", log)
     sides = [runner.Side(r.name, fw, r.step, r.probe) for r, fw in ((a, "tiegrad"), (b, "torch"))]
     stats = runner.measure(sides, warmup=2, steps=3)
-    assert log == ["a", "b", "a", "b"] + ["a", "b", "b", "a", "a", "b"]
+    runs = ["a", "b", "b", "a", "a", "b"]  # one settling and one timed step each
+    assert log == ["a", "b", "a", "b"] + [name for name in runs for _ in range(2)]
     assert stats["a"].first_probe == 1.0 and len(stats["b"].times_ms) == 3
+    log.clear()
+    stats = runner.measure(sides, warmup=1, steps=2 * runner.RUNS + 1)
+    timed = [len(stats[name].times_ms) for name in "ab"]
+    assert timed == [2 * runner.RUNS + 1] * 2
+    # runs of 2 timed steps, the last of 1: each run adds one settling step per side
+    assert log.count("a") == 1 + timed[0] + runner.RUNS + 1
+    assert log[2:5] == ["a", "a", "a"] and log[5:8] == ["b", "b", "b"]
 
 
 def test_a_failing_optional_side_is_dropped_with_its_reason_and_others_still_run():

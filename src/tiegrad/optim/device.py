@@ -103,7 +103,7 @@ def is_device_step(gradients: Any) -> bool:
     if isinstance(gradients, Gradients):
         return gradients.session.backend is not NUMPY
     if isinstance(gradients, (list, tuple)):
-        return any(_is_tensor(g) for g in gradients)
+        return any(not isinstance(g, np.ndarray) and _is_tensor(g) for g in gradients)
     return False
 
 

@@ -304,6 +304,8 @@ class ParameterStorage:
 
 def _prune(pins: list[tuple[weakref.ref, int]]) -> bool:
     """Drop pins of collected or reset sessions, in place; whether any live pin remains."""
+    if not pins:
+        return False
     pins[:] = [(ref, gen) for ref, gen in pins if (s := ref()) is not None and s._generation == gen]
     return bool(pins)
 
