@@ -294,9 +294,7 @@ def test_mallopt_is_applied_on_glibc_unless_opted_out():
 def test_kernel_threads_follow_the_environment(monkeypatch):
     monkeypatch.setenv("TIEGRAD_NUM_THREADS", "3")
     assert nb._kernel_threads() == 3
-    monkeypatch.delenv("TIEGRAD_NUM_THREADS")
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert nb._kernel_threads() == 5
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
-    assert 1 <= nb._kernel_threads() <= 8
+    for unset in ("", "0", "many"):
+        monkeypatch.setenv("TIEGRAD_NUM_THREADS", unset)
+        assert nb._kernel_threads() == 1  # BLAS's threads own the cores

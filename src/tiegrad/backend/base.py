@@ -109,7 +109,7 @@ class Backend:
         must be independent of each other. The same ``n`` and ``item_size`` always give
         the same ranges, so a backward pass may find what its forward kept per range.
         This default runs ``kernel(0, n)`` once; the NumPy backend cuts the range into
-        cache-sized blocks and runs them on several threads (DESIGN: performance).
+        cache-sized blocks (DESIGN: performance).
         """
         if n:
             kernel(0, n)
