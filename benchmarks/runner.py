@@ -6,9 +6,9 @@ Method (issue 9):
   initial weights (``Workload.make_data``). Each side warms up (its first step's
   probe, normally the loss, is compared across sides: a relative gap above
   ``PROBE_RTOL`` prints a warning, which catches mismatched models), then the sides
-  take turns in runs of steps, alternating the order every round (ABBA); the first
-  step of a run is not timed (another framework's idle worker threads may still be
-  spinning), the others are timed with ``time.perf_counter``. The table reports the median and the
+  take turns in runs of steps, alternating the order every round (ABBA); a run starts
+  with a short pause and an untimed step (another framework's idle worker threads
+  keep spinning for a while), the other steps are timed with ``time.perf_counter``. The table reports the median and the
   min-max in ms per step and the ratio of medians tiegrad/PyTorch.
 - Peak RSS is measured per side in a fresh subprocess (``python -m benchmarks rss``,
   Linux ``/proc``) that imports both frameworks and does their one-time lazy imports,
@@ -43,7 +43,8 @@ PROBE_RTOL = 1e-4
 REFERENCE = "reference"
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_STEPS = (1, 1)
-RUNS = 6  # runs per side in ``measure``: each starts with an untimed settling step
+RUNS = 6  # runs per side in ``measure``: each starts with a pause and an untimed step
+SETTLE_S = 0.25  # the pause: longer than BLAS and OpenMP workers spin after their last task
 RSS_STEPS = (2, 3)
 QUICK_RSS_STEPS = (1, 1)
 RSS_TIMEOUT_S = 600
@@ -188,11 +189,12 @@ def _peak_mb(rss: dict[str, Any] | None) -> float | None:
 def measure(sides: Sequence[Side], warmup: int, steps: int) -> dict[str, SideStats]:
     """Warm every side up, then time ``steps`` steps per side in runs, alternating ABBA.
 
-    A run is one untimed settling step and up to ``steps // RUNS`` timed steps of one
-    side; the sides take turns run by run, in ABBA order. The settling step absorbs
-    what the previous side left behind: its BLAS and OpenMP worker threads keep
-    spinning for a while after their last task and would slow the first step of the
-    next side, whichever framework it is.
+    A run is a pause of ``SETTLE_S`` seconds, one untimed settling step and up to
+    ``steps // RUNS`` timed steps of one side; the sides take turns run by run, in ABBA
+    order. The pause and the settling step absorb what the previous side left behind:
+    its BLAS and OpenMP worker threads keep spinning after their last task (OpenBLAS's
+    for about 2**28 cycles, a tenth of a second) and would compete with the next side
+    for the cores, whichever framework it is.
 
     The first warm-up step of each side is its first step from the initial weights;
     its probe is kept for the agreement check. An optional side whose first step raises
@@ -221,6 +223,7 @@ def measure(sides: Sequence[Side], warmup: int, steps: int) -> dict[str, SideSta
     run = max(1, steps // RUNS)
     for i, start in enumerate(range(0, steps, run)):
         for side in order if i % 2 == 0 else reversed(order):
+            time.sleep(SETTLE_S)
             side.step()
             for _ in range(min(run, steps - start)):
                 t0 = clock()

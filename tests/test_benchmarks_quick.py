@@ -137,14 +137,17 @@ class _Recorder:
         return float(self.n)
 
 
-def test_measure_warms_up_then_alternates_runs_abba_each_with_a_settling_step():
+def test_measure_warms_up_then_alternates_runs_abba_each_with_a_settling_step(monkeypatch):
     log: list[str] = []
+    pauses: list[float] = []
+    monkeypatch.setattr(runner.time, "sleep", pauses.append)
     a, b = _Recorder("a", log), _Recorder("b", log)
     sides = [runner.Side(r.name, fw, r.step, r.probe) for r, fw in ((a, "tiegrad"), (b, "torch"))]
     stats = runner.measure(sides, warmup=2, steps=3)
     runs = ["a", "b", "b", "a", "a", "b"]  # one settling and one timed step each
     assert log == ["a", "b", "a", "b"] + [name for name in runs for _ in range(2)]
     assert stats["a"].first_probe == 1.0 and len(stats["b"].times_ms) == 3
+    assert pauses == [runner.SETTLE_S] * 6  # before every run
     log.clear()
     stats = runner.measure(sides, warmup=1, steps=2 * runner.RUNS + 1)
     timed = [len(stats[name].times_ms) for name in "ab"]

@@ -123,7 +123,6 @@ def check_group_gradients(group: ParameterGroup, gradients: Mapping[int, Any]) -
     """Validate every leaf gradient of ``group`` (presence, shape, dtype) without summing."""
     shape = group.shape
     dtype = getattr(group.parameter, "dtype", None)
-    expected = None if dtype is None else np.dtype(dtype).name
     for leaf in group.leaves:
         try:
             g = gradients[leaf]
@@ -143,7 +142,7 @@ def check_group_gradients(group: ParameterGroup, gradients: Mapping[int, Any]) -
                 f"group {group.id}: gradient of leaf {leaf} has shape {tuple(g.shape)}, "
                 f"expected {shape}"
             )
-        if expected is not None and dtype_name(g) != expected:
+        if dtype is not None and g.dtype != dtype and dtype_name(g) != np.dtype(dtype).name:
             raise DTypeError(
                 f"group {group.id}: gradient of leaf {leaf} has dtype {g.dtype}, expected {dtype}"
             )
