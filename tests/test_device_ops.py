@@ -85,6 +85,10 @@ CASES = {
         lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal=True),
         [_r(2, 4, 3), _r(2, 4, 3, seed=1), _r(2, 4, 5)],
     ),
+    "scaled_dot_product_attention:causal-wide": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal=True, scale=0.3),
+        [_r(2, 3, 3), _r(2, 5, 3, seed=1), _r(2, 5, 2)],
+    ),
     "scaled_dot_product_attention:padding": (
         lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, key_padding_mask=PADDING),
         [_r(2, 3, 3), _r(2, 4, 3, seed=1), _r(2, 4, 2)],
@@ -111,6 +115,8 @@ CASES = {
     ),
     "mse_loss": (lambda a, b: ops.mse_loss(a, b, reduction="sum"), [_r(3, 2), _r(3, 2, seed=4)]),
     "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b), [_r(2, 3, 6), _r(6), _r(6)]),
+    "layer_norm:plain": (lambda x: ops.layer_norm(x, eps=0.1), [_r(4, 5) * 3]),
+    "layer_norm:weight": (lambda x, w: ops.layer_norm(x, w), [_r(3, 7), _r(7)]),
 }
 
 

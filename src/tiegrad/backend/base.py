@@ -124,30 +124,35 @@ class Backend:
         density = self.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
         return x * cdf, cdf + x * density
 
-    # Fused row kernels: a backend that has one for the operands fills the outputs and
-    # returns True; False (the default) makes the op run its generic code instead. The
-    # softmax kernels run on the calling thread (attention calls them per block).
+    # Fused kernels: a backend that has one for the operands returns its result; None
+    # or False (the defaults) make the op run its generic code instead. The softmax
+    # kernels run on the calling thread (attention calls them per block).
     def layer_norm_rows(
-        self,
-        x: Array,
-        w: Array | None,
-        b: Array | None,
-        eps: float,
-        xhat: Array,
-        rstd: Array,
-        out: Array,
-    ) -> bool:
-        """``layer_norm`` of the rows of 2-D ``x``: ``xhat``, ``rstd`` (rows, 1), ``out``.
+        self, x: Array, w: Array | None, b: Array | None, eps: float
+    ) -> tuple[Array, Array, Array] | None:
+        """``layer_norm`` of the rows of 2-D ``x``: ``(out, xhat, rstd)``, or None.
 
-        ``out = xhat * w + b`` (``w``, ``b`` may be None; ``out`` may be ``xhat``).
+        ``xhat = (x - mean) * rstd``, ``rstd = 1 / sqrt(var + eps)`` of shape (rows, 1),
+        ``out = xhat * w + b`` (``w``, ``b`` may be None).
         """
-        return False
+        return None
 
     def layer_norm_backward_rows(
-        self, g: Array, w: Array | None, xhat: Array, rstd: Array, gx: Array
-    ) -> bool:
-        """``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))``, ``gh = g * w``, per row."""
-        return False
+        self, g: Array, w: Array | None, xhat: Array, rstd: Array
+    ) -> Array | None:
+        """``rstd * (gh - mean(gh) - xhat * mean(gh * xhat))``, ``gh = g * w``, per row, or None."""
+        return None
+
+    def fused_attention(
+        self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
+    ) -> tuple[Array, Any] | None:
+        """``softmax(q k^T * scale [+ causal mask]) v`` by the backend's own fused kernel.
+
+        ``(out, vjp)`` with ``vjp(g) -> (gq, gk, gv)`` (None when ``want`` is false: no
+        gradient needed), or None where the backend has none for these operands.
+        ``causal`` hides key ``j`` from query ``i`` when ``j > i``.
+        """
+        return None
 
     def softmax_rows_(self, x: Array) -> bool:
         """``x`` replaced by its softmax over the last axis, each row shifted by its maximum.

@@ -456,34 +456,33 @@ class NumpyBackend(Backend):
         return y.reshape(x.shape), d.reshape(x.shape)
 
     def layer_norm_rows(
-        self,
-        x: Array,
-        w: Array | None,
-        b: Array | None,
-        eps: float,
-        xhat: Array,
-        rstd: Array,
-        out: Array,
-    ) -> bool:
-        kernels = _fused_kernels(x, w, b, xhat, rstd, out)
+        self, x: Array, w: Array | None, b: Array | None, eps: float
+    ) -> tuple[Array, Array, Array] | None:
+        kernels = _fused_kernels(x, w, b)
         if kernels is None:
-            return False
+            return None
         rows, d = x.shape
+        xhat, out = _outputs_apart(x, 2)
+        xhat, out = xhat.reshape(rows, d), out.reshape(rows, d)
+        if w is None and b is None:
+            out = xhat
+        rstd = np.empty((rows, 1), np.float32)
         w = np.ones(d, np.float32) if w is None else w
         b = np.zeros(d, np.float32) if b is None else b
         _rows_parallel(kernels.layer_norm, rows, d, x, w, b, eps, xhat, rstd, out)
-        return True
+        return out, xhat, rstd
 
     def layer_norm_backward_rows(
-        self, g: Array, w: Array | None, xhat: Array, rstd: Array, gx: Array
-    ) -> bool:
-        kernels = _fused_kernels(g, w, xhat, rstd, gx)
+        self, g: Array, w: Array | None, xhat: Array, rstd: Array
+    ) -> Array | None:
+        kernels = _fused_kernels(g, w, xhat, rstd)
         if kernels is None:
-            return False
+            return None
         rows, d = g.shape
+        gx = _outputs_apart(g, 1)[0].reshape(rows, d)
         w = np.ones(d, np.float32) if w is None else w
         _rows_parallel(kernels.layer_norm_backward, rows, d, g, w, xhat, rstd, gx)
-        return True
+        return gx
 
     def softmax_rows_(self, x: Array) -> bool:
         kernels = _fused_kernels(x)

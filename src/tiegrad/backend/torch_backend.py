@@ -207,6 +207,47 @@ class TorchBackend(Backend):
     def gelu(self, x: Array) -> tuple[Array, Array]:
         return F.gelu(x), torch.ops.aten.gelu_backward(torch.ones_like(x), x)
 
+    def layer_norm_rows(
+        self, x: Array, w: Array | None, b: Array | None, eps: float
+    ) -> tuple[Array, Array, Array] | None:
+        if any(p is not None and p.dtype != x.dtype for p in (w, b)):
+            return None  # torch's kernel wants one dtype; the generic path promotes
+        out, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], w, b, eps)
+        xhat = out if w is None and b is None else (x - mean).mul_(rstd)
+        return out, xhat, rstd
+
+    def layer_norm_backward_rows(
+        self, g: Array, w: Array | None, xhat: Array, rstd: Array
+    ) -> Array | None:
+        if g.dtype != xhat.dtype or (w is not None and w.dtype != g.dtype):
+            return None
+        # torch's fused backward applied to the normalized rows themselves (mean 0,
+        # rstd 1) gives gh - mean(gh) - xhat * mean(gh * xhat); the true rstd scales it.
+        rows, d = xhat.shape
+        zeros = xhat.new_zeros((rows, 1))
+        ones = xhat.new_ones((rows, 1))
+        gh, _, _ = torch.ops.aten.native_layer_norm_backward(
+            g, xhat, [d], zeros, ones, w, None, [True, False, False]
+        )
+        return gh.mul_(rstd)
+
+    def fused_attention(
+        self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
+    ) -> tuple[Array, Any] | None:
+        if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or q.dtype != k.dtype:
+            return None
+        if not want:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            return out, None
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale)
+
+        def vjp(g: Array) -> tuple[Array, Array, Array]:
+            return torch.autograd.grad(out, leaves, g, retain_graph=True)
+
+        return out.detach(), vjp
+
     # -- reductions and shape ----------------------------------------------------------
     def sum(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
         if axis is None:

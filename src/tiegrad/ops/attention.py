@@ -3,7 +3,9 @@
 ``scaled_dot_product_attention`` takes separate q, k and v; ``self_attention`` takes the
 packed (B, T, 3 d) projection of a multi-head self-attention layer and returns the
 heads merged back to (B, T, d), so a layer records one node where the split, the head
-permutes and the merge would record eight (DESIGN: performance). Both share one kernel:
+permutes and the merge would record eight (DESIGN: performance). A backend with its
+own fused attention (``Backend.fused_attention``: PyTorch's on a device) runs it when
+no key padding mask is given; otherwise both share one kernel:
 the mask is an additive bias of ``-inf`` (no masked copy of the scores), the softmax
 shift is a per-head block maximum (``softmax_``), blocks of the batch run on the backend's
 threads (``Backend.blockwise``), and the scale is folded into q.
@@ -46,6 +48,17 @@ def _mask_bias(s, op: str, qs, tk: int, causal: bool, key_padding_mask: Any, dty
     if hidden is None:
         return None
     return bk.astype(bk.where(hidden, -math.inf, 0.0), dtype)
+
+
+def _fused(bk, qv, kv, vv, causal: bool, key_padding_mask: Any, scale: float, want: bool):
+    """The backend's fused attention ``(out, vjp)``, or None to run ``_attend``.
+
+    Only without a key padding mask and with no empty axis: then every query sees at
+    least one key, where backends' kernels and ``_attend`` agree.
+    """
+    if key_padding_mask is not None or 0 in tuple(qv.shape) + tuple(kv.shape) + tuple(vv.shape):
+        return None
+    return bk.fused_attention(qv, kv, vv, causal, scale, want)
 
 
 def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: bool):
@@ -161,9 +174,16 @@ def scaled_dot_product_attention(
                 )
     bias = _mask_bias(s, _OP, qs, ks[-2], causal, key_padding_mask, qv.dtype)
     q, k, v = lift(s, q, qv), lift(s, k, kv), lift(s, v, vv)
-    out, attend_vjp = _attend(
-        bk, qv, kv, vv, bias, scale, needs_grad(s, q), needs_grad(s, k), needs_grad(s, v)
-    )
+    wants = (needs_grad(s, q), needs_grad(s, k), needs_grad(s, v))
+    fused = _fused(bk, qv, kv, vv, causal, key_padding_mask, scale, any(wants))
+    if fused is not None:
+        out, fused_vjp = fused
+
+        def vjp(g):
+            return tuple(x if w else None for x, w in zip(fused_vjp(g), wants))
+
+        return s._record(out, (q.id, k.id, v.id), vjp)
+    out, attend_vjp = _attend(bk, qv, kv, vv, bias, scale, *wants)
 
     def vjp(g):
         gq, gk, gv = attend_vjp(g)
@@ -210,7 +230,16 @@ def self_attention(
     bias = _mask_bias(s, op, heads, t, causal, key_padding_mask, xv.dtype)
     split = bk.transpose(bk.reshape(xv, (b, t, 3, n_heads, hd)), (2, 0, 3, 1, 4))
     want = needs_grad(s, qkv)
-    out, attend_vjp = _attend(bk, split[0], split[1], split[2], bias, scale, want, want, want)
+    fused = _fused(bk, split[0], split[1], split[2], causal, key_padding_mask, scale, want)
+    if fused is None:
+        out, attend_vjp = _attend(bk, split[0], split[1], split[2], bias, scale, want, want, want)
+    else:
+        out, fused_vjp = fused
+
+        def attend_vjp(g4, parts):
+            for j, part in enumerate(fused_vjp(g4)):
+                parts[j] = part
+
     merged = bk.reshape(bk.transpose(out, (0, 2, 1, 3)), (b, t, d))
 
     def vjp(g):

@@ -15,11 +15,8 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
 
     ``weight`` and ``bias`` have shape ``(x.shape[-1],)``. One node with a closed-form
     VJP: ``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` with ``gh = g * weight``.
-    Rows run through the backend's fused kernel where it has one
-    (``Backend.layer_norm_rows``), else as a 2-D array in cache-sized blocks
-    (``Backend.blockwise``): row means are matrix-vector products, row and column dot
-    products ``einsum`` reductions (no product temporaries), and the other passes run in
-    place on the block's slice of the op's own outputs.
+    Rows run through the backend's fused kernels where it has them
+    (``Backend.layer_norm_rows``), else as a 2-D array in cache-sized blocks.
     """
     s = session_of(x, weight, bias)
     bk = s.backend
@@ -38,12 +35,47 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     w = lift(s, *params["weight"]) if "weight" in params else None
     b = lift(s, *params["bias"]) if "bias" in params else None
     refs = [r for r in (x, w, b) if r is not None]
-    inv_d = 1.0 / d if d else 0.0
     rows = math.prod(shape[:-1])
     x2 = bk.reshape(xv, (rows, d))
     wv = None if w is None else w.value
     bv = None if b is None else b.value
-    # Output dtypes follow the type promotion of the unfused formula (probed on 0 rows).
+    fused = bk.layer_norm_rows(x2, wv, bv, eps)
+    if fused is None:
+        out2, xhat, rstd = _layer_norm_blocks(bk, x2, wv, bv, eps)
+    else:
+        out2, xhat, rstd = fused
+    out = bk.reshape(out2, shape)
+    want_x = needs_grad(s, x)
+    want_w = w is not None and needs_grad(s, w)
+    want_b = b is not None and needs_grad(s, b)
+
+    def vjp(g):
+        g2 = bk.reshape(g, (rows, d))
+        grads = [None]
+        if want_x:
+            gx = bk.layer_norm_backward_rows(g2, wv, xhat, rstd)
+            if gx is None:
+                gx = _layer_norm_backward_blocks(bk, g2, wv, xhat, rstd)
+            grads[0] = bk.reshape(gx, shape)
+        if w is not None:
+            grads.append(bk.einsum("ij,ij->j", g2, xhat) if want_w else None)
+        if b is not None:
+            grads.append(sum_rows(bk, g2) if want_b else None)
+        return grads
+
+    return s._record(out, tuple(r.id for r in refs), vjp)
+
+
+def _layer_norm_blocks(bk, x2, wv, bv, eps: float):
+    """``(out, xhat, rstd)`` of 2-D ``x2`` in cache-sized blocks (``Backend.blockwise``).
+
+    Row means are matrix-vector products, row dot products ``einsum`` reductions (no
+    product temporaries), and the other passes run in place on the block's slice of
+    the outputs. Output dtypes follow the type promotion of the unfused formula
+    (probed on 0 rows).
+    """
+    rows, d = tuple(x2.shape)
+    inv_d = 1.0 / d if d else 0.0
     head = x2[:0] - x2[:0]
     xhat = bk.empty((rows, d), head.dtype)
     rstd = bk.empty((rows, 1), head.dtype)
@@ -66,38 +98,27 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
             if bv is not None:
                 o += bv
 
-    if not bk.layer_norm_rows(x2, wv, bv, eps, xhat, rstd, out2):
-        bk.blockwise(forward_rows, rows, d)
-    out = bk.reshape(out2, shape)
-    want_x = needs_grad(s, x)
-    want_w = w is not None and needs_grad(s, w)
-    want_b = b is not None and needs_grad(s, b)
+    bk.blockwise(forward_rows, rows, d)
+    return out2, xhat, rstd
 
-    def vjp(g):
-        g2 = bk.reshape(g, (rows, d))
-        grads = [None]
-        if want_x:
-            head = g2[:0] * xhat[:0] if wv is None else g2[:0] * wv * xhat[:0]
-            gx = bk.empty((rows, d), head.dtype)
 
-            def backward_rows(lo: int, hi: int) -> None:
-                xh = xhat[lo:hi]
-                gh = g2[lo:hi] if wv is None else g2[lo:hi] * wv
-                m1 = sum_last(bk, gh) * inv_d
-                m2 = bk.reshape(bk.einsum("ij,ij->i", gh, xh), (-1, 1)) * inv_d
-                o = gx[lo:hi]
-                o[...] = xh * -m2
-                o -= m1
-                o += gh
-                o *= rstd[lo:hi]
+def _layer_norm_backward_blocks(bk, g2, wv, xhat, rstd):
+    """``rstd * (gh - mean(gh) - xhat * mean(gh * xhat))``, ``gh = g2 * wv``, in blocks."""
+    rows, d = tuple(g2.shape)
+    inv_d = 1.0 / d if d else 0.0
+    head = g2[:0] * xhat[:0] if wv is None else g2[:0] * wv * xhat[:0]
+    gx = bk.empty((rows, d), head.dtype)
 
-            if not bk.layer_norm_backward_rows(g2, wv, xhat, rstd, gx):
-                bk.blockwise(backward_rows, rows, d)
-            grads[0] = bk.reshape(gx, shape)
-        if w is not None:
-            grads.append(bk.einsum("ij,ij->j", g2, xhat) if want_w else None)
-        if b is not None:
-            grads.append(sum_rows(bk, g2) if want_b else None)
-        return grads
+    def backward_rows(lo: int, hi: int) -> None:
+        xh = xhat[lo:hi]
+        gh = g2[lo:hi] if wv is None else g2[lo:hi] * wv
+        m1 = sum_last(bk, gh) * inv_d
+        m2 = bk.reshape(bk.einsum("ij,ij->i", gh, xh), (-1, 1)) * inv_d
+        o = gx[lo:hi]
+        o[...] = xh * -m2
+        o -= m1
+        o += gh
+        o *= rstd[lo:hi]
 
-    return s._record(out, tuple(r.id for r in refs), vjp)
+    bk.blockwise(backward_rows, rows, d)
+    return gx
