@@ -8,8 +8,9 @@ Method (issue 9):
   ``PROBE_RTOL`` prints a warning, which catches mismatched models), then the sides
   take turns in runs of steps, alternating the order every round (ABBA); a run starts
   with a short pause and an untimed step (another framework's idle worker threads
-  keep spinning for a while), the other steps are timed with ``time.perf_counter``. The table reports the median and the
-  min-max in ms per step and the ratio of medians tiegrad/PyTorch.
+  keep spinning for a while), the other steps are timed with ``time.perf_counter``.
+  The table reports the median and the min-max in ms per step and the ratio of
+  medians tiegrad/PyTorch.
 - Peak RSS is measured per side in a fresh subprocess (``python -m benchmarks rss``,
   Linux ``/proc``) that imports both frameworks and does their one-time lazy imports,
   makes the data, records the RSS, builds only that side, warms up and runs a few
