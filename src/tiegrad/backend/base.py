@@ -115,14 +115,20 @@ class Backend:
             kernel(0, n)
 
     def gelu(self, x: Array) -> tuple[Array, Array]:
-        """GELU (erf form) of ``x`` and its derivative: ``(x * Phi(x), Phi(x) + x * phi(x))``.
+        """GELU (erf form) of ``x`` and what its VJP keeps: ``(x * Phi(x), saved)``.
 
-        ``Phi`` is the standard normal CDF and ``phi`` its density. The VJP multiplies
-        the cotangent by the derivative, so the op keeps one array instead of ``x``.
+        ``Phi`` is the standard normal CDF and ``phi`` its density. By default ``saved``
+        is the derivative ``Phi(x) + x * phi(x)`` (the NumPy backend too), so the op
+        keeps one array and ``gelu_vjp`` multiplies; a backend with a fused backward
+        kernel may keep ``x`` instead.
         """
         cdf = 0.5 * (1.0 + self.erf(x * (1.0 / math.sqrt(2.0))))
         density = self.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
         return x * cdf, cdf + x * density
+
+    def gelu_vjp(self, g: Array, saved: Array) -> Array:
+        """The input cotangent of ``gelu`` from the output cotangent ``g`` and ``saved``."""
+        return g * saved
 
     # Fused kernels: a backend that has one for the operands returns its result; None
     # or False (the defaults) make the op run its generic code instead. The softmax

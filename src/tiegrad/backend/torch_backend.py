@@ -205,7 +205,10 @@ class TorchBackend(Backend):
 
     # -- fused kernels: torch's native kernels, one pass each --------------------------
     def gelu(self, x: Array) -> tuple[Array, Array]:
-        return F.gelu(x), torch.ops.aten.gelu_backward(torch.ones_like(x), x)
+        return F.gelu(x), x  # torch's backward kernel works from x
+
+    def gelu_vjp(self, g: Array, saved: Array) -> Array:
+        return torch.ops.aten.gelu_backward(g, saved)
 
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float

@@ -40,6 +40,10 @@ def _relu_vjp(out, g):
     return (g * (out > 0),)
 
 
+def _gelu_vjp(bk, saved, g):
+    return (bk.gelu_vjp(g, saved),)
+
+
 def _gelu_tanh_vjp(xv, t, g):
     dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * xv * xv)
     return (g * (0.5 * (1.0 + t) + 0.5 * xv * (1.0 - t * t) * dinner),)
@@ -94,15 +98,16 @@ def relu(x: TensorRef) -> TensorRef:
 def gelu(x: TensorRef, approximate: str = "none") -> TensorRef:
     """GELU, exact (``"none"``, with erf) or the ``"tanh"`` form, as in PyTorch.
 
-    The exact form is the backend's fused ``gelu`` kernel, which also returns the
-    derivative; the VJP keeps only that array (``g * dgelu/dx``).
+    The exact form is the backend's fused ``gelu`` kernel, which also returns what its
+    VJP needs (the NumPy backend: the derivative, so the VJP keeps only that array and
+    multiplies); ``Backend.gelu_vjp`` computes the input cotangent.
     """
     s = session_of(x)
     bk = s.backend
     xv = x.value
     if approximate == "none":
-        out, slope = bk.gelu(xv)
-        return s._record(out, (x.id,), partial(_times, slope))
+        out, saved = bk.gelu(xv)
+        return s._record(out, (x.id,), partial(_gelu_vjp, bk, saved))
     if approximate == "tanh":
         t = bk.tanh(_SQRT_2_OVER_PI * (xv + 0.044715 * xv * xv * xv))
         return s._record(0.5 * xv * (1.0 + t), (x.id,), partial(_gelu_tanh_vjp, xv, t))
