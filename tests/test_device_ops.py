@@ -230,3 +230,38 @@ def test_uploads_are_copies_and_constants_do_not_alias_read_only_arrays():
     frozen = np.arange(3.0)
     frozen.flags.writeable = False
     assert bk.to_numpy(bk.asarray(frozen)).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_fused_device_kernels_allow_a_second_backward_and_no_grad():
+    """PyTorch's fused attention, layer norm and GELU keep what a second backward needs."""
+    x0 = _r(2, 5, 12)
+    s = EagerSession(device=DEVICE)
+    x = s.leaf(x0)
+    y = ops.self_attention(x, 2, causal=True)
+    loss = ops.sum(ops.layer_norm(ops.gelu(y)) * y)
+    first = s.backward(loss)[x].cpu().numpy()
+    second = s.backward(loss)[x].cpu().numpy()
+    np.testing.assert_array_equal(first, second)
+    host = EagerSession()
+    hx = host.leaf(x0)
+    hy = ops.self_attention(hx, 2, causal=True)
+    want = host.backward(ops.sum(ops.layer_norm(ops.gelu(hy)) * hy))[hx]
+    np.testing.assert_allclose(first, want, rtol=1e-9, atol=1e-11)
+    with s.no_grad():
+        again = ops.self_attention(x, 2, causal=True)
+    np.testing.assert_array_equal(again.numpy(), y.numpy())
+
+
+def test_layer_norm_of_mixed_dtypes_on_device_promotes_like_numpy():
+    x, w, b = _r(3, 6).astype(np.float32), _r(6, seed=1), _r(6, seed=2).astype(np.float32)
+    outs = []
+    for device in (None, DEVICE):
+        s = EagerSession(device=device)
+        refs = [s.leaf(a) for a in (x, w, b)]
+        out = ops.layer_norm(*refs)
+        grads = s.backward(ops.sum(out * out))
+        host_grads = [grads[r].cpu().numpy() if device else grads[r] for r in refs]
+        outs.append([out.numpy()] + host_grads)
+    for host, dev in zip(*outs):
+        assert host.dtype == dev.dtype
+        np.testing.assert_allclose(dev, host, rtol=1e-5, atol=1e-6)
