@@ -265,3 +265,14 @@ def test_layer_norm_of_mixed_dtypes_on_device_promotes_like_numpy():
     for host, dev in zip(*outs):
         assert host.dtype == dev.dtype
         np.testing.assert_allclose(dev, host, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_on_device_takes_a_wider_cotangent_like_the_host():
+    outs = []
+    for device in (None, DEVICE):
+        s = EagerSession(device=device)
+        x = s.leaf(_r(3, 4).astype(np.float32))
+        g = s.backward(ops.sum(ops.gelu(x) * _r(3, 4, seed=5)))[x]
+        outs.append(g.cpu().numpy() if device else g)
+    assert outs[0].dtype == outs[1].dtype
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-7)

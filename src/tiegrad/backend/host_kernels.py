@@ -1,16 +1,19 @@
 """Fused float32 kernels of the NumPy backend, compiled by numba: GELU, layer norm, softmax.
 
 Imported only through ``tiegrad._numba.load`` by ``numpy_backend``, which decides when
-to use them (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``) and runs them
-on its threads in blocks: every kernel takes the range ``lo .. hi`` of elements or rows
-it handles and releases the GIL. Each one reads its inputs once and writes its outputs
+to use them (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``): every kernel
+takes the range ``lo .. hi`` of elements or rows it handles and releases the GIL, so
+the elementwise ones can run in blocks on several threads; attention calls the
+softmax kernels per block on its own thread. Each one reads its inputs once and writes its outputs
 once, where NumPy needs a pass over memory per ufunc; numba turns the loops into
 8-wide vector loops. ``exp_neg`` is a vectorizable exponential (libm's ``expf`` is a
 call per element that stops the vectorizer).
 
-Accuracy: float32 throughout; ``exp_neg`` is within 1 ulp; the reductions of a row may
-be reassociated (vector lanes), so a row sum can differ from NumPy's in the last bits.
-NaN propagates through every kernel.
+Accuracy: float32 throughout; ``exp_neg`` is within 1 ulp where it is compiled without
+fast-math (a ``reassoc`` caller would reorder its range reduction: ~60 ulp), so the
+kernels that call it are; the reductions of a row may be reassociated (vector lanes),
+so a row sum can differ from NumPy's in the last bits. NaN propagates through every
+kernel.
 """
 
 from __future__ import annotations
@@ -186,27 +189,36 @@ def layer_norm_backward(
 
 
 @_row_kernel
+def _row_sum(row: np.ndarray) -> Any:
+    """The sum of a float32 row, in vector lanes (reassociated)."""
+    s = _F(0.0)
+    for j in range(row.size):
+        s += row[j]
+    return s
+
+
+@_kernel
 def softmax(x: np.ndarray, lo: int, hi: int) -> None:
     """Rows ``lo .. hi`` of ``(rows, n)`` ``x`` replaced by their softmax.
 
     Each row is shifted by its own maximum; a row of only ``-inf`` (a query that sees no
-    key) becomes zeros, a row with a NaN becomes NaN.
+    key) becomes zeros, a row with a NaN becomes NaN. Compiled without fast-math (which
+    would reorder the range reduction of ``exp_neg``); only the row sum is reassociated.
     """
     n = x.shape[1]
     for r in range(lo, hi):
+        row = x[r]
         m = _F(-np.inf)
         for j in range(n):
-            v = x[r, j]
+            v = row[j]
             m = v if v > m else m
         m = _F(0.0) if m == -np.inf else m
-        s = _F(0.0)
         for j in range(n):
-            e = exp_neg(x[r, j] - m)
-            x[r, j] = e
-            s += e
+            row[j] = exp_neg(row[j] - m)
+        s = _row_sum(row)
         scale = _F(1.0) / (s if s != _F(0.0) else _F(1.0))
         for j in range(n):
-            x[r, j] *= scale
+            row[j] *= scale
 
 
 @_row_kernel

@@ -336,24 +336,21 @@ _PAGE = 4096
 def _outputs_apart(x: np.ndarray, count: int) -> list[np.ndarray]:
     """``count`` fresh float32 arrays of ``x.size`` elements for one kernel reading ``x``.
 
-    They share one allocation, placed so that the addresses of ``x`` and of every output
-    differ modulo 4 KiB by at least ``4 KiB / (count + 1)``. Arrays of one size that
-    the allocator hands out back to back tend to lie a multiple of 2 MiB apart, and a
-    loop streaming through several of them at the same index then runs several times
-    slower (their cache lines compete for the same cache sets); the placement rules
-    that out.
+    Each is placed in its own allocation (so each is freed on its own) at an offset
+    such that the addresses of ``x`` and of every output differ modulo 4 KiB by at
+    least ``4 KiB / (count + 1)``. Arrays of one size that the allocator hands out back
+    to back tend to lie a multiple of 2 MiB apart, and a loop streaming through several
+    of them at the same index then runs several times slower (their cache lines
+    compete for the same cache sets); the placement rules that out.
     """
     n = x.size
-    slack = _PAGE // 4
-    buf = np.empty(count * (n + slack), np.float32)
-    at = buf.__array_interface__["data"][0]
     home = x.__array_interface__["data"][0]
-    outs, start = [], 0
+    outs = []
     for k in range(1, count + 1):
+        buf = np.empty(n + _PAGE // 4, np.float32)
         want = (home + k * (_PAGE // (count + 1))) & ~63
-        start += (want - (at + 4 * start)) % _PAGE // 4
+        start = (want - buf.__array_interface__["data"][0]) % _PAGE // 4
         outs.append(buf[start : start + n])
-        start += n
     return outs
 
 
@@ -462,10 +459,9 @@ class NumpyBackend(Backend):
         if kernels is None:
             return None
         rows, d = x.shape
-        xhat, out = _outputs_apart(x, 2)
-        xhat, out = xhat.reshape(rows, d), out.reshape(rows, d)
-        if w is None and b is None:
-            out = xhat
+        plain = w is None and b is None
+        outs = [o.reshape(rows, d) for o in _outputs_apart(x, 1 if plain else 2)]
+        xhat, out = outs[0], outs[-1]
         rstd = np.empty((rows, 1), np.float32)
         w = np.ones(d, np.float32) if w is None else w
         b = np.zeros(d, np.float32) if b is None else b

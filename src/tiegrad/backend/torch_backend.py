@@ -46,6 +46,7 @@ def torch_device_of(device: str) -> torch.device:
 
 
 _TORCH_DTYPES: dict[Any, torch.dtype] = {}
+_LAYER_NORM_DTYPES = (torch.float32, torch.float64)  # of the fused layer norm kernels
 
 
 class TorchBackend(Backend):
@@ -208,13 +209,17 @@ class TorchBackend(Backend):
         return F.gelu(x), x  # torch's backward kernel works from x
 
     def gelu_vjp(self, g: Array, saved: Array) -> Array:
+        if g.dtype != saved.dtype:  # a wider cotangent: multiply, promoting like NumPy
+            return g * torch.ops.aten.gelu_backward(torch.ones_like(saved), saved)
         return torch.ops.aten.gelu_backward(g, saved)
 
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
     ) -> tuple[Array, Array, Array] | None:
-        if any(p is not None and p.dtype != x.dtype for p in (w, b)):
-            return None  # torch's kernel wants one dtype; the generic path promotes
+        if x.dtype not in _LAYER_NORM_DTYPES or any(
+            p is not None and p.dtype != x.dtype for p in (w, b)
+        ):
+            return None  # one float32/float64 dtype; the generic path promotes the others
         out, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], w, b, eps)
         xhat = out if w is None and b is None else (x - mean).mul_(rstd)
         return out, xhat, rstd
@@ -222,8 +227,12 @@ class TorchBackend(Backend):
     def layer_norm_backward_rows(
         self, g: Array, w: Array | None, xhat: Array, rstd: Array
     ) -> Array | None:
-        if g.dtype != xhat.dtype or (w is not None and w.dtype != g.dtype):
-            return None
+        if (
+            g.dtype not in _LAYER_NORM_DTYPES
+            or g.dtype != xhat.dtype
+            or (w is not None and w.dtype != g.dtype)
+        ):
+            return None  # half precision: CUDA's kernel wants float32 statistics
         # torch's fused backward applied to the normalized rows themselves (mean 0,
         # rstd 1) gives gh - mean(gh) - xhat * mean(gh * xhat); the true rstd scales it.
         rows, d = xhat.shape
@@ -237,7 +246,9 @@ class TorchBackend(Backend):
     def fused_attention(
         self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
     ) -> tuple[Array, Any] | None:
-        if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or q.dtype != k.dtype:
+        if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or not (
+            q.dtype == k.dtype == v.dtype
+        ):
             return None
         if not want:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)

@@ -5,10 +5,11 @@ packed (B, T, 3 d) projection of a multi-head self-attention layer and returns t
 heads merged back to (B, T, d), so a layer records one node where the split, the head
 permutes and the merge would record eight (DESIGN: performance). A backend with its
 own fused attention (``Backend.fused_attention``: PyTorch's on a device) runs it when
-no key padding mask is given; otherwise both share one kernel:
-the mask is an additive bias of ``-inf`` (no masked copy of the scores), the softmax
-shift is a per-head block maximum (``softmax_``), blocks of the batch run on the backend's
-threads (``Backend.blockwise``), and the scale is folded into q.
+no key padding mask is given; otherwise both share one kernel: the mask is an additive
+bias of ``-inf`` (no masked copy of the scores), the softmax runs in place
+(``softmax_``: the backend's row kernel, else a per-head block maximum as the shift),
+the batch runs in cache-sized blocks (``Backend.blockwise``), and the scale is folded
+into q.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
 
     A query row that sees no key gets zeros and no gradient. When q, k and v share their
     leading axes the work runs in blocks of the first axis (``Backend.blockwise``: each
-    block's scores stay in cache, and blocks run on several threads on the host);
-    otherwise in one block over the broadcast leading axes, whose shape the cotangents
-    then have (callers unbroadcast). ``vjp(g, buffers)`` may receive ``(gq, gk, gv)``
-    arrays (or None) to write the cotangents into.
+    block's scores stay in cache); otherwise in one block over the broadcast leading
+    axes, whose shape the cotangents then have (callers unbroadcast).
+    ``vjp(g, buffers)`` may receive ``(gq, gk, gv)`` arrays (or None) to write the
+    cotangents into.
     """
     kt = swap_last(bk, kv)
     probe = bk.matmul(qv[..., :0, :], kt[..., :0])  # broadcast leading axes and dtype
@@ -172,7 +173,8 @@ def scaled_dot_product_attention(
                 raise ShapeError(
                     f"{_OP}: leading axes of q {qs}, k {ks} and v {vs} do not broadcast"
                 )
-    bias = _mask_bias(s, _OP, qs, ks[-2], causal, key_padding_mask, qv.dtype)
+    if key_padding_mask is not None:  # checked before anything is recorded (C6)
+        bias = _mask_bias(s, _OP, qs, ks[-2], causal, key_padding_mask, qv.dtype)
     q, k, v = lift(s, q, qv), lift(s, k, kv), lift(s, v, vv)
     wants = (needs_grad(s, q), needs_grad(s, k), needs_grad(s, v))
     fused = _fused(bk, qv, kv, vv, causal, key_padding_mask, scale, any(wants))
@@ -183,6 +185,8 @@ def scaled_dot_product_attention(
             return tuple(x if w else None for x, w in zip(fused_vjp(g), wants))
 
         return s._record(out, (q.id, k.id, v.id), vjp)
+    if key_padding_mask is None:
+        bias = _mask_bias(s, _OP, qs, ks[-2], causal, None, qv.dtype)
     out, attend_vjp = _attend(bk, qv, kv, vv, bias, scale, *wants)
 
     def vjp(g):
@@ -227,11 +231,11 @@ def self_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(hd)
     heads = (b, n_heads, t, hd)
-    bias = _mask_bias(s, op, heads, t, causal, key_padding_mask, xv.dtype)
     split = bk.transpose(bk.reshape(xv, (b, t, 3, n_heads, hd)), (2, 0, 3, 1, 4))
     want = needs_grad(s, qkv)
     fused = _fused(bk, split[0], split[1], split[2], causal, key_padding_mask, scale, want)
     if fused is None:
+        bias = _mask_bias(s, op, heads, t, causal, key_padding_mask, xv.dtype)
         out, attend_vjp = _attend(bk, split[0], split[1], split[2], bias, scale, want, want, want)
     else:
         out, fused_vjp = fused
