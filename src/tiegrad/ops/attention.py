@@ -81,7 +81,7 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
     n = lead[0] if split else 1
     item = tq * tk * math.prod(lead[1:] if split else lead)
     out = bk.empty(lead + (tq, dv), bk.matmul(probe, vv[..., :0, :]).dtype)
-    kept: dict[int, tuple[Any, Any]] = {}  # block start -> (scaled q, softmax) of the block
+    kept: dict[int, Any] = {}  # block start -> the softmax of the block
 
     def block(lo: int, hi: int) -> Any:
         return slice(lo, hi) if split else slice(None)
@@ -97,7 +97,7 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
             return x
 
         p = softmax_(bk, scores(), scores)
-        kept[lo] = (qs, p)
+        kept[lo] = p
         out[i] = bk.matmul(p, vv[i])
 
     bk.blockwise(forward, n, item)
@@ -116,7 +116,7 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
 
         def backward(lo: int, hi: int) -> None:
             i = block(lo, hi)
-            qs, pb = kept[lo]
+            pb = kept[lo]
             gb = g[i]
             if want_v:
                 gv[i] = bk.matmul(swap_last(bk, pb), gb)
@@ -131,8 +131,10 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
                 gqb = gq[i]
                 gqb[...] = bk.matmul(gs, kv[i])
                 gqb *= scale
-            if want_k:
-                gk[i] = bk.matmul(swap_last(bk, gs), qs)
+            if want_k:  # the scale applied to the product: the scaled q is not kept
+                gkb = gk[i]
+                gkb[...] = bk.matmul(swap_last(bk, gs), qv[i])
+                gkb *= scale
 
         bk.blockwise(backward, n, item)
         return gq, gk, gv
