@@ -27,6 +27,8 @@ class Backend:
     float64: DType
     int64: DType
     bool_: DType
+    blas_sums: bool = False
+    """Whether row sums run faster as products with a ones vector than as reductions."""
 
     # -- creation and conversion -------------------------------------------------
     def asarray(self, x: Any, dtype: DType | None = None) -> Array:

@@ -164,23 +164,26 @@ def normalize_axes(axis: Any, ndim: int, op: str) -> tuple[int, ...]:
 
 
 def sum_last(bk: Backend, x: Array) -> Array:
-    """Sums of ``x`` over its last axis, keepdims, as one matrix-vector product.
+    """Sums of ``x`` over its last axis, keepdims.
 
-    BLAS sums many short rows several times faster than a ufunc reduction (DESIGN:
-    performance). ``x`` should be contiguous (else ``reshape`` copies it).
+    On a backend with ``blas_sums`` (NumPy) one matrix-vector product: BLAS sums many
+    short rows several times faster than a ufunc reduction (DESIGN: performance); ``x``
+    should then be contiguous (else ``reshape`` copies it). Elsewhere (PyTorch) the
+    backend's own reduction, one kernel.
     """
     shape = tuple(x.shape)
     n = shape[-1]
-    if n == 0 or math.prod(shape) == 0:
+    if not bk.blas_sums or n == 0 or math.prod(shape) == 0:
         return bk.sum(x, axis=-1, keepdims=True)
     rows = bk.matmul(bk.reshape(x, (-1, n)), bk.ones((n,), x.dtype))
     return bk.reshape(rows, shape[:-1] + (1,))
 
 
 def sum_rows(bk: Backend, x2: Array) -> Array:
-    """The sum of the rows of a 2-D ``x2`` (``(n, k) -> (k,)``) as one vector-matrix product."""
+    """The sum of the rows of a 2-D ``x2`` (``(n, k) -> (k,)``); a vector-matrix product
+    on a backend with ``blas_sums``, else the backend's reduction."""
     n = x2.shape[0]
-    if n == 0:
+    if not bk.blas_sums or n == 0:
         return bk.sum(x2, axis=0)
     return bk.matmul(bk.ones((n,), x2.dtype), x2)
 
