@@ -276,3 +276,17 @@ def test_gelu_on_device_takes_a_wider_cotangent_like_the_host():
         outs.append(g.cpu().numpy() if device else g)
     assert outs[0].dtype == outs[1].dtype
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-7)
+
+
+def test_layer_norm_on_device_with_only_the_affine_parameters_trainable():
+    x, w, b = _r(5, 6), _r(6, seed=1), _r(6, seed=2)
+    cot = _r(5, 6, seed=3)
+    outs = []
+    for device in (None, DEVICE):
+        s = EagerSession(device=device)
+        wr, br = s.leaf(w), s.leaf(b)
+        out = ops.layer_norm(x, wr, br)  # x is a constant: no input cotangent
+        grads = s.backward(out, seed=cot)
+        outs.append([np.asarray(grads[r].cpu()) if device else grads[r] for r in (wr, br)])
+    for host, dev in zip(*outs):
+        np.testing.assert_allclose(dev, host, rtol=1e-10, atol=1e-12)

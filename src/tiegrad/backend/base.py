@@ -146,9 +146,15 @@ class Backend:
         return None
 
     def layer_norm_backward_rows(
-        self, g: Array, w: Array | None, xhat: Array, rstd: Array
-    ) -> Array | None:
-        """``rstd * (gh - mean(gh) - xhat * mean(gh * xhat))``, ``gh = g * w``, per row, or None."""
+        self, g: Array, w: Array | None, xhat: Array, rstd: Array, wants: tuple[bool, bool, bool]
+    ) -> tuple[Array | None, Array | None, Array | None] | None:
+        """Cotangents ``(gx, gw, gb)`` of ``layer_norm_rows`` for the rows' cotangent ``g``.
+
+        ``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` with ``gh = g * w``,
+        ``gw`` the column sums of ``g * xhat``, ``gb`` those of ``g``. ``wants`` says
+        which are needed; an entry the backend leaves None (or a None result) is
+        computed by the op's generic code.
+        """
         return None
 
     def fused_attention(

@@ -470,16 +470,16 @@ class NumpyBackend(Backend):
         return out, xhat, rstd
 
     def layer_norm_backward_rows(
-        self, g: Array, w: Array | None, xhat: Array, rstd: Array
-    ) -> Array | None:
+        self, g: Array, w: Array | None, xhat: Array, rstd: Array, wants: tuple[bool, bool, bool]
+    ) -> tuple[Array | None, Array | None, Array | None] | None:
         kernels = _fused_kernels(g, w, xhat, rstd)
-        if kernels is None:
+        if kernels is None or not wants[0]:
             return None
         rows, d = g.shape
         gx = _outputs_apart(g, 1)[0].reshape(rows, d)
         w = np.ones(d, np.float32) if w is None else w
         _rows_parallel(kernels.layer_norm_backward, rows, d, g, w, xhat, rstd, gx)
-        return gx
+        return gx, None, None  # the column sums: the op's BLAS products
 
     def softmax_rows_(self, x: Array) -> bool:
         kernels = _fused_kernels(x)

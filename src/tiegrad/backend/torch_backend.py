@@ -63,6 +63,7 @@ class TorchBackend(Backend):
         self.device = device
         self.torch_device = torch_device_of(device) if torch_device is None else torch_device
         self.temporaries = TemporaryTracker()
+        self._constants: dict[tuple[Any, ...], tuple[Array, Array]] = {}
 
     def __repr__(self) -> str:
         return f"TorchBackend({self.device!r})"
@@ -225,8 +226,8 @@ class TorchBackend(Backend):
         return out, xhat, rstd
 
     def layer_norm_backward_rows(
-        self, g: Array, w: Array | None, xhat: Array, rstd: Array
-    ) -> Array | None:
+        self, g: Array, w: Array | None, xhat: Array, rstd: Array, wants: tuple[bool, bool, bool]
+    ) -> tuple[Array | None, Array | None, Array | None] | None:
         if (
             g.dtype not in _LAYER_NORM_DTYPES
             or g.dtype != xhat.dtype
@@ -234,14 +235,31 @@ class TorchBackend(Backend):
         ):
             return None  # half precision: CUDA's kernel wants float32 statistics
         # torch's fused backward applied to the normalized rows themselves (mean 0,
-        # rstd 1) gives gh - mean(gh) - xhat * mean(gh * xhat); the true rstd scales it.
+        # rstd 1) gives gh - mean(gh) - xhat * mean(gh * xhat), which the true rstd
+        # scales, and the column sums of g * xhat and of g: one kernel for all three.
+        # It wants a weight and a bias (the bias's values are not used).
         rows, d = xhat.shape
-        zeros = xhat.new_zeros((rows, 1))
-        ones = xhat.new_ones((rows, 1))
-        gh, _, _ = torch.ops.aten.native_layer_norm_backward(
-            g, xhat, [d], zeros, ones, w, None, [True, False, False]
+        mean, unit = self._unit_statistics(rows, 1, xhat.dtype)
+        zeros, ones = self._unit_statistics(d, None, xhat.dtype)
+        mask = [wants[0], wants[1] and w is not None, wants[2]]
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            g, xhat, [d], mean, unit, ones if w is None else w, zeros, mask
         )
-        return gh.mul_(rstd)
+        if gx is not None:
+            gx.mul_(rstd)
+        return gx, gw, gb
+
+    def _unit_statistics(self, n: int, cols: int | None, dtype: torch.dtype) -> tuple[Array, Array]:
+        """Zeros and ones of shape (n, cols) or (n,), made once per shape and kept (read only)."""
+        key = (n, cols, dtype)
+        pair = self._constants.get(key)
+        if pair is None:
+            shape = (n,) if cols is None else (n, cols)
+            pair = self._constants[key] = (
+                torch.zeros(shape, dtype=dtype, device=self.torch_device),
+                torch.ones(shape, dtype=dtype, device=self.torch_device),
+            )
+        return pair
 
     def fused_attention(
         self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool

@@ -51,16 +51,19 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
 
     def vjp(g):
         g2 = bk.reshape(g, (rows, d))
-        grads = [None]
-        if want_x:
-            gx = bk.layer_norm_backward_rows(g2, wv, xhat, rstd)
-            if gx is None:
-                gx = _layer_norm_backward_blocks(bk, g2, wv, xhat, rstd)
-            grads[0] = bk.reshape(gx, shape)
+        wants = (want_x, want_w, want_b)
+        gx, gw, gb = bk.layer_norm_backward_rows(g2, wv, xhat, rstd, wants) or (None,) * 3
+        if want_x and gx is None:
+            gx = _layer_norm_backward_blocks(bk, g2, wv, xhat, rstd)
+        if want_w and gw is None:
+            gw = bk.einsum("ij,ij->j", g2, xhat)
+        if want_b and gb is None:
+            gb = sum_rows(bk, g2)
+        grads = [None if gx is None else bk.reshape(gx, shape)]
         if w is not None:
-            grads.append(bk.einsum("ij,ij->j", g2, xhat) if want_w else None)
+            grads.append(gw)
         if b is not None:
-            grads.append(sum_rows(bk, g2) if want_b else None)
+            grads.append(gb)
         return grads
 
     return s._record(out, tuple(r.id for r in refs), vjp)
