@@ -290,3 +290,26 @@ def test_layer_norm_on_device_with_only_the_affine_parameters_trainable():
         outs.append([np.asarray(grads[r].cpu()) if device else grads[r] for r in (wr, br)])
     for host, dev in zip(*outs):
         np.testing.assert_allclose(dev, host, rtol=1e-10, atol=1e-12)
+
+
+def test_index_checks_and_the_mean_count_hold_for_host_arrays_lists_and_device_tensors():
+    """NumPy index data is checked and counted on the host (no device synchronisation);
+    lists and device tensors on the device; each gives the same error and the same loss."""
+    from tiegrad.errors import IndexRangeError
+
+    s = EagerSession(device=DEVICE)
+    dev = s.backend.torch_device
+    w = s.leaf(_r(5, 2))
+    for idx in (np.array([0, 5]), [0, 5], torch.tensor([0, 5], device=dev)):
+        with pytest.raises(IndexRangeError, match=r"indices must lie in \[0, 5\), got .*\[0, 5\]"):
+            ops.embedding(w, idx)
+    targets = np.array([0, -100, 2, 1])
+    logits = _r(4, 3)
+    host = EagerSession()
+    want = ops.cross_entropy(host.leaf(logits), targets).numpy()
+    for t in (targets, targets.tolist(), torch.tensor(targets, device=dev)):
+        got = ops.cross_entropy(s.leaf(logits), t).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        with pytest.raises(IndexRangeError, match=r"targets must lie in \[0, 3\)"):
+            bad = t + 3 if not isinstance(t, list) else [v + 3 for v in t]
+            ops.cross_entropy(s.leaf(logits), bad)

@@ -27,8 +27,13 @@ class Backend:
     float64: DType
     int64: DType
     bool_: DType
-    blas_sums: bool = False
-    """Whether row sums run faster as products with a ones vector than as reductions."""
+    slow_row_reductions: bool = False
+    """Whether reductions over the last axis of many short rows are slow (NumPy's ufuncs).
+
+    Ops then sum rows as BLAS products with a ones vector and shift a softmax by one
+    block maximum (checking for underflow) instead of each row's own; elsewhere they
+    use the backend's row reductions, one kernel each and no device synchronisation.
+    """
 
     # -- creation and conversion -------------------------------------------------
     def asarray(self, x: Any, dtype: DType | None = None) -> Array:

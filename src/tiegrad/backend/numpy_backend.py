@@ -384,7 +384,7 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     device = "cpu"
-    blas_sums = True  # BLAS sums many short rows several times faster than a ufunc
+    slow_row_reductions = True  # BLAS sums short rows several times faster than a ufunc
     float32 = np.dtype(np.float32)
     float64 = np.dtype(np.float64)
     int64 = np.dtype(np.int64)

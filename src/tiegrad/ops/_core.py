@@ -12,6 +12,8 @@ from collections.abc import Callable
 from numbers import Integral, Number
 from typing import Any
 
+import numpy as np
+
 from ..backend import Array, Backend
 from ..errors import DTypeError, HyperparameterError, IndexRangeError, ShapeError, TapeError
 from ..session import EagerSession, TensorRef
@@ -166,14 +168,14 @@ def normalize_axes(axis: Any, ndim: int, op: str) -> tuple[int, ...]:
 def sum_last(bk: Backend, x: Array) -> Array:
     """Sums of ``x`` over its last axis, keepdims.
 
-    On a backend with ``blas_sums`` (NumPy) one matrix-vector product: BLAS sums many
+    With ``slow_row_reductions`` (NumPy) one matrix-vector product: BLAS sums many
     short rows several times faster than a ufunc reduction (DESIGN: performance); ``x``
     should then be contiguous (else ``reshape`` copies it). Elsewhere (PyTorch) the
     backend's own reduction, one kernel.
     """
     shape = tuple(x.shape)
     n = shape[-1]
-    if not bk.blas_sums or n == 0 or math.prod(shape) == 0:
+    if not bk.slow_row_reductions or n == 0 or math.prod(shape) == 0:
         return bk.sum(x, axis=-1, keepdims=True)
     rows = bk.matmul(bk.reshape(x, (-1, n)), bk.ones((n,), x.dtype))
     return bk.reshape(rows, shape[:-1] + (1,))
@@ -181,9 +183,9 @@ def sum_last(bk: Backend, x: Array) -> Array:
 
 def sum_rows(bk: Backend, x2: Array) -> Array:
     """The sum of the rows of a 2-D ``x2`` (``(n, k) -> (k,)``); a vector-matrix product
-    on a backend with ``blas_sums``, else the backend's reduction."""
+    with ``slow_row_reductions``, else the backend's reduction."""
     n = x2.shape[0]
-    if not bk.blas_sums or n == 0:
+    if not bk.slow_row_reductions or n == 0:
         return bk.sum(x2, axis=0)
     return bk.matmul(bk.ones((n,), x2.dtype), x2)
 
@@ -210,6 +212,11 @@ def _row_shift(bk: Backend, x: Array) -> Array:
     return bk.where(m == -math.inf, 0.0, m)
 
 
+def _shift(bk: Backend, x: Array) -> Array:
+    """The softmax shift: the block maximum with ``slow_row_reductions``, else each row's."""
+    return _block_shift(bk, x) if bk.slow_row_reductions else _row_shift(bk, x)
+
+
 def _underflowed(bk: Backend, den: Array) -> bool:
     """Whether some sum of shifted exponentials is below ``SOFTMAX_MIN_SUM`` (or NaN).
 
@@ -223,14 +230,15 @@ def shifted_exp(bk: Backend, x: Array) -> tuple[Array, Array, Array]:
     """``(s, e, den)``: ``s = x - c``, ``e = exp(s)``, ``den`` = sums of ``e`` over the last axis.
 
     The softmax of ``x`` over its last axis is ``e / den``, its log ``s - log(den)``;
-    ``s`` and ``e`` are fresh arrays the caller owns. The shift ``c`` is the block
-    maximum of ``_block_shift``, or each row's own maximum when that underflows
-    (``_underflowed``); a row of only ``-inf`` then has a zero sum.
+    ``s`` and ``e`` are fresh arrays the caller owns. The shift ``c`` is each row's own
+    maximum, except with ``slow_row_reductions`` (NumPy): there the block maximum of
+    ``_block_shift``, or each row's own maximum when that underflows (``_underflowed``).
+    A row of only ``-inf`` has a zero sum.
     """
-    s = x - _block_shift(bk, x)
+    s = x - _shift(bk, x)
     e = bk.exp(s)
     den = sum_last(bk, e)
-    if _underflowed(bk, den):
+    if bk.slow_row_reductions and _underflowed(bk, den):
         s = x - _row_shift(bk, x)
         e = bk.exp(s)
         den = sum_last(bk, e)
@@ -248,10 +256,10 @@ def softmax_(bk: Backend, x: Array, remake: Callable[[], Array]) -> Array:
     """
     if bk.softmax_rows_(x):
         return x
-    x -= _block_shift(bk, x)
+    x -= _shift(bk, x)
     e = bk.exp_(x)
     den = sum_last(bk, e)
-    if _underflowed(bk, den):
+    if bk.slow_row_reductions and _underflowed(bk, den):
         e = remake()
         e -= _row_shift(bk, e)
         e = bk.exp_(e)
@@ -296,15 +304,41 @@ def int_array(s: EagerSession, op: str, x: Any) -> Array:
     return arr
 
 
+def host_indices(x: Any) -> np.ndarray | None:
+    """Index data the caller gave as a NumPy array, as that array; None for anything else.
+
+    Checks and counts on it run on the host: on a device session they then need no
+    device-to-host synchronisation.
+    """
+    return x if isinstance(x, np.ndarray) else None
+
+
+def host_targets(x: Any, ignore_index: int) -> tuple[np.ndarray | None, int | None]:
+    """For targets given as a NumPy array: ``(targets with ignored entries as 0, how many
+    are not ignored)``; ``(None, None)`` for anything else (see ``host_indices``)."""
+    host = host_indices(x)
+    if host is None:
+        return None, None
+    valid = host != ignore_index
+    return np.where(valid, host, 0), int(np.count_nonzero(valid))
+
+
 def check_index_range(
-    s: EagerSession, op: str, what: str, idx: Array, n: int, extra: str = ""
+    s: EagerSession, op: str, what: str, idx: Array, n: int, extra: str = "", host: Any = None
 ) -> None:
-    """Raise ``IndexRangeError`` unless every integer of ``idx`` lies in ``[0, n)``."""
+    """Raise ``IndexRangeError`` unless every integer of ``idx`` lies in ``[0, n)``.
+
+    ``host`` is the same integers as a NumPy array when the caller has them (checked
+    there instead, no device synchronisation).
+    """
     if math.prod(tuple(idx.shape)) == 0:
         return
-    bk = s.backend
-    hi = int(bk.max(idx))
-    lo = -int(bk.max(-idx))
+    if host is not None:
+        hi, lo = int(host.max()), int(host.min())
+    else:
+        bk = s.backend
+        hi = int(bk.max(idx))
+        lo = -int(bk.max(-idx))
     if lo < 0 or hi >= n:
         raise IndexRangeError(
             f"{op}: {what} must lie in [0, {n}){extra}, got values in [{lo}, {hi}]"

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import ShapeError
 from ..session import TensorRef
-from ._core import check_index_range, int_array, session_of
+from ._core import check_index_range, host_indices, int_array, session_of
 
 
 def embedding(weight: TensorRef, indices: Any) -> TensorRef:
@@ -23,7 +23,7 @@ def embedding(weight: TensorRef, indices: Any) -> TensorRef:
         raise ShapeError(f"embedding: weight must have shape (V, D), got {ws}")
     idx = int_array(s, "embedding", indices)
     n, d = ws
-    check_index_range(s, "embedding", "indices", idx, n)
+    check_index_range(s, "embedding", "indices", idx, n, host=host_indices(indices))
     flat = bk.reshape(idx, (-1,))
     out = bk.reshape(bk.take(wv, flat, 0), tuple(idx.shape) + (d,))
 

@@ -10,6 +10,7 @@ from ..session import TensorRef
 from ._core import (
     check_index_range,
     check_reduction,
+    host_targets,
     int_array,
     lift,
     needs_grad,
@@ -55,7 +56,9 @@ def cross_entropy(
     c = shape[-1]
     valid = t != ignore_index
     t_safe = bk.where(valid, t, 0)
-    check_index_range(s, "cross_entropy", "targets", t_safe, c, f" or equal {ignore_index=}")
+    host_safe, host_count = host_targets(targets, ignore_index)
+    extra = f" or equal {ignore_index=}"
+    check_index_range(s, "cross_entropy", "targets", t_safe, c, extra, host=host_safe)
     shifted, probs, den = shifted_exp(bk, lv)
     log_den = bk.reshape(bk.log(den), shape[:-1])
     tgt = bk.expand_dims(t_safe, -1)
@@ -66,7 +69,10 @@ def cross_entropy(
     del shifted
     vmask = bk.astype(valid, lv.dtype)
     per = per * vmask
-    count = float(bk.sum(vmask)) if reduction == "mean" else 1.0
+    if reduction != "mean":
+        count = 1.0
+    else:
+        count = float(bk.sum(vmask) if host_count is None else host_count)
     if reduction == "none":
         out = per
     elif reduction == "sum":
