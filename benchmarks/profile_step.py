@@ -24,56 +24,14 @@ import pstats  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
 from . import THREADS  # noqa: E402
 from .workloads import WORKLOADS  # noqa: E402
-from .workloads._common import load_torch, set_tiegrad_weights, torch_batches  # noqa: E402
+from .workloads._common import tiegrad_side, torch_side  # noqa: E402
 
 DEFAULT = ("W1", "W2", "W3", "W5")
-
-
-def tiegrad_step(data: dict[str, Any], recipe: Any, full: bool) -> Callable[[], None]:
-    """One tiegrad step per call on a persistent session: forward, backward (, update)."""
-    from tiegrad import EagerSession
-
-    session = EagerSession()
-    model = recipe.model()
-    set_tiegrad_weights(model, data["weights"])
-    opt = recipe.optimizer(model.parameters()) if full else None
-    batches = data["batches"]
-    count = [0]
-
-    def step() -> None:
-        x, y = batches[count[0] % len(batches)]
-        count[0] += 1
-        grads = session.backward(recipe.loss(model, session, x, y))
-        if opt is not None:
-            opt.step(grads)
-        session.reset()
-
-    return step
-
-
-def torch_step(data: dict[str, Any], recipe: Any, full: bool) -> Callable[[], None]:
-    """One PyTorch eager step per call: zero grads, forward, backward (, update)."""
-    model = recipe.model()
-    load_torch(model, data["weights"])
-    opt = recipe.optimizer(model.parameters())
-    batches = torch_batches(data["batches"])
-    count = [0]
-
-    def step() -> None:
-        x, y = batches[count[0] % len(batches)]
-        count[0] += 1
-        opt.zero_grad(set_to_none=True)
-        recipe.loss(model, x, y).backward()
-        if full:
-            opt.step()
-
-    return step
 
 
 def _time(fn: Callable[[], None]) -> float:
@@ -119,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         mod = WORKLOADS[wid.strip()]
         data = mod.make_data()
         steps = {
-            "tiegrad": tiegrad_step(data, mod.TIEGRAD, args.full),
-            "torch": torch_step(data, mod.TORCH, args.full),
+            "tiegrad": tiegrad_side(data, mod.TIEGRAD, update=args.full).step,
+            "torch": torch_side(data, mod.TORCH, update=args.full).step,
         }
         gc.collect()
         med = measure(steps, args.steps)

@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from . import pin_threads
+from . import THREADS, pin_threads
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> float:
     from tiegrad.train.job import model_config as tiegrad_model_config
     from tiegrad.train.trainer import derive_seeds
 
+    from .workloads._common import load_torch, tiegrad_weights
     from .workloads._torch_models import TiedLM, lm_loss
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.twin_tiedlm")
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> float:
     config = resolve(args.config, {} if args.steps is None else {"steps": args.steps})
     if config["dropout"] != 0.0 or config["mlp_ratio"] != 4 or config["grad_accum"] != 1:
         parser.error("the twin covers dropout 0, mlp_ratio 4 and grad_accum 1 only")
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
 
     source = load_text(config)
     data = build_dataset(config, source)
@@ -57,10 +58,7 @@ def main(argv: list[str] | None = None) -> float:
         config["seq_len"],
         n_blocks=config["n_layers"],
     )
-    weights = dict(reference.named_parameters())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.from_numpy(np.array(weights[name].value)))
+    load_torch(model, tiegrad_weights(reference))
     hp = tg_opt.param_groups[0]
     opt = torch.optim.AdamW(
         model.parameters(),

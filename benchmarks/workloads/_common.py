@@ -72,12 +72,16 @@ def torch_batches(batches: Sequence[Batch]) -> list[tuple[torch.Tensor, torch.Te
 
 
 class TorchTrainer:
-    """One PyTorch eager training step per call: zero grads, forward, backward, step."""
+    """One PyTorch eager training step per call: zero grads, forward, backward, step.
+
+    Without an ``optimizer`` a step is forward and backward only (the model's gradients
+    are cleared first).
+    """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
         batches: Sequence[Batch],
     ) -> None:
@@ -91,10 +95,11 @@ class TorchTrainer:
     def step(self) -> None:
         x, y = self.batches[self.i % len(self.batches)]
         self.i += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        (self.optimizer or self.model).zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model, x, y)
         loss.backward()
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         self.loss = loss
 
     def probe(self) -> float:
@@ -110,7 +115,8 @@ class TiegradTrainer:
     ``loss_fn(model, session, x, y)`` records the forward pass and returns the loss ref; the
     step is ``backward``, then ``session.reset()`` (nothing pins the storages any more, so
     the update is written in place), then ``optimizer.step(gradients)``: the gradients keep
-    their recording's uses and are grouped by storage (C4).
+    their recording's uses and are grouped by storage (C4). Without an ``optimizer`` a step
+    is forward and backward only.
     """
 
     def __init__(
@@ -137,7 +143,8 @@ class TiegradTrainer:
         grads = s.backward(loss)
         self.loss = loss.value
         s.reset()
-        self.optimizer.step(grads)
+        if self.optimizer is not None:
+            self.optimizer.step(grads)
 
     def probe(self) -> float:
         return float(self.session.backend.to_numpy(self.loss))
@@ -168,12 +175,17 @@ def training_data(make_model: Callable[[], Any], batches: list[Batch]) -> dict[s
 
 
 def tiegrad_side(
-    data: Mapping[str, Any], recipe: Recipe, name: str = "tiegrad", device: str | None = None
+    data: Mapping[str, Any],
+    recipe: Recipe,
+    name: str = "tiegrad",
+    device: str | None = None,
+    update: bool = True,
 ) -> Side:
     """A tiegrad side from ``data["weights"]`` on a persistent session on ``device``.
 
     A side on a device is optional (``Side.optional``): the device backend may lack what
     the step needs. Making the session raises where the device itself is unavailable.
+    ``update=False`` builds no optimizer: a step is forward and backward only.
     """
     from tiegrad import EagerSession
 
@@ -183,7 +195,7 @@ def tiegrad_side(
     trainer = TiegradTrainer(
         session,
         model,
-        recipe.optimizer(model.parameters()),
+        recipe.optimizer(model.parameters()) if update else None,
         recipe.loss,
         data["batches"],
     )
@@ -192,13 +204,15 @@ def tiegrad_side(
     return side
 
 
-def torch_side(data: Mapping[str, Any], recipe: Recipe, name: str = "torch") -> Side:
-    """A PyTorch eager side with the weights of ``data["weights"]``."""
+def torch_side(
+    data: Mapping[str, Any], recipe: Recipe, name: str = "torch", update: bool = True
+) -> Side:
+    """A PyTorch eager side with the weights of ``data["weights"]`` (``update=False``: no
+    optimizer, a step is forward and backward only)."""
     model = recipe.model()
     load_torch(model, data["weights"])
-    trainer = TorchTrainer(
-        model, recipe.optimizer(model.parameters()), recipe.loss, data["batches"]
-    )
+    optimizer = recipe.optimizer(model.parameters()) if update else None
+    trainer = TorchTrainer(model, optimizer, recipe.loss, data["batches"])
     return trainer.side(name)
 
 

@@ -280,7 +280,11 @@ def _checkpoint_extra(path: Path) -> Any:
 
 
 def _checkpoint_model(path: Path) -> Any:
-    extra = _checkpoint_extra(path)
+    return _model_config(_checkpoint_extra(path))
+
+
+def _model_config(extra: Any) -> Any:
+    """The model constructor arguments stored in a checkpoint's ``extra`` (or ``None``)."""
     model = extra.get("model") if isinstance(extra, dict) else None
     if not isinstance(model, dict) or not isinstance(model.get("config"), dict):
         return None
@@ -301,7 +305,7 @@ def _quote(path: str) -> str:
 def _print_config(config: dict[str, Any], text: str, dataset: Any, model: Any) -> None:
     from .train.config import DEFAULTS
 
-    unique = _count_params(model)
+    unique = model.num_parameters()
     c = config
     print("tiegrad train: resolved configuration")
     print(
@@ -330,16 +334,6 @@ def _print_config(config: dict[str, Any], text: str, dataset: Any, model: Any) -
     if changed:
         print(f"  changed  {', '.join(f'{k}={c[k]}' for k in changed)}")
     sys.stdout.flush()
-
-
-def _count_params(model: Any) -> int:
-    seen: set[int] = set()
-    total = 0
-    for p in model.param_list():
-        if id(p.storage) not in seen:
-            seen.add(id(p.storage))
-            total += p.size
-    return total
 
 
 def _print_summary(result: Any, run: Any, unit: str) -> None:
@@ -387,7 +381,7 @@ def _sample(args: argparse.Namespace) -> int:
             raise ConfigError(f"run folder {args.run!r} holds no checkpoint")
         path = found
     extra = _checkpoint_extra(path)
-    kwargs = _checkpoint_model(path)
+    kwargs = _model_config(extra)
     if kwargs is None or not isinstance(extra.get("vocab"), dict):
         raise ConfigError(f"{path}: not a checkpoint of 'tiegrad train' (no model or vocab)")
     vocab = Vocab.from_dict(extra["vocab"])

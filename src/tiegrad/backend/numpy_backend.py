@@ -278,23 +278,20 @@ def _gelu32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = xf.size
     y = np.empty(n, np.float32)
     d = np.empty(n, np.float32)
-
-    def run(first: int, last: int) -> None:
-        _gelu_blocks(xf, y, d, first, last)
-
-    _parallel(run, -(-n // _GELU_BLOCK))
+    _ranges_parallel(_gelu_range, n, _GELU_BLOCK, xf, y, d)
     return y.reshape(x.shape), d.reshape(x.shape)
 
 
-def _gelu_blocks(xf: np.ndarray, y: np.ndarray, d: np.ndarray, first: int, last: int) -> None:
-    """The GELU kernel on blocks ``first..last-1`` of the flat arrays."""
-    n = xf.size
-    m = min(n - first * _GELU_BLOCK, _GELU_BLOCK)
+def _gelu_range(xf: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
+    """The GELU kernel on flat elements ``lo..hi-1``, ``_GELU_BLOCK`` at a time.
+
+    The signature of ``host_kernels.gelu``; the scratch is allocated once per call.
+    """
+    m = min(hi - lo, _GELU_BLOCK)
     a, t, e = np.empty(m, np.float32), np.empty(m, np.float32), np.empty(m, np.float32)
     with np.errstate(over="ignore"):  # a*a of |x| > 1.8e19 overflows to inf: exp(-inf) = 0
-        for block in range(first, last):
-            start = block * _GELU_BLOCK
-            stop = min(n, start + _GELU_BLOCK)
+        for start in range(lo, hi, _GELU_BLOCK):
+            stop = min(hi, start + _GELU_BLOCK)
             k = stop - start
             xb, yb, db, ab, eb = xf[start:stop], y[start:stop], d[start:stop], a[:k], e[:k]
             np.abs(xb, out=ab)
@@ -354,14 +351,23 @@ def _outputs_apart(x: np.ndarray, count: int) -> list[np.ndarray]:
     return outs
 
 
-def _rows_parallel(kernel: Callable[..., None], rows: int, row_size: int, *args: Any) -> None:
-    """``kernel(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads."""
-    step = max(1, _BLOCK // max(1, row_size))
+def _rows_per_block(row_size: int) -> int:
+    """Rows of ``row_size`` elements in one cache-sized block (``_BLOCK`` elements), >= 1."""
+    return max(1, _BLOCK // max(1, row_size))
+
+
+def _ranges_parallel(kernel: Callable[..., None], n: int, step: int, *args: Any) -> None:
+    """``kernel(*args, lo, hi)`` over ``range(n)`` in blocks of ``step`` items on the threads."""
 
     def run(first: int, last: int) -> None:
-        kernel(*args, first * step, min(rows, last * step))
+        kernel(*args, first * step, min(n, last * step))
 
-    _parallel(run, -(-rows // step))
+    _parallel(run, -(-n // step))
+
+
+def _rows_parallel(kernel: Callable[..., None], rows: int, row_size: int, *args: Any) -> None:
+    """``kernel(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads."""
+    _ranges_parallel(kernel, rows, _rows_per_block(row_size), *args)
 
 
 _add_reduce = np.add.reduce
@@ -507,7 +513,7 @@ class NumpyBackend(Backend):
         (W1 attention: 120 against 37 us per batch of 64x64 products), which eats the
         gain of running blocks side by side: whole W1 and W3 steps were no faster.
         """
-        rows = max(1, _BLOCK // max(1, item_size))
+        rows = _rows_per_block(item_size)
         for lo in range(0, n, rows):
             kernel(lo, min(n, lo + rows))
 

@@ -18,13 +18,17 @@ from ..errors import TiegradError
 class TemporaryTracker:
     """Counts owned temporaries: ``live`` now, ``peak`` since ``reset_peak``, ``total`` ever."""
 
-    __slots__ = ("live", "peak", "total", "_owned")
+    __slots__ = ("peak", "total", "_owned")
 
     def __init__(self) -> None:
-        self.live = 0
         self.peak = 0
         self.total = 0
         self._owned: set[int] = set()
+
+    @property
+    def live(self) -> int:
+        """How many owned temporaries have not been released."""
+        return len(self._owned)
 
     def own(self, x: Any) -> Any:
         """Register ``x`` as an owned temporary and return it."""
@@ -32,7 +36,6 @@ class TemporaryTracker:
         if key in self._owned:
             raise TiegradError(f"temporary tracker: {type(x).__name__} 0x{key:x} is already owned")
         self._owned.add(key)
-        self.live += 1
         self.total += 1
         if self.live > self.peak:
             self.peak = self.live
@@ -47,7 +50,6 @@ class TemporaryTracker:
                 "(borrowed arrays are never released)"
             )
         self._owned.remove(key)
-        self.live -= 1
 
     def owns(self, x: Any) -> bool:
         return id(x) in self._owned

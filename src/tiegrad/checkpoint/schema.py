@@ -375,14 +375,7 @@ def layout_table(
     def cells(s: SlotRecord | None) -> list[str]:
         if s is None:
             return ["-", "", "", "", "", ""]
-        return [
-            s.path,
-            "x".join(map(str, s.shape)) or "scalar",
-            s.dtype,
-            "yes" if s.requires_grad else "frozen",
-            "-" if s.canonical is None else str(s.canonical),
-            str(s.storage),
-        ]
+        return [*slot_cells(s), str(s.storage)]
 
     head = ["path", "shape", "dtype", "train", "canon", "stor"]
     rows = [(cells(a), cells(b), _differs(a, b)) for a, b in pairs]
@@ -402,6 +395,17 @@ def layout_table(
     for i, (a, b, bad) in enumerate(rows):
         lines.append(f"{i:>4}  {fmt(a)} | {fmt(b)}{'  <-- differs' if bad else ''}".rstrip())
     return "\n".join(lines)
+
+
+def slot_cells(s: SlotRecord) -> list[str]:
+    """A slot as table cells: path, shape, dtype, trainability and canonical slot."""
+    return [
+        s.path,
+        "x".join(map(str, s.shape)) or "scalar",
+        s.dtype,
+        "yes" if s.requires_grad else "frozen",
+        "-" if s.canonical is None else str(s.canonical),
+    ]
 
 
 def _differs(a: SlotRecord | None, b: SlotRecord | None) -> bool:

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from .fileio import SafetensorsFile, read_safetensors
-from .schema import Schema, nbytes
+from .schema import Schema, nbytes, slot_cells
 
 _JSON_WIDTH = 160
 
@@ -31,17 +31,8 @@ def inspect(path: str | os.PathLike[str]) -> str:
     ]
     rows = [("slot", "path", "shape", "dtype", "trainable", "canonical", "stored in")]
     for i, s in enumerate(slots):
-        rows.append(
-            (
-                str(i),
-                s.path,
-                "x".join(map(str, s.shape)) or "scalar",
-                s.dtype,
-                "yes" if s.requires_grad else "frozen",
-                "-" if s.canonical is None else str(s.canonical),
-                s.tensor if s.storage == i else f"= slot {s.storage} (tied)",
-            )
-        )
+        stored = s.tensor if s.storage == i else f"= slot {s.storage} (tied)"
+        rows.append((str(i), *slot_cells(s), stored))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     for r in rows:
         cells = [r[0].rjust(widths[0])] + [v.ljust(w) for v, w in zip(r[1:], widths[1:])]

@@ -116,17 +116,11 @@ class TiedCausalLM(ConfiguredModel):
                 f"generate: top_k must be in [1, {self.vocab_size}], got {top_k!r}"
             )
         rng = init.generator(rng)
-        session = EagerSession()
-        was_training = self.training
-        self.eval()
-        try:
-            with session.no_grad():
-                for _ in range(int(max_new_tokens)):
-                    session.reset()
-                    logits = self(session, out[:, -self.max_seq_len :]).numpy()[:, -1, :]
-                    out = np.concatenate([out, _sample(logits, temperature, top_k, rng)], 1)
-        finally:
-            self.train(was_training)
+        with self._inference() as session:
+            for _ in range(int(max_new_tokens)):
+                session.reset()
+                logits = self(session, out[:, -self.max_seq_len :]).numpy()[:, -1, :]
+                out = np.concatenate([out, _sample(logits, temperature, top_k, rng)], 1)
         return out[0] if single else out
 
 

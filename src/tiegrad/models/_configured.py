@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ..nn import init
 from ..nn.module import Module
+from ..session import EagerSession
 
 
 class ConfiguredModel(Module):
@@ -23,6 +26,19 @@ class ConfiguredModel(Module):
         dt = init.float_dtype(dtype)
         self.config = dict(args, seed=seed, dtype=dt.name)
         return np.random.default_rng(seed), dt
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[EagerSession]:
+        """A host session recording no gradients, with the model in eval mode inside the
+        block; the training flag is restored afterwards."""
+        session = EagerSession()
+        was_training = self.training
+        self.eval()
+        try:
+            with session.no_grad():
+                yield session
+        finally:
+            self.train(was_training)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.items())

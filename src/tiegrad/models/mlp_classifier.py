@@ -51,12 +51,6 @@ class MLPClassifier(ConfiguredModel):
 
     def predict(self, x: Any) -> np.ndarray:
         """Arg-max classes (B,) in eval mode on a host session; the training flag is restored."""
-        session = EagerSession()
-        was_training = self.training
-        self.eval()
-        try:
-            with session.no_grad():
-                logits = self(session, x).numpy()
-        finally:
-            self.train(was_training)
+        with self._inference() as session:
+            logits = self(session, x).numpy()
         return np.argmax(logits, axis=-1)

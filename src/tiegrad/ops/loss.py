@@ -86,9 +86,7 @@ def cross_entropy(
     rows = math.prod(shape[:-1])
     hit = 1.0 - label_smoothing
 
-    def vjp(g):
-        if not want:
-            return (None,)
+    def vjp(g):  # runs only when ``want``: the tape keeps no VJP of a node without grad
         w = vmask * g if reduction == "none" else vmask * (g / (count or 1.0))
         scale = bk.expand_dims(w, -1)
         grad = probs * scale

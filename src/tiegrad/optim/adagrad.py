@@ -15,10 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from .fused import FusedRule
-from .hyperparams import at_least_zero, check_eps_in, flag, learning_rate, positive
+from .hyperparams import at_least_zero, flag, learning_rate, positive
 from .optimizer import Optimizer, ParamsArg, l2_gradient
 
 
@@ -97,9 +95,6 @@ class Adagrad(Optimizer):
             "maximize": maximize,
         }
         super().__init__(params, defaults, nonfinite=nonfinite)
-
-    def _check_group(self, owner: str, hp: dict[str, Any], dtypes: set[np.dtype]) -> None:
-        check_eps_in(owner, hp["eps"], dtypes)
 
     def _state_names(self, hp: Mapping[str, Any]) -> tuple[str, ...]:
         return ("sum",)

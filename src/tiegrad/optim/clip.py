@@ -69,7 +69,8 @@ def clip_grad_norm(
     as they are (the optimizer's ``nonfinite`` policy then applies), or raises
     ``NonFiniteError`` with ``error_if_nonfinite``. Everything is checked first (C6).
     """
-    grads = _mutable(_arrays("clip_grad_norm", gradients), gradients, "clip_grad_norm")
+    grads = _arrays("clip_grad_norm", gradients)
+    _check_list("clip_grad_norm", gradients)
     max_norm = at_least_zero("clip_grad_norm", "max_norm", max_norm)
     norm = total_norm(grads, norm_type)
     if not math.isfinite(norm):
@@ -86,18 +87,18 @@ def clip_grad_norm(
 
 def clip_grad_value(gradients: list[np.ndarray | None], clip_value: float) -> None:
     """Clamp every gradient element to ``[-clip_value, clip_value]``, replacing list entries."""
-    grads = _mutable(_arrays("clip_grad_value", gradients), gradients, "clip_grad_value")
+    grads = _arrays("clip_grad_value", gradients)
+    _check_list("clip_grad_value", gradients)
     v = at_least_zero("clip_grad_value", "clip_value", clip_value)
     gradients[:] = [None if g is None else np.clip(g, -v, v) for g in grads]
 
 
-def _mutable(grads: list[Any], gradients: Sequence[Any], what: str) -> list[Any]:
+def _check_list(what: str, gradients: Sequence[Any]) -> None:
     if not isinstance(gradients, list):
         raise DTypeError(
             f"{what}: expected a list (its entries are replaced by the clipped gradients), "
             f"got {type(gradients).__name__}"
         )
-    return grads
 
 
 def _norm_type(what: str, norm_type: Any) -> float:

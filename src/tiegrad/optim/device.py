@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import NUMPY, Backend, backend_of, dtype_name
-from ..errors import DeviceError, DTypeError, MissingGradientError, NonFiniteError, ShapeError
+from ..errors import DeviceError, DTypeError, MissingGradientError, ShapeError
 from ..params.device import check_device_gradients, with_checked_device_sums
 from ..session import Gradients, latest_gradients
 from .state import FlatState, SlotSpec
@@ -180,14 +180,8 @@ def _step(opt: Any, bk: Backend, slots: list[int | None], grads: Mapping[int, An
     flat = {key: _flat(xp, [grads[i] for i in run]) for key, run in runs.items()}
     for key, run in runs.items():
         if not _finite(xp, flat[key]):
-            bad = next(i for i in run if not _finite(xp, grads[i]))
-            if opt.nonfinite == "skip":
-                opt.skipped_steps += 1
-                return
-            raise NonFiniteError(
-                f"{opt.kind}.step: the gradient of {opt._label(bad)} holds NaN or infinity; "
-                f"nothing was updated (nonfinite='skip' skips such steps)"
-            )
+            opt._refuse_nonfinite(next(i for i in run if not _finite(xp, grads[i])))
+            return
     ds, created = _device_state(opt, bk, specs, hps)
     for key, run in runs.items():
         gi, step, _ = key
@@ -237,7 +231,7 @@ def _update(
             scattered.append((views, span))
         state[name] = span
     work = ds.work.get((p.dtype, p.numel()))
-    if work is None or len(work) < opt.work_buffers:
+    if work is None:
         work = ds.work[p.dtype, p.numel()] = [p.new_empty(p.shape) for _ in range(opt.work_buffers)]
     type(opt).rule(xp, p, g, state, work, c)
     for views, span in scattered:
@@ -264,8 +258,7 @@ def _device_state(
     if ds is not None and (ds.backend is not bk or not opt._state.matches(specs)):
         release_state(opt)
         ds = None
-    sg = opt._slot_group
-    created = opt._state.arrange(specs, lambda s, name: opt._initial_value(name, hps[sg[s]]))
+    created = opt._arrange_state(specs, hps)
     if ds is None:
         ds = opt._device_state = DeviceState(opt._state, bk)
     return ds, created

@@ -10,7 +10,7 @@ optimizer can validate everything before its first write.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
 
@@ -95,6 +95,11 @@ def count(owner: str, name: str, value: Any, minimum: int = 0) -> int:
     if value < minimum:
         raise HyperparameterError(f"{owner}: {name} must be >= {minimum}, got {value!r}")
     return int(value)
+
+
+def plain(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Hyperparameters as JSON values (tuples become lists), for a ``state_dict``."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 def check_eps_in(owner: str, eps: float, dtypes: Iterable[np.dtype]) -> None:

@@ -63,7 +63,7 @@ from ..session import Gradients, latest_gradients
 from . import fused
 from .device import device_step, is_device_step, release_state, sync_state
 from .fused import FusedRule
-from .hyperparams import Checker, count
+from .hyperparams import Checker, check_eps_in, count, plain
 from .norms import sum_of_squares
 from .state import FlatState, SlotSpec
 
@@ -131,7 +131,12 @@ class Optimizer:
 
     # -- subclass hooks ------------------------------------------------------------------
     def _check_group(self, owner: str, hp: dict[str, Any], dtypes: set[np.dtype]) -> None:
-        """Checks across hyperparameters of one group (dtypes: its trainable parameters')."""
+        """Checks across hyperparameters of one group (dtypes: its trainable parameters').
+
+        By default: an ``eps`` hyperparameter must not round to 0 in those dtypes.
+        """
+        if "eps" in hp:
+            check_eps_in(owner, hp["eps"], dtypes)
 
     def _state_names(self, hp: Mapping[str, Any]) -> tuple[str, ...]:
         """The state tensors a slot of a group with hyperparameters ``hp`` holds."""
@@ -185,13 +190,8 @@ class Optimizer:
         tables = self._gradient_tables(grads, specs)
         bad = self._first_nonfinite(grads, specs, tables)
         if bad is not None:
-            if self.nonfinite == "skip":
-                self.skipped_steps += 1
-                return
-            raise NonFiniteError(
-                f"{self.kind}.step: the gradient of {self._label(bad)} holds NaN or "
-                f"infinity; nothing was updated (nonfinite='skip' skips such steps)"
-            )
+            self._refuse_nonfinite(bad)
+            return
         release_state(self)
         self._apply(grads, hps, specs, tables)
         self.step_count += 1
@@ -222,9 +222,9 @@ class Optimizer:
         hps = self._checked_groups(self.param_groups, self.params.canonical_slot_indices())
         return {
             "kind": self.kind,
-            "defaults": _plain(self.defaults),
+            "defaults": plain(self.defaults),
             "param_groups": [
-                {"slots": list(group["slots"])} | _plain(hp)
+                {"slots": list(group["slots"])} | plain(hp)
                 for group, hp in zip(self.param_groups, hps)
             ],
             "state": self._state.snapshot(),
@@ -525,6 +525,19 @@ class Optimizer:
             if fused.supports(dtype)
         }
 
+    def _refuse_nonfinite(self, bad: int) -> None:
+        """Stop a step at slot ``bad``'s non-finite gradient, before any write (C6).
+
+        ``nonfinite="skip"`` counts the step in ``skipped_steps``; ``"raise"`` raises.
+        """
+        if self.nonfinite == "skip":
+            self.skipped_steps += 1
+            return
+        raise NonFiniteError(
+            f"{self.kind}.step: the gradient of {self._label(bad)} holds NaN or "
+            f"infinity; nothing was updated (nonfinite='skip' skips such steps)"
+        )
+
     def _first_nonfinite(
         self,
         grads: Sequence[np.ndarray | None],
@@ -537,6 +550,13 @@ class Optimizer:
         bad += [slot for slot in rest if not math.isfinite(sum_of_squares(grads[slot]))]
         return min((slot for slot in bad if slot is not None), default=None)
 
+    def _arrange_state(
+        self, specs: Mapping[int, SlotSpec], hps: Sequence[Mapping[str, Any]]
+    ) -> set[tuple[int, str]]:
+        """``FlatState.arrange`` for ``specs``, new tensors at their group's initial value."""
+        sg = self._slot_group
+        return self._state.arrange(specs, lambda s, name: self._initial_value(name, hps[sg[s]]))
+
     def _apply(
         self,
         grads: Sequence[np.ndarray | None],
@@ -544,8 +564,7 @@ class Optimizer:
         specs: Mapping[int, SlotSpec],
         tables: Mapping[np.dtype, fused.GradientTable],
     ) -> None:
-        sg = self._slot_group
-        created = self._state.arrange(specs, lambda s, name: self._initial_value(name, hps[sg[s]]))
+        created = self._arrange_state(specs, hps)
         for (gi, step, fresh, dtype), run in self._runs(specs, created, tables):
             names = specs[run[0]][2]
             c = self._coefficients(hps[gi], step, fresh)
@@ -667,11 +686,6 @@ def _check_state_tensor(
         raise ShapeError(f"{what} has shape {arr.shape}, {expected} {shape}")
     if arr.dtype != dtype:
         raise DTypeError(f"{what} has dtype {arr.dtype.name}, {expected} {dtype.name}")
-
-
-def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Hyperparameters as JSON values (tuples become lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 def _mapping(where: str, what: str, value: Any) -> Mapping[str, Any]:

@@ -19,10 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from .fused import FusedRule
-from .hyperparams import at_least_zero, check_eps_in, flag, learning_rate, positive, unit_interval
+from .hyperparams import at_least_zero, flag, learning_rate, positive, unit_interval
 from .optimizer import Optimizer, ParamsArg, l2_gradient
 
 
@@ -126,9 +124,6 @@ class RMSprop(Optimizer):
             "maximize": maximize,
         }
         super().__init__(params, defaults, nonfinite=nonfinite)
-
-    def _check_group(self, owner: str, hp: dict[str, Any], dtypes: set[np.dtype]) -> None:
-        check_eps_in(owner, hp["eps"], dtypes)
 
     def _state_names(self, hp: Mapping[str, Any]) -> tuple[str, ...]:
         names = ["square_avg"]

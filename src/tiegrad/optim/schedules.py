@@ -33,6 +33,7 @@ from .hyperparams import (
     decay_rate,
     flag,
     learning_rate,
+    plain,
     positive,
     unit_interval,
 )
@@ -100,7 +101,7 @@ class Schedule:
             "kind": self.kind,
             "last_epoch": self.last_epoch,
             "base_lrs": list(self.base_lrs),
-        } | {k: list(v) if isinstance(v, tuple) else v for k, v in self.config.items()}
+        } | plain(self.config)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Adopt a state, validated completely first (C6); sets the groups' learning rates."""

@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..backend import NUMPY, Backend, backend_of
-from ..errors import DeviceError, MissingGradientError, TapeError
-from .groups import ParameterGroup, check_group_gradients, check_learning_rate
+from ..errors import DeviceError
+from .groups import ParameterGroup, check_group_gradients, check_sgd_inputs
 
 T = TypeVar("T")
 
@@ -118,11 +118,7 @@ def sgd_step_device_groups(session: Any, lr: float, gradients: Mapping[int, Any]
     current mirror, uploading only when there is none, and leaves the host stale (C3,
     C7); the summed gradient of a shared storage is a released temporary (C8).
     """
-    lr = check_learning_rate(lr)
-    if gradients is None:
-        raise MissingGradientError("sgd_step: no gradients given and no backward has run")
-    if getattr(gradients, "session", session) is not session:
-        raise TapeError("sgd_step: the gradients were computed by another session")
+    lr = check_sgd_inputs(session, lr, gradients)
     bk = session.backend
     groups = session.parameter_groups()
     for group in groups:

@@ -181,6 +181,17 @@ def check_learning_rate(lr: Any) -> float:
     return value
 
 
+def check_sgd_inputs(session: Any, lr: Any, gradients: Mapping[int, Any] | None) -> float:
+    """The first checks of a session's SGD step (C6): ``lr`` as a float, and gradients
+    that exist and, when they say (``Gradients.session``), come from ``session``."""
+    lr = check_learning_rate(lr)
+    if gradients is None:
+        raise MissingGradientError("sgd_step: no gradients given and no backward has run")
+    if getattr(gradients, "session", session) is not session:
+        raise TapeError("sgd_step: the gradients were computed by another session")
+    return lr
+
+
 def write_group_value(group: ParameterGroup, value: np.ndarray) -> None:
     """Write a new host value for a group's storage (or through its handle's ``set``)."""
     if group.storage is not None:
@@ -198,12 +209,7 @@ def sgd_step_groups(session: Any, lr: float, gradients: Mapping[int, Any] | None
     group's current value (C3), read in the write loop so that a storage-less handle
     used twice (two groups, C1) receives both updates.
     """
-    lr = check_learning_rate(lr)
-    if gradients is None:
-        raise MissingGradientError("sgd_step: no gradients given and no backward has run")
-    owner = getattr(gradients, "session", session)
-    if owner is not session:
-        raise TapeError("sgd_step: the gradients were computed by another session")
+    lr = check_sgd_inputs(session, lr, gradients)
     groups = session.parameter_groups()
     sums = [session.backend.to_numpy(dense_group_gradient(g, gradients)) for g in groups]
     for group in groups:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .metrics import CSV_NAME, JSONL_NAME
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.safetensors$")
 
@@ -45,11 +46,11 @@ class RunDir:
 
     @property
     def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.path / JSONL_NAME
 
     @property
     def csv_path(self) -> Path:
-        return self.path / "metrics.csv"
+        return self.path / CSV_NAME
 
     @property
     def plot_path(self) -> Path:

@@ -367,7 +367,7 @@ class Trainer:
             "epoch_start_rng": self.epoch_start_state,
             "best_val": self.best_val,
             "bad_evals": self.bad_evals,
-            "elapsed": self.elapsed_before + (time.perf_counter() - self._t0),
+            "elapsed": self._elapsed(),
             "seed": self.seed,
         }
 
@@ -464,12 +464,8 @@ class Trainer:
                     if self.eval_every is not None and self.step % self.eval_every == 0:
                         val_loss = self._eval_and_track(progress, metrics, train_loss)
                         stop = self.patience is not None and self.bad_evals >= self.patience
-                    if self.run is not None and (
-                        self.checkpoint_every is not None and self.step % self.checkpoint_every == 0
-                    ):
-                        self.save_checkpoint(self.run.step_path(self.step))
-                        self.run.prune(self.keep_last)
-                        last_saved = self.step
+                    if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:
+                        last_saved = self._save_periodic()
                     if stop:
                         status = "early_stopped"
                         self._say(
@@ -487,9 +483,8 @@ class Trainer:
                     and (self.eval_every is None or self.step % self.eval_every != 0)
                 ):
                     val_loss = self._eval_and_track(progress, metrics, train_loss)
-                if self.run is not None and last_saved != self.step:
-                    self.save_checkpoint(self.run.step_path(self.step))
-                    self.run.prune(self.keep_last)
+                if last_saved != self.step:
+                    self._save_periodic()
         finally:
             progress.close()
             if metrics is not None:
@@ -498,6 +493,15 @@ class Trainer:
 
     def _elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self._t0)
+
+    def _save_periodic(self) -> int | None:
+        """Write the checkpoint of this step into the run folder (if any) and prune the old
+        ones; returns the step saved (``None`` without a run folder)."""
+        if self.run is None:
+            return None
+        self.save_checkpoint(self.run.step_path(self.step))
+        self.run.prune(self.keep_last)
+        return self.step
 
     def _eval_and_track(
         self, progress: Progress, metrics: MetricsWriter | None, train_loss: float | None
