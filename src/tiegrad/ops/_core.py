@@ -337,8 +337,9 @@ def check_index_range(
         hi, lo = int(host.max()), int(host.min())
     else:
         bk = s.backend
-        hi = int(bk.max(idx))
-        lo = -int(bk.max(-idx))
+        wide = bk.astype(idx, bk.int64)  # negating unsigned data would wrap around
+        hi = int(bk.max(wide))
+        lo = -int(bk.max(-wide))
     if lo < 0 or hi >= n:
         raise IndexRangeError(
             f"{op}: {what} must lie in [0, {n}){extra}, got values in [{lo}, {hi}]"
