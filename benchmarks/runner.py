@@ -449,6 +449,8 @@ def machine() -> dict[str, Any]:
     import numpy
     import torch
 
+    from tiegrad.backend import blas
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -463,6 +465,7 @@ def machine() -> dict[str, Any]:
         "threads": THREADS,
         "python": platform.python_version(),
         "numpy": numpy.__version__,
+        "host_gemm": f"oneMKL ({blas.LIBRARY})" if blas.LIBRARY else "NumPy's BLAS",
         "torch": torch.__version__,
     }
 
@@ -509,7 +512,8 @@ def format_table(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [
         f"tiegrad vs PyTorch eager, float32, {m['threads']} threads, {m['date']}, {m['cpu']}, "
-        f"{m['cores']} cores, numpy {m['numpy']}, torch {m['torch']}"
+        f"{m['cores']} cores, numpy {m['numpy']}, host GEMM {m.get('host_gemm', '?')}, "
+        f"torch {m['torch']}"
         + (" (quick smoke run: timings meaningless)" if report["quick"] else ""),
         "",
         "| workload | tiegrad side | torch side | tiegrad ms/step median (min-max) "

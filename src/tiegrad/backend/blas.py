@@ -1,0 +1,232 @@
+"""Matrix products through oneMKL when it is installed (the extra ``tiegrad[mkl]``).
+
+NumPy's wheels multiply with OpenBLAS. On x86-64, Intel's oneMKL (the PyPI package
+``mkl``) runs the float32 products of this project's workloads 20-40% faster (README,
+"Benchmarks"), so the host backend's ``matmul`` hands every product that BLAS can read in
+place to ``cblas_?gemm``, and a stack of products to one ``cblas_?gemm_batch_strided``.
+
+What goes to MKL: operands of one dtype, float32 or float64, each at least 2-D, no empty
+axis, each matrix row- or column-contiguous, and batch axes that broadcast (``matmul``'s
+rules) and collapse into one even stride per operand (0 where an operand is broadcast).
+Everything else, and everything when MKL is absent, is ``np.matmul`` unchanged. Either
+way the result is a new C-contiguous array of ``np.matmul``'s shape and dtype; the values
+agree with OpenBLAS's to rounding, since the two libraries sum in different orders.
+
+Repeatability: unless the environment sets ``MKL_CBWR``, MKL runs in its conditional
+numerical reproducibility mode for the CPU it finds (``MKL_CBWR_AUTO``), so a product
+repeats bit for bit on one machine with one thread count, whatever the alignment of its
+operands; exact resumption from a checkpoint relies on that.
+
+``TIEGRAD_BLAS`` chooses, read once at import: unset or ``auto`` uses MKL when its
+``libmkl_rt`` lies in this Python environment's ``lib`` folder, ``numpy`` never uses it,
+and ``mkl`` requires it (the import raises ``ConfigError`` when it is missing).
+``LIBRARY`` is the loaded library's file name, or None when products go to NumPy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import ConfigError
+
+ENV_SWITCH = "TIEGRAD_BLAS"
+_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_CBWR_AUTO = 2
+_INT_MAX = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes and strides
+
+
+class _Kernels(NamedTuple):
+    """MKL's CBLAS entry points for one dtype."""
+
+    gemm: Callable[..., None]
+    gemm_batch: Callable[..., None]
+    gemv: Callable[..., None]
+    dot: Callable[..., float]
+
+
+def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
+    """The MKL library's file name and its kernels per dtype."""
+    choice = os.environ.get(ENV_SWITCH, "auto") or "auto"
+    if choice not in ("auto", "numpy", "mkl"):
+        raise ConfigError(f"{ENV_SWITCH}={choice!r}: expected 'auto', 'numpy' or 'mkl'")
+    if choice == "numpy":
+        return None, {}
+    lib = None
+    for name in _NAMES:
+        path = Path(sys.prefix) / "lib" / name
+        if path.exists():
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError:
+                continue
+            break
+    if lib is None:
+        if choice == "mkl":
+            raise ConfigError(
+                f"{ENV_SWITCH}=mkl but no loadable {_NAMES[0]} in {Path(sys.prefix) / 'lib'}; "
+                f"install it with: pip install 'tiegrad[mkl]'"
+            )
+        return None, {}
+    if "MKL_CBWR" not in os.environ:
+        lib.MKL_CBWR_Set(_CBWR_AUTO)
+    i, vp = ctypes.c_int, ctypes.c_void_p
+    kernels = {}
+    for dtype, scalar, prefix in (
+        (np.dtype(np.float32), ctypes.c_float, "s"),
+        (np.dtype(np.float64), ctypes.c_double, "d"),
+    ):
+        signatures = {
+            "gemm": (i, i, i, i, i, i, scalar, vp, i, vp, i, scalar, vp, i),
+            "gemm_batch_strided": (
+                i,
+                i,
+                i,
+                i,
+                i,
+                i,
+                scalar,
+                vp,
+                i,
+                i,
+                vp,
+                i,
+                i,
+                scalar,
+                vp,
+                i,
+                i,
+                i,
+            ),
+            "gemv": (i, i, i, i, scalar, vp, i, vp, i, scalar, vp, i),
+            "dot": (i, vp, i, vp, i),
+        }
+        entries = []
+        for name, argtypes in signatures.items():
+            entry = getattr(lib, f"cblas_{prefix}{name}")
+            entry.argtypes = argtypes
+            entry.restype = scalar if name == "dot" else None
+            entries.append(entry)
+        kernels[dtype] = _Kernels(*entries)
+    return Path(lib._name).name, kernels
+
+
+LIBRARY, _KERNELS = _load()
+
+
+def _matrix(rows: int, cols: int, s0: int, s1: int) -> tuple[int, int] | None:
+    """(transpose flag, leading dimension) for a matrix with element strides (s0, s1)."""
+    if s1 == 1 or cols == 1:
+        ld = s0 if rows > 1 else cols
+        if ld >= cols:
+            return _NO_TRANS, ld
+    if s0 == 1 or rows == 1:
+        ld = s1 if cols > 1 else rows
+        if ld >= rows:
+            return _TRANS, ld
+    return None
+
+
+def _batch_stride(
+    shape: tuple[int, ...], strides: tuple[int, ...], batch: tuple[int, ...]
+) -> int | None:
+    """One element stride stepping through the operand's matrices in ``batch`` order, if any."""
+    pad = len(batch) - len(shape)
+    axes = [
+        (n, strides[j - pad] if j >= pad and shape[j - pad] != 1 else 0)
+        for j, n in enumerate(batch)
+        if n != 1
+    ]
+    if not axes:
+        return 0
+    step = expected = axes[-1][1]
+    for (_, stride), (inner_count, _) in zip(reversed(axes[:-1]), reversed(axes[1:])):
+        expected *= inner_count
+        if stride != expected:
+            return None
+    return step
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.matmul(a, b)``, computed by MKL where the layout allows (module docstring).
+
+    Aligned operands (NumPy's ``flags.aligned``) have strides in whole elements.
+    """
+    kernels = _KERNELS.get(a.dtype)
+    if (
+        kernels is None
+        or b.dtype != a.dtype
+        or not (a.flags.aligned and b.flags.aligned)
+        or a.size == 0
+        or b.size == 0
+    ):
+        return np.matmul(a, b)
+    if a.ndim > 1 and b.ndim > 1:
+        out = _matrix_product(kernels, a, b)
+    else:
+        out = _vector_product(kernels, a, b) if a.ndim + b.ndim <= 3 else None
+    return np.matmul(a, b) if out is None else out
+
+
+def _matrix_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """``a @ b`` for operands of at least two axes, or None where BLAS cannot read them."""
+    gemm, batched = kernels.gemm, kernels.gemm_batch
+    item = a.itemsize
+    m, k = a.shape[-2:]
+    k_b, n = b.shape[-2:]
+    la = _matrix(m, k, a.strides[-2] // item, a.strides[-1] // item)
+    lb = _matrix(k, n, b.strides[-2] // item, b.strides[-1] // item)
+    if k != k_b or la is None or lb is None or max(m, n, k, la[1], lb[1]) > _INT_MAX:
+        return None
+    if a.ndim == 2 and b.ndim == 2:
+        out = np.empty((m, n), a.dtype)
+        gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1],
+             b.ctypes.data, lb[1], 0.0, out.ctypes.data, n)  # fmt: skip
+        return out
+    try:
+        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        return None  # NumPy raises its own error
+    sa = _batch_stride(a.shape[:-2], tuple(s // item for s in a.strides[:-2]), batch)
+    sb = _batch_stride(b.shape[:-2], tuple(s // item for s in b.strides[:-2]), batch)
+    count = math.prod(batch)
+    if sa is None or sb is None or min(sa, sb) < 0 or max(sa, sb, count * m * n) > _INT_MAX:
+        return None
+    out = np.empty(batch + (m, n), a.dtype)
+    batched(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1], sa,
+            b.ctypes.data, lb[1], sb, 0.0, out.ctypes.data, n, m * n, count)  # fmt: skip
+    return out
+
+
+def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
+    """``a @ b`` where one operand is a vector and the other a vector or a matrix, or None."""
+    item = a.itemsize
+    if a.shape[-1] != b.shape[0 if b.ndim == 1 else -2]:
+        return None
+    if a.ndim == 1 and b.ndim == 1:
+        ia, ib = a.strides[0] // item, b.strides[0] // item
+        if min(ia, ib) <= 0 or a.size > _INT_MAX:
+            return None
+        return a.dtype.type(kernels.dot(a.size, a.ctypes.data, ia, b.ctypes.data, ib))
+    mat, vec = (a, b) if b.ndim == 1 else (b, a)
+    rows, cols = mat.shape
+    layout = _matrix(rows, cols, mat.strides[0] // item, mat.strides[1] // item)
+    inc = vec.strides[0] // item if vec.size > 1 else 1
+    if layout is None or inc <= 0 or max(rows, cols, layout[1]) > _INT_MAX:
+        return None
+    trans, ld = layout
+    if mat is b:  # vector @ matrix is the transposed matrix times the vector
+        trans = _TRANS if trans == _NO_TRANS else _NO_TRANS
+    stored_rows, stored_cols = (rows, cols) if layout[0] == _NO_TRANS else (cols, rows)
+    out = np.empty(cols if mat is b else rows, a.dtype)
+    kernels.gemv(_ROW_MAJOR, trans, stored_rows, stored_cols, 1.0, mat.ctypes.data, ld,
+                 vec.ctypes.data, inc, 0.0, out.ctypes.data, 1)  # fmt: skip
+    return out
