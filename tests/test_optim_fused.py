@@ -255,10 +255,13 @@ def test_the_check_finds_every_position(small_chunks, dtype, bad):
 def test_a_batch_selects_its_rows():
     arrays = [np.full(n, n, np.float32) for n in (4, 7, 1, 9)]
     table = fused.GradientTable([2, 5, 6, 9], arrays)
-    chosen, at, starts = table.select([5, 9])
+    chosen, at, starts = table.select(np.array([1, 3]))  # the rows of slots 5 and 9
     assert [a is b for a, b in zip(chosen, [arrays[1], arrays[3]])] == [True, True]
     assert at.tolist() == fused.addresses([arrays[1], arrays[3]]).tolist()
     assert starts.tolist() == [0, 7, 16]
+    chosen, at, starts = table.select(None)
+    assert [a is b for a, b in zip(chosen, arrays)] == [True] * 4
+    assert starts.tolist() == [0, 4, 11, 12, 21]
 
 
 @pytest.mark.parametrize("mode", ["raise", "skip"])

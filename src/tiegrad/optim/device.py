@@ -40,6 +40,7 @@ from ..backend import NUMPY, Backend, backend_of, dtype_name
 from ..errors import DeviceError, DTypeError, MissingGradientError, ShapeError
 from ..params.device import check_device_gradients, with_checked_device_sums
 from ..session import Gradients, latest_gradients
+from .plan import StepPlan
 from .state import FlatState, SlotSpec
 
 
@@ -103,22 +104,28 @@ def is_device_step(gradients: Any) -> bool:
     if isinstance(gradients, Gradients):
         return gradients.session.backend is not NUMPY
     if isinstance(gradients, (list, tuple)):
-        return any(not isinstance(g, np.ndarray) and _is_tensor(g) for g in gradients)
+        kinds = set(map(type, gradients))  # a few types, however many slots
+        return any(not issubclass(t, np.ndarray) and _is_tensor_type(t) for t in kinds)
     return False
 
 
 def _is_tensor(x: Any) -> bool:
-    return type(x).__module__.partition(".")[0] == "torch"
+    return _is_tensor_type(type(x))
+
+
+def _is_tensor_type(t: type) -> bool:
+    return t.__module__.partition(".")[0] == "torch"
 
 
 def device_step(opt: Any, gradients: Any) -> None:
     """One update of every trainable storage of ``opt`` on the gradients' device."""
     if gradients is None:
         gradients = latest_gradients()
-    slots = opt.params.canonical_slot_indices()
+    plan = opt._plan()
+    slots = plan.slots
     if isinstance(gradients, Gradients):
         session = gradients.session
-        index = opt._storage_index(slots)
+        index = plan.index
         groups = [
             g
             for g in gradients.parameter_groups()
@@ -132,16 +139,16 @@ def device_step(opt: Any, gradients: Any) -> None:
             groups,
             gradients,
             session.backend,
-            lambda sums: _step(opt, session.backend, slots, dict(zip(order, sums))),
+            lambda sums: _step(opt, session.backend, plan, dict(zip(order, sums))),
         )
         return
-    raw = opt._list_gradients(gradients, slots)
+    raw = opt._list_gradients(gradients, plan)
     _check_complete(opt, slots, {i for i, c in enumerate(slots) if c == i and raw[i] is not None})
     grads = {i: raw[i] for i, c in enumerate(slots) if c == i}
     bk = None
     for i, g in grads.items():
         bk = _check_gradient(opt, i, g, bk)
-    _step(opt, bk, slots, grads)
+    _step(opt, bk, plan, grads)
 
 
 def _check_complete(opt: Any, slots: Sequence[int | None], have: set[int], hint: str = "") -> None:
@@ -167,10 +174,10 @@ def _check_gradient(opt: Any, slot: int, g: Any, bk: Backend | None) -> Backend:
     return where
 
 
-def _step(opt: Any, bk: Backend, slots: list[int | None], grads: Mapping[int, Any]) -> None:
+def _step(opt: Any, bk: Backend, plan: StepPlan, grads: Mapping[int, Any]) -> None:
     xp = bk.xp
-    hps = opt._checked_groups(opt.param_groups, slots)
-    specs = opt._state_specs(slots, hps)
+    hps = opt._checked_groups(opt.param_groups, plan)
+    specs = opt._state_specs(plan, hps)
     order = sorted(specs)
     for i in order:
         opt.params[i].storage.device_value(bk)  # every mirror readable (C7) before any write
@@ -182,6 +189,7 @@ def _step(opt: Any, bk: Backend, slots: list[int | None], grads: Mapping[int, An
         if not _finite(xp, flat[key]):
             opt._refuse_nonfinite(next(i for i in run if not _finite(xp, grads[i])))
             return
+    plan.program = None  # the host program's state buffers may be replaced here
     ds, created = _device_state(opt, bk, specs, hps)
     for key, run in runs.items():
         gi, step, _ = key

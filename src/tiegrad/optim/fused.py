@@ -9,8 +9,9 @@ bit for bit (see ``kernels``); only the speed differs. numba is the optional ext
 A step locates its gradients once per dtype (``GradientTable``), checks them all for
 NaN and infinity before any write (C6, one read), then hands ``run`` each batch of
 canonical slots (C5) that share coefficients: their parameter arrays, gradients and
-state, which ``FlatState`` keeps in one flat buffer per name and dtype. ``run`` writes
-the addresses into a table and the rule's kernel updates every element once.
+a ``Batch``, the addresses of their state (``FlatState`` keeps it in one flat buffer
+per name and dtype), made once per state layout. ``run`` completes the table with the
+parameters' and gradients' addresses and the rule's kernel updates every element once.
 
 Threads. A batch of at least ``2 * CHUNK_MIN`` elements is cut into ``CHUNKS`` chunks
 per thread, claimed in turn by the calling thread and ``THREADS - 1`` pool threads (the
@@ -77,16 +78,23 @@ class GradientTable:
     """The gradients of one step's fused slots of one dtype, located once.
 
     ``arrays`` (C-contiguous: a strided gradient is copied), their data ``addresses``
-    and ``starts`` (``starts[k]``: where row ``k`` begins in the batch). The finiteness
-    check (C6) and the update of any subset of the slots (``select``) use them.
+    and ``starts`` (``starts[k]``: where row ``k`` begins in the batch; given by a caller
+    that knows the sizes, ``batch_starts`` of the array sizes otherwise). The
+    finiteness check (C6) and the update of any subset of the slots (``select``) use
+    them.
     """
 
-    def __init__(self, slots: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
+    def __init__(
+        self,
+        slots: Sequence[int],
+        arrays: Sequence[np.ndarray],
+        starts: np.ndarray | None = None,
+    ) -> None:
         self.slots = list(slots)
         self.arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
         self.dtype = self.arrays[0].dtype
         self.addresses = addresses(self.arrays)
-        self.starts = _starts(self.arrays)
+        self.starts = batch_starts([a.size for a in self.arrays]) if starts is None else starts
 
     def first_nonfinite(self) -> int | None:
         """The first slot whose gradient holds a NaN or an infinity, or None.
@@ -102,49 +110,77 @@ class GradientTable:
         hits = np.flatnonzero(out)
         return self.slots[hits[0]] if hits.size else None
 
-    def select(self, slots: list[int]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """``(arrays, addresses, starts)`` of ``slots``, a subset of ``self.slots`` in order."""
-        if slots == self.slots:
+    def select(self, rows: np.ndarray | None) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """``(arrays, addresses, starts)`` of the rows ``rows`` in order (None: all rows)."""
+        if rows is None:
             return list(self.arrays), self.addresses, self.starts
-        index = {slot: k for k, slot in enumerate(self.slots)}
-        rows = np.array([index[slot] for slot in slots], np.intp)
-        starts = np.zeros(len(rows) + 1, np.intp)
-        np.cumsum(np.diff(self.starts)[rows], out=starts[1:])
+        starts = batch_starts(np.diff(self.starts)[rows])
         return [self.arrays[k] for k in rows], self.addresses[rows], starts
 
 
+class Batch:
+    """The fixed operands of ``rule``'s kernel over one run of slots, reused across steps.
+
+    From the sizes of the run's parameters and the state ``{name: (flat buffer, element
+    offset of each parameter's tensor)}`` for the names the coefficients need: the
+    table's state columns (address 0 for a tensor that is absent) and the byte ranges
+    the kernel writes into the state buffers. Valid for as long as those buffers and
+    offsets are, which is the life of a step plan's program (``optim.plan``).
+    ``disjoint``: the gradient and parameter addresses of the latest call that found no
+    gradient overlapping what the kernel writes (the same addresses: the same answer).
+    """
+
+    def __init__(
+        self,
+        rule: FusedRule,
+        sizes: np.ndarray,
+        dtype: np.dtype,
+        state: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        self.rule = rule
+        self.kernel = getattr(_kernels(), rule.kernel)
+        self.nbytes = sizes * dtype.itemsize  # of each parameter and its gradient
+        self.buffers = [buf for buf, _ in state.values()]
+        self.buffer_at = addresses(self.buffers)
+        self.buffer_nbytes = np.array([buf.nbytes for buf in self.buffers], np.intp)
+        self.table = np.zeros((len(sizes), 2 + len(rule.state)), np.intp)
+        buffer_at = dict(zip(state, self.buffer_at.tolist()))
+        for column, name in enumerate(rule.state, start=2):
+            if name in state:
+                self.table[:, column] = buffer_at[name] + state[name][1] * dtype.itemsize
+        self.disjoint: tuple[np.ndarray, np.ndarray] | None = None
+
+
 def run(
-    rule: FusedRule,
+    batch: Batch,
     coefficients: Any,
     params: Sequence[np.ndarray],
     grads: tuple[list[np.ndarray], np.ndarray, np.ndarray],
-    state: Mapping[str, tuple[np.ndarray, np.ndarray]],
 ) -> None:
-    """Update ``params`` and their state in place with ``rule``'s kernel, one pass.
+    """Update ``params`` and their state in place with ``batch``'s kernel, one pass.
 
-    ``params``: writable C-contiguous arrays of one dtype in ``DTYPES``; ``grads``: their
-    validated gradients as ``GradientTable.select`` gives them; ``state``: ``{name: (flat
-    buffer, element offset of each parameter's tensor)}`` for the names the coefficients
-    need. A gradient that shares memory with anything written is copied first.
+    ``params``: writable C-contiguous arrays of one dtype in ``DTYPES``, of the sizes
+    ``batch`` was built for; ``grads``: their validated gradients as
+    ``GradientTable.select`` gives them. A gradient that shares memory with anything
+    written is copied first.
     """
-    scalars, flags = rule.pack(coefficients)
+    scalars, flags = batch.rule.pack(coefficients)
     arrays, at, starts = grads
-    dtype = arrays[0].dtype
-    nbytes = np.diff(starts) * dtype.itemsize  # of each parameter and its gradient
-    table = np.zeros((len(params), 2 + len(rule.state)), np.intp)
-    table[:, 0] = addresses(params)
-    buffers = [buf for buf, _ in state.values()]
-    written = np.concatenate([table[:, 0], addresses(buffers)])
-    written_nbytes = np.concatenate([nbytes, [buf.nbytes for buf in buffers]]).astype(np.intp)
-    table[:, 1] = _disjoint(arrays, at, nbytes, written, written_nbytes)
-    for column, name in enumerate(rule.state, start=2):
-        if name in state:
-            buf, offsets = state[name]
-            table[:, column] = addresses([buf])[0] + offsets * dtype.itemsize
-    coef = np.array(scalars, dtype)
-    kernel = getattr(_kernels(), rule.kernel)
-    keep = (params, arrays, buffers)
-    _launch(kernel, table, starts, coef, np.array(flags, np.int64), keep=keep)
+    table = batch.table.copy()  # a table of its own: a late pool thread never sees the next
+    params_at = addresses(params)
+    table[:, 0] = params_at
+    last = batch.disjoint
+    if last is not None and np.array_equal(last[0], at) and np.array_equal(last[1], params_at):
+        table[:, 1] = at
+    else:
+        written = np.concatenate([params_at, batch.buffer_at])
+        written_nbytes = np.concatenate([batch.nbytes, batch.buffer_nbytes])
+        checked = _disjoint(arrays, at, batch.nbytes, written, written_nbytes)
+        table[:, 1] = checked
+        batch.disjoint = (at, params_at) if checked is at else None
+    coef = np.array(scalars, arrays[0].dtype)
+    keep = (params, arrays, batch.buffers)
+    _launch(batch.kernel, table, starts, coef, np.array(flags, np.int64), keep=keep)
 
 
 def addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -181,10 +217,10 @@ def _data_offset() -> int | None:
     return offset if out.tolist() == truth else None
 
 
-def _starts(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """Prefix sums of the sizes: ``starts[k]`` is where array ``k`` begins in the batch."""
-    starts = np.zeros(len(arrays) + 1, np.intp)
-    np.cumsum(np.fromiter((a.size for a in arrays), np.intp, len(arrays)), out=starts[1:])
+def batch_starts(sizes: Sequence[int]) -> np.ndarray:
+    """Prefix sums of ``sizes``: ``starts[k]`` is where item ``k`` begins in the batch."""
+    starts = np.zeros(len(sizes) + 1, np.intp)
+    np.cumsum(np.asarray(sizes, np.intp), out=starts[1:])
     return starts
 
 

@@ -37,12 +37,18 @@ When numba is installed (``tiegrad.optim.fused``), a subclass's ``fused_rule`` r
 are updated by one compiled kernel that reads and writes each element once, with the
 same arithmetic, bit for bit. The finiteness check is then one compiled read of the
 gradients.
+
+The work that depends only on the layout (alias map, the gradients' expected dtypes and
+shapes, state layout, runs, fused tables) is cached in a ``StepPlan``
+(``tiegrad.optim.plan``) and redone when anything it depends on changes; values are
+read and checked on every step, so the cache changes neither results nor errors.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -65,16 +71,17 @@ from .device import device_step, is_device_step, release_state, sync_state
 from .fused import FusedRule
 from .hyperparams import Checker, check_eps_in, count, plain
 from .norms import sum_of_squares
+from .plan import CHUNK, Program, Run, StepPlan
 from .state import FlatState, SlotSpec
 
-CHUNK = 32768  # elements per rule call: a few work buffers of this size stay in L2
-SMALL = CHUNK // 4  # parameters up to this size are gathered with their neighbours
 NONFINITE_MODES = ("raise", "skip")
-NOTHING: frozenset[str] = frozenset()
 STATE_DICT_KEYS = ("kind", "defaults", "param_groups", "state", "step_count", "skipped_steps")
 
 ParamsArg = ParamList | Param | Iterable[Param] | Iterable[Mapping[str, Any]]
 GradientsArg = Gradients | Sequence[Any] | None
+
+_dtype_of = attrgetter("dtype")
+_shape_of = attrgetter("shape")
 
 
 def l2_gradient(xp: Any, p: Any, g: Any, out: Any, weight_decay: float, maximize: bool) -> Any:
@@ -123,9 +130,10 @@ class Optimizer:
         self._state = FlatState()
         self._device_state: Any = None  # a DeviceState mirror after device steps (optim.device)
         self._work: dict[np.dtype, list[np.ndarray]] = {}
+        self._step_plan: StepPlan | None = None  # the cached layout work (optim.plan)
         self.step_count = 0
         self.skipped_steps = 0
-        hps = self._checked_groups(groups, plist.canonical_slot_indices())
+        hps = self._checked_groups(groups, self._plan())
         for group, hp in zip(groups, hps):
             group.update(hp)
 
@@ -172,7 +180,7 @@ class Optimizer:
         ``step`` and ``clip_grad_norm`` accept; with ``Gradients`` a storage used once
         gets the very array ``backward`` produced (C4). Nothing is written.
         """
-        return self._resolve(gradients)[1]
+        return self._resolve(gradients, self._plan())
 
     def step(self, gradients: GradientsArg = None) -> None:
         """One update of every trainable storage (C3-C6); see the module docstring.
@@ -184,16 +192,20 @@ class Optimizer:
         if is_device_step(gradients):
             device_step(self, gradients)
             return
-        slots, grads = self._resolve(gradients)
-        hps = self._checked_groups(self.param_groups, slots)
-        specs = self._state_specs(slots, hps)
-        tables = self._gradient_tables(grads, specs)
-        bad = self._first_nonfinite(grads, specs, tables)
+        plan = self._plan()
+        grads = self._resolve(gradients, plan)
+        hps = self._checked_groups(self.param_groups, plan)
+        program = self._program(plan, hps)
+        tables = {
+            dtype: fused.GradientTable(slots, [grads[s] for s in slots], starts)
+            for dtype, (slots, starts) in program.fused.items()
+        }
+        bad = self._first_nonfinite(grads, program, tables)
         if bad is not None:
             self._refuse_nonfinite(bad)
             return
         release_state(self)
-        self._apply(grads, hps, specs, tables)
+        self._apply(grads, hps, program, tables)
         self.step_count += 1
 
     def state_tensor_specs(self) -> dict[int, dict[str, tuple[tuple[int, ...], str]]]:
@@ -203,11 +215,11 @@ class Optimizer:
         hyperparameters. A state dict may hold any subset of these slots (a slot
         that has not stepped yet has no state), each with exactly these tensors.
         """
-        slots = self.params.canonical_slot_indices()
-        hps = self._checked_groups(self.param_groups, slots)
+        plan = self._plan()
+        hps = self._checked_groups(self.param_groups, plan)
         return {
             slot: {name: (shape, dtype.name) for name in names}
-            for slot, (shape, dtype, names) in self._required_specs(slots, hps).items()
+            for slot, (shape, dtype, names) in self._required_specs(plan, hps).items()
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -219,7 +231,7 @@ class Optimizer:
         first (C7).
         """
         sync_state(self)
-        hps = self._checked_groups(self.param_groups, self.params.canonical_slot_indices())
+        hps = self._checked_groups(self.param_groups, self._plan())
         return {
             "kind": self.kind,
             "defaults": plain(self.defaults),
@@ -266,16 +278,17 @@ class Optimizer:
                     f"{where}: param_groups[{gi}] holds slots {list(group['slots'])}, this "
                     f"optimizer's group {gi} holds slots {list(mine['slots'])}"
                 )
-        slots = self.params.canonical_slot_indices()
-        hps = self._checked_groups(groups, slots)
-        required = self._required_specs(slots, hps)
-        specs, entries = self._checked_state(where, sd["state"], slots, required)
+        plan = self._plan()
+        hps = self._checked_groups(groups, plan)
+        required = self._required_specs(plan, hps)
+        specs, entries = self._checked_state(where, sd["state"], plan.slots, required)
         step_count = _counter(where, "step_count", sd["step_count"])
         skipped = _counter(where, "skipped_steps", sd["skipped_steps"])
         self.defaults = defaults
         for group, hp in zip(self.param_groups, hps):
             group.update(hp)
         self._device_state = None  # replaced, not synced: the loaded state wins
+        plan.program = None  # it holds the replaced state buffers
         self._state.install(specs, entries)
         self.step_count = step_count
         self.skipped_steps = skipped
@@ -342,19 +355,30 @@ class Optimizer:
         self._check_group(owner, hp, set(dtypes))
         return hp
 
+    def _plan(self) -> StepPlan:
+        """The step plan of the current layout (``tiegrad.optim.plan``).
+
+        The cached one while every slot holds the same storage object with the same
+        trainability (compared by identity, C1, C5), else a new one.
+        """
+        storages = self.params.optimizer_storage()
+        plan = self._step_plan
+        if plan is None or plan.storages != storages:  # element by element: identity
+            plan = StepPlan(storages, self._slot_group, len(self.param_groups))
+            self._step_plan = plan
+        return plan
+
     def _checked_groups(
-        self, groups: Sequence[Mapping[str, Any]], slots: Sequence[int | None]
+        self, groups: Sequence[Mapping[str, Any]], plan: StepPlan
     ) -> list[dict[str, Any]]:
         """Every group's hyperparameters, normalized; raises on the first invalid one."""
-        hps = []
-        params = list(self.params)
-        for gi, group in enumerate(groups):
-            members = self.param_groups[gi]["slots"]
-            dtypes = {params[i].storage.dtype for i in members if params[i].requires_grad}
-            hps.append(self._checked_hyper(group, f"{self.kind} group {gi}", dtypes))
+        hps = [
+            self._checked_hyper(group, f"{self.kind} group {gi}", plan.group_dtypes[gi])
+            for gi, group in enumerate(groups)
+        ]
         sg = self._slot_group
-        for i, c in enumerate(slots):
-            if c is not None and c != i and hps[sg[i]] != hps[sg[c]]:
+        for i, c in plan.aliases:
+            if hps[sg[i]] != hps[sg[c]]:
                 a, b = hps[sg[c]], hps[sg[i]]
                 diff = ", ".join(f"{k} {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k])
                 raise AliasError(
@@ -365,30 +389,21 @@ class Optimizer:
         return hps
 
     def _required_specs(
-        self, slots: Sequence[int | None], hps: Sequence[Mapping[str, Any]]
+        self, plan: StepPlan, hps: Sequence[Mapping[str, Any]]
     ) -> dict[int, SlotSpec]:
-        sg = self._slot_group
-        names = [self._state_names(hp) for hp in hps]
-        storages = [p.storage for p in self.params]
-        return {
-            i: (storages[i].shape, storages[i].dtype, names[sg[i]])
-            for i, c in enumerate(slots)
-            if c == i
-        }
+        return plan.specs(self._slot_group, [self._state_names(hp) for hp in hps])
 
-    def _state_specs(
-        self, slots: Sequence[int | None], hps: Sequence[Mapping[str, Any]]
-    ) -> dict[int, SlotSpec]:
+    def _state_specs(self, plan: StepPlan, hps: Sequence[Mapping[str, Any]]) -> dict[int, SlotSpec]:
         """The state layout this step needs; existing state is checked against it (C6).
 
         State of a slot that became frozen is dropped at the write; state of a slot that
         now shares another slot's storage is an error (two histories cannot merge).
         """
-        specs = self._required_specs(slots, hps)
+        specs = self._required_specs(plan, hps)
         if self._state.matches(specs):  # the layout of the last step: nothing to check
             return specs
         for slot in self._state.slots():
-            c = slots[slot]
+            c = plan.slots[slot]
             if c is not None and c != slot:
                 raise AliasError(
                     f"{self.kind}.step: {self._label(slot)} has optimizer state but now "
@@ -444,9 +459,8 @@ class Optimizer:
         return specs, entries
 
     # -- gradients -----------------------------------------------------------------------
-    def _resolve(self, gradients: GradientsArg) -> tuple[list[int | None], list[np.ndarray | None]]:
-        """The alias map and the validated gradient of each canonical slot (C4, C5, C6)."""
-        slots = self.params.canonical_slot_indices()
+    def _resolve(self, gradients: GradientsArg, plan: StepPlan) -> list[np.ndarray | None]:
+        """The validated gradient of each canonical slot of ``plan``, None elsewhere (C4-C6)."""
         if gradients is None:
             gradients = latest_gradients()
             if gradients is None:
@@ -454,56 +468,56 @@ class Optimizer:
                     f"{self.kind}.step: no gradients given and no backward has run"
                 )
         if isinstance(gradients, Gradients):
-            raw = self._session_gradients(gradients, slots)
+            raw = self._session_gradients(gradients, plan)
             hint = " (no trainable use of its storage was recorded before that backward)"
         elif isinstance(gradients, (list, tuple)):
-            raw = self._list_gradients(gradients, slots)
+            raw = self._list_gradients(gradients, plan)
             hint = ""
         else:
             raise SlotError(
                 f"{self.kind}.step: expected tiegrad.Gradients, a per-slot list or None, got "
                 f"{type(gradients).__name__}"
             )
-        out: list[np.ndarray | None] = [None] * len(slots)
-        for i, c in enumerate(slots):
-            if c != i:
-                continue
-            g, p = raw[i], self.params[i].storage
+        given = [raw[i] for i in plan.canonical] if plan.spare else raw
+        if (
+            list(map(type, given)) == plan.types
+            and list(map(_dtype_of, given)) == plan.dtypes
+            and list(map(_shape_of, given)) == plan.shapes
+        ):
+            return raw  # every gradient an ndarray of its slot's dtype and shape
+        for i, g in zip(plan.canonical, given):
+            p = plan.storages[i]
             if g is None:
                 raise MissingGradientError(
                     f"{self.kind}.step: {self._label(i)} is trainable but has no gradient{hint}"
                 )
-            if isinstance(g, np.ndarray) and g.dtype == p.dtype and g.shape == p.shape:
-                out[i] = g  # what check_host_array returns, without building its message
-                continue
-            out[i] = check_host_array(
+            raw[i] = check_host_array(
                 f"{self.kind}.step: gradient of {self._label(i)}", g, p.shape, p.dtype
             )
-        return slots, out
+        return raw
 
-    def _session_gradients(self, gradients: Gradients, slots: Sequence[int | None]) -> list[Any]:
+    def _session_gradients(self, gradients: Gradients, plan: StepPlan) -> list[Any]:
+        """The session's group gradients at the canonical slots of their storages (C1)."""
         session = gradients.session
-        index = self._storage_index(slots)
-        raw: list[Any] = [None] * len(slots)
+        index = plan.index
+        raw: list[Any] = [None] * len(plan.slots)
         for group in gradients.parameter_groups():
             i = None if group.storage is None else index.get(id(group.storage))
             if i is not None:
                 raw[i] = session.backend.to_numpy(dense_group_gradient(group, gradients))
         return raw
 
-    def _storage_index(self, slots: Sequence[int | None]) -> dict[int, int]:
-        """``{id(storage): canonical slot}`` for the trainable storages (C1: by identity)."""
-        params = self.params
-        return {id(params[i].storage): i for i, c in enumerate(slots) if c == i}
-
-    def _list_gradients(self, gradients: Sequence[Any], slots: Sequence[int | None]) -> list[Any]:
+    def _list_gradients(self, gradients: Sequence[Any], plan: StepPlan) -> list[Any]:
+        """A copy of a per-slot list, checked to hold None at frozen and alias slots (C5)."""
+        slots = plan.slots
         if len(gradients) != len(slots):
             raise SlotError(
                 f"{self.kind}.step: {len(gradients)} gradients for {len(slots)} slots; "
                 f"expected one entry per slot (None at frozen and alias slots)"
             )
-        for i, c in enumerate(slots):
-            if c != i and gradients[i] is not None:
+        for i in plan.spare:
+            if gradients[i] is not None:
+                c = slots[i]
                 what = "frozen" if c is None else f"an alias of slot {c}"
                 raise SlotError(
                     f"{self.kind}.step: slot {i} is {what} and its entry must be None; sum "
@@ -512,18 +526,21 @@ class Optimizer:
         return list(gradients)
 
     # -- the update ----------------------------------------------------------------------
-    def _gradient_tables(
-        self, grads: Sequence[np.ndarray | None], specs: Mapping[int, SlotSpec]
-    ) -> dict[np.dtype, fused.GradientTable]:
-        """The gradients of the canonical slots of each dtype ``fused`` supports, located."""
-        by_dtype: dict[np.dtype, list[int]] = {}
-        for slot, spec in specs.items():
-            by_dtype.setdefault(spec[1], []).append(slot)
-        return {
-            dtype: fused.GradientTable(slots, [grads[slot] for slot in slots])
-            for dtype, slots in by_dtype.items()
-            if fused.supports(dtype)
-        }
+    def _program(self, plan: StepPlan, hps: Sequence[Mapping[str, Any]]) -> Program:
+        """``plan``'s cached ``Program`` while it holds, else a new one (``optim.plan``).
+
+        A new program's state layout is checked against the existing state first (C6).
+        """
+        names = tuple(self._state_names(hp) for hp in hps)
+        rule = self.fused_rule
+        fusable = frozenset(d for d in plan.dtype_set if rule is not None and fused.supports(d))
+        key = (names, fusable)
+        program = plan.program
+        if program is None or not program.current(key, self._state):
+            specs = self._state_specs(plan, hps)
+            program = Program(key, specs, self._state, self._slot_group, plan.storages, fusable)
+            plan.program = program
+        return program
 
     def _refuse_nonfinite(self, bad: int) -> None:
         """Stop a step at slot ``bad``'s non-finite gradient, before any write (C6).
@@ -541,13 +558,12 @@ class Optimizer:
     def _first_nonfinite(
         self,
         grads: Sequence[np.ndarray | None],
-        specs: Mapping[int, SlotSpec],
+        program: Program,
         tables: Mapping[np.dtype, fused.GradientTable],
     ) -> int | None:
         """The first canonical slot whose gradient holds NaN or infinity, or None (C6)."""
         bad = [table.first_nonfinite() for table in tables.values()]
-        rest = [slot for slot, spec in specs.items() if spec[1] not in tables]
-        bad += [slot for slot in rest if not math.isfinite(sum_of_squares(grads[slot]))]
+        bad += [s for s in program.rest if not math.isfinite(sum_of_squares(grads[s]))]
         return min((slot for slot in bad if slot is not None), default=None)
 
     def _arrange_state(
@@ -561,56 +577,30 @@ class Optimizer:
         self,
         grads: Sequence[np.ndarray | None],
         hps: Sequence[Mapping[str, Any]],
-        specs: Mapping[int, SlotSpec],
+        program: Program,
         tables: Mapping[np.dtype, fused.GradientTable],
     ) -> None:
-        created = self._arrange_state(specs, hps)
-        for (gi, step, fresh, dtype), run in self._runs(specs, created, tables):
-            names = specs[run[0]][2]
+        """The update after validation: state arranged on a program's first step, then
+        one rule call per run, each storage from its current value (C3, C4)."""
+        if not program.arranged:
+            self._arrange_state(program.specs, hps)
+        for i, run in enumerate(program.runs):
+            gi, step, fresh, dtype = run.key
+            names = program.specs[run.slots[0]][2]
             c = self._coefficients(hps[gi], step, fresh)
             if dtype in tables and self.fused_rule is not None:
-                self._update_fused(run, tables[dtype].select(run), names, c)
-            elif len(run) == 1:
-                self._update_one(run[0], grads[run[0]], names, c)
+                located = tables[dtype].select(run.rows)
+                batch = program.batches.get(i)
+                if batch is None:
+                    batch = self._batch(self.fused_rule, run, names, np.diff(located[2]))
+                    program.batches[i] = batch
+                self._update_fused(batch, run, located, c)
+            elif len(run.slots) == 1:
+                self._update_one(run, grads[run.slots[0]], names, c)
             else:
                 self._update_many(run, grads, names, c)
-            self._state.set_steps(run, step)
-
-    def _runs(
-        self,
-        specs: Mapping[int, SlotSpec],
-        created: set[tuple[int, str]],
-        tables: Mapping[np.dtype, fused.GradientTable],
-    ) -> list[tuple[tuple[int, int, frozenset[str], np.dtype], list[int]]]:
-        """Canonical slots in order, consecutive small ones with equal coefficients merged.
-
-        Slots updated fused (a dtype in ``tables``) are merged whatever their size and
-        position: one run per coefficients.
-        """
-        runs: list[tuple[tuple[int, int, frozenset[str], np.dtype], list[int]]] = []
-        batches: dict[tuple[int, int, frozenset[str], np.dtype], list[int]] = {}
-        fusable = set(tables) if self.fused_rule is not None else set()
-        total = 0
-        steps = self._state.step
-        for slot in sorted(specs):
-            shape, dtype, names = specs[slot]
-            fresh = frozenset(n for n in names if (slot, n) in created) if created else NOTHING
-            key = (self._slot_group[slot], steps(slot) + 1, fresh, dtype)
-            if dtype in fusable:
-                if key not in batches:
-                    batches[key] = []
-                    runs.append((key, batches[key]))
-                batches[key].append(slot)
-                continue
-            size = math.prod(shape)
-            small = size <= SMALL
-            if small and runs and runs[-1][0] == key and total and total + size <= CHUNK:
-                runs[-1][1].append(slot)
-                total += size
-            else:
-                runs.append((key, [slot]))
-                total = size if small else 0
-        return runs
+            self._state.set_steps(run.slots, step)
+        program.advance()
 
     def _work_rows(self, dtype: np.dtype) -> list[np.ndarray]:
         """``work_buffers`` scratch rows plus two gather rows of ``CHUNK`` elements, reused."""
@@ -620,8 +610,9 @@ class Optimizer:
             self._work[dtype] = rows
         return rows
 
-    def _update_one(self, slot: int, g: np.ndarray, names: tuple[str, ...], c: Any) -> None:
-        storage = self.params[slot].storage
+    def _update_one(self, run: Run, g: np.ndarray, names: tuple[str, ...], c: Any) -> None:
+        """The one slot of ``run`` updated by ``rule`` in slices of ``CHUNK`` elements."""
+        slot, storage = run.slots[0], run.storages[0]
         arr = _contiguous(storage.host_for_update())
         p = arr.reshape(-1)
         gf = g.reshape(-1)
@@ -638,39 +629,43 @@ class Optimizer:
             )
         storage.commit_host(arr)
 
+    def _batch(
+        self, rule: FusedRule, run: Run, names: tuple[str, ...], sizes: np.ndarray
+    ) -> fused.Batch:
+        """The ``fused.Batch`` of ``run`` (parameter ``sizes``) on the arranged state."""
+        rows = np.array(run.slots, np.intp)
+        state = {name: self._state.offsets(rows, name) for name in names}
+        return fused.Batch(rule, sizes, run.key[3], state)
+
     def _update_fused(
         self,
-        run: list[int],
+        batch: fused.Batch,
+        run: Run,
         grads: tuple[list[np.ndarray], np.ndarray, np.ndarray],
-        names: tuple[str, ...],
         c: Any,
     ) -> None:
-        """The slots of ``run`` updated by one ``fused_rule`` kernel call, in place."""
-        params = self.params
-        storages = [params[slot].storage for slot in run]
+        """The slots of ``run`` updated by one call of ``batch``'s kernel, in place."""
+        storages = run.storages
         arrs = [_contiguous(storage.host_for_update()) for storage in storages]
-        rows = np.array(run, np.intp)
-        state = {name: self._state.offsets(rows, name) for name in names}
-        fused.run(self.fused_rule, c, arrs, grads, state)
+        fused.run(batch, c, arrs, grads)
         for storage, arr in zip(storages, arrs):
             storage.commit_host(arr)
 
-    def _update_many(
-        self, run: list[int], grads: Sequence[Any], names: tuple[str, ...], c: Any
-    ) -> None:
-        arrs = [self.params[slot].storage.host_for_update() for slot in run]
+    def _update_many(self, run: Run, grads: Sequence[Any], names: tuple[str, ...], c: Any) -> None:
+        """The small slots of ``run`` gathered into one buffer, updated by one ``rule`` call."""
+        arrs = [storage.host_for_update() for storage in run.storages]
         n = sum(a.size for a in arrs)
         rows = self._work_rows(arrs[0].dtype)
         p, g = rows[-2][:n], rows[-1][:n]
         np.concatenate([a.reshape(-1) for a in arrs], out=p)
-        np.concatenate([grads[slot].reshape(-1) for slot in run], out=g)
-        state = {name: self._state.span(run[0], run[-1], name) for name in names}
+        np.concatenate([grads[slot].reshape(-1) for slot in run.slots], out=g)
+        state = {name: self._state.span(run.slots[0], run.slots[-1], name) for name in names}
         type(self).rule(np, p, g, state, [w[:n] for w in rows[: self.work_buffers]], c)
         start = 0
-        for slot, a in zip(run, arrs):
+        for storage, a in zip(run.storages, arrs):
             a[...] = p[start : start + a.size].reshape(a.shape)
             start += a.size
-            self.params[slot].storage.commit_host(a)
+            storage.commit_host(a)
 
 
 def _contiguous(arr: np.ndarray) -> np.ndarray:

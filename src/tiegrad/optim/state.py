@@ -8,6 +8,10 @@ layout changes (the first step, a re-tie, a load) and reused by every other step
 
 The state of a slot is ``{"step": int, name: array, ...}``. Only canonical slots of
 trainable storages own state; frozen slots own none (C5).
+
+``revision`` changes with every change of the layout or of a step count, so a caller
+that remembers it knows whether the state is still exactly as it left it (the
+optimizer's cached step plan, ``tiegrad.optim.plan``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class FlatState:
         self._spans: dict[tuple[int, str], tuple[np.ndarray, int, int]] = {}
         self._starts: dict[str, np.ndarray] = {}  # name -> start of each slot's tensor
         self._specs: dict[int, SlotSpec] = {}
+        self.revision = 0  # bumped by every change of the layout or of a step count
 
     # -- reading -------------------------------------------------------------------------
     def __contains__(self, slot: object) -> bool:
@@ -86,10 +91,22 @@ class FlatState:
         """Whether the state holds exactly the layout ``specs`` (``arrange`` would keep it)."""
         return dict(specs) == self._specs
 
+    def missing(self, specs: Mapping[int, SlotSpec]) -> set[tuple[int, str]]:
+        """The ``(slot, name)`` pairs ``arrange(specs)`` would create (new tensors)."""
+        return {
+            (slot, name)
+            for slot, (_, _, names) in specs.items()
+            for name in names
+            if name not in self._tensors.get(slot, {})
+        }
+
     # -- writing -------------------------------------------------------------------------
     def set_steps(self, slots: Sequence[int], step: int) -> None:
         """Record ``step`` as the number of updates of each of ``slots``."""
-        self._steps.update(dict.fromkeys(slots, step))
+        steps = self._steps
+        for slot in slots:
+            steps[slot] = step
+        self.revision += 1
 
     def arrange(
         self, specs: Mapping[int, SlotSpec], initial: Callable[[int, str], float]
@@ -103,12 +120,7 @@ class FlatState:
         """
         if self.matches(specs):
             return set()
-        created = {
-            (slot, name)
-            for slot, (_, _, names) in specs.items()
-            for name in names
-            if name not in self._tensors.get(slot, {})
-        }
+        created = self.missing(specs)
         old = self._tensors
 
         def source(slot: int, name: str) -> np.ndarray | float:
@@ -162,3 +174,4 @@ class FlatState:
         self._starts = starts
         self._steps = {slot: steps[slot] for slot in order}
         self._specs = dict(specs)
+        self.revision += 1
