@@ -183,3 +183,32 @@ def test_the_environment_switch_turns_the_kernels_off(value, enabled):
     env = dict(os.environ, TIEGRAD_NO_NUMBA=value)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == str(enabled), out.stderr
+
+
+def test_relu_vjp_kernel_matches_the_numpy_product_bit_for_bit(monkeypatch):
+    rng = np.random.default_rng(11)
+    y = np.maximum(rng.standard_normal((300, 70)), 0).astype(np.float32)
+    g = rng.standard_normal((300, 70)).astype(np.float32)
+    g[0, :4] = [np.nan, np.inf, -np.inf, 0.0]
+    y[0, :4] = [0.0, 0.0, 2.0, 0.0]
+    with np.errstate(invalid="ignore"):  # inf * 0 on the NumPy path
+        got, want = both_paths(monkeypatch, lambda: NUMPY.relu_vjp(g, y))
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)  # NaN where g is NaN or infinite and y is 0
+    assert np.isnan(got[0, 0]) and np.isnan(got[0, 1]) and got[0, 2] == -np.inf
+
+
+@pytest.mark.parametrize(
+    "g,y",
+    [
+        (np.ones((4, 6)), np.ones((4, 6), np.float32)),  # float64 cotangent: promotes
+        (np.ones((6, 4), np.float32).T, np.ones((4, 6), np.float32)),  # strided
+        (np.ones((4, 6), np.float32), np.ones((1, 6), np.float32)),  # broadcast
+    ],
+    ids=["float64", "strided", "broadcast"],
+)
+def test_relu_vjp_falls_back_to_numpy_outside_the_kernel(fused, g, y):
+    got = NUMPY.relu_vjp(g, y)
+    want = g * (y > 0)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)

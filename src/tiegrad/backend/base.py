@@ -137,6 +137,13 @@ class Backend:
         """The input cotangent of ``gelu`` from the output cotangent ``g`` and ``saved``."""
         return g * saved
 
+    def relu_vjp(self, g: Array, out: Array) -> Array:
+        """``g * (out > 0)``, the input cotangent of ``relu`` from its output ``out``.
+
+        NaN and infinite entries of ``g`` give NaN where ``out`` is 0, as the product does.
+        """
+        return g * (out > 0)
+
     # Fused kernels: a backend that has one for the operands returns its result; None
     # or False (the defaults) make the op run its generic code instead. The softmax
     # kernels run on the calling thread (attention calls them per block).

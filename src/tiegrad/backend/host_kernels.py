@@ -1,4 +1,5 @@
-"""Fused float32 kernels of the NumPy backend, compiled by numba: GELU, layer norm, softmax.
+"""Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU's VJP, layer
+norm, softmax.
 
 Imported only through ``tiegrad._numba.load`` by ``numpy_backend``, which decides when
 to use them (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``): every kernel
@@ -93,6 +94,17 @@ def exp_neg(z: Any) -> Any:
     if z >= _EXP_MIN:
         return e
     return _F(0.0) if z < _EXP_MIN else z
+
+
+@_kernel
+def relu_vjp(g: np.ndarray, y: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``out = g * (y > 0)`` on flat elements ``lo .. hi`` (one pass, no mask array).
+
+    A product with 0 or 1, as NumPy's ``g * (y > 0)``: NaN or infinite ``g`` gives NaN
+    where ``y`` is not positive.
+    """
+    for i in range(lo, hi):
+        out[i] = g[i] * (_F(1.0) if y[i] > _F(0.0) else _F(0.0))
 
 
 @_kernel

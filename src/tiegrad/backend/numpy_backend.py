@@ -464,6 +464,14 @@ class NumpyBackend(Backend):
         _rows_parallel(kernels.gelu, x.size, 1, x.reshape(-1), y, d)
         return y.reshape(x.shape), d.reshape(x.shape)
 
+    def relu_vjp(self, g: Array, out: Array) -> Array:
+        kernels = _fused_kernels(g, out) if g.shape == out.shape else None
+        if kernels is None:
+            return super().relu_vjp(g, out)
+        (gx,) = _outputs_apart(g, 1)
+        _rows_parallel(kernels.relu_vjp, g.size, 1, g.reshape(-1), out.reshape(-1), gx)
+        return gx.reshape(g.shape)
+
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
     ) -> tuple[Array, Array, Array] | None:

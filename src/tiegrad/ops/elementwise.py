@@ -36,8 +36,8 @@ def _sigmoid_vjp(out, g):
     return (g * out * (1.0 - out),)
 
 
-def _relu_vjp(out, g):
-    return (g * (out > 0),)
+def _relu_vjp(bk, out, g):
+    return (bk.relu_vjp(g, out),)
 
 
 def _gelu_vjp(bk, saved, g):
@@ -92,7 +92,7 @@ def relu(x: TensorRef) -> TensorRef:
     """
     s = session_of(x)
     out = s.backend.maximum(x.value, 0.0)
-    return s._record(out, (x.id,), partial(_relu_vjp, out))
+    return s._record(out, (x.id,), partial(_relu_vjp, s.backend, out))
 
 
 def gelu(x: TensorRef, approximate: str = "none") -> TensorRef:
