@@ -48,6 +48,7 @@ class _Kernels(NamedTuple):
     """MKL's CBLAS entry points for one dtype."""
 
     gemm: Callable[..., None]
+    gemm_batch_strided: Callable[..., None]
     gemm_batch: Callable[..., None]
     gemv: Callable[..., None]
     dot: Callable[..., float]
@@ -84,28 +85,11 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
         (np.dtype(np.float32), ctypes.c_float, "s"),
         (np.dtype(np.float64), ctypes.c_double, "d"),
     ):
-        signatures = {
-            "gemm": (i, i, i, i, i, i, scalar, vp, i, vp, i, scalar, vp, i),
-            "gemm_batch_strided": (
-                i,
-                i,
-                i,
-                i,
-                i,
-                i,
-                scalar,
-                vp,
-                i,
-                i,
-                vp,
-                i,
-                i,
-                scalar,
-                vp,
-                i,
-                i,
-                i,
-            ),
+        gemm = (i, i, i, i, i, i, scalar, vp, i, vp, i, scalar, vp, i)
+        signatures = {  # in the order of ``_Kernels``
+            "gemm": gemm,
+            "gemm_batch_strided": gemm[:9] + (i,) + gemm[9:11] + (i,) + gemm[11:] + (i, i),
+            "gemm_batch": (i,) + (vp,) * 13 + (i, vp),
             "gemv": (i, i, i, i, scalar, vp, i, vp, i, scalar, vp, i),
             "dot": (i, vp, i, vp, i),
         }
@@ -135,16 +119,20 @@ def _matrix(rows: int, cols: int, s0: int, s1: int) -> tuple[int, int] | None:
     return None
 
 
-def _batch_stride(
-    shape: tuple[int, ...], strides: tuple[int, ...], batch: tuple[int, ...]
-) -> int | None:
-    """One element stride stepping through the operand's matrices in ``batch`` order, if any."""
+def _batch_strides(
+    shape: tuple[int, ...], strides: tuple[int, ...], batch: tuple[int, ...], item: int
+) -> tuple[int, ...]:
+    """The operand's element stride along each axis of ``batch`` (0 where it broadcasts)."""
     pad = len(batch) - len(shape)
-    axes = [
-        (n, strides[j - pad] if j >= pad and shape[j - pad] != 1 else 0)
-        for j, n in enumerate(batch)
-        if n != 1
-    ]
+    return tuple(
+        strides[j - pad] // item if j >= pad and shape[j - pad] != 1 else 0
+        for j in range(len(batch))
+    )
+
+
+def _even_stride(strides: tuple[int, ...], batch: tuple[int, ...]) -> int | None:
+    """One stride stepping through the matrices in ``batch`` order, if the axes allow it."""
+    axes = [(n, s) for n, s in zip(batch, strides) if n != 1]
     if not axes:
         return 0
     step = expected = axes[-1][1]
@@ -152,7 +140,15 @@ def _batch_stride(
         expected *= inner_count
         if stride != expected:
             return None
-    return step
+    return step if step >= 0 else None
+
+
+def _addresses(base: int, strides: tuple[int, ...], batch: tuple[int, ...], item: int) -> Any:
+    """The address of every matrix of an operand, in ``batch`` order (int64 array)."""
+    offsets = np.zeros(1, np.int64)
+    for n, stride in zip(batch, strides):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    return offsets * item + base
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -178,7 +174,6 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _matrix_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """``a @ b`` for operands of at least two axes, or None where BLAS cannot read them."""
-    gemm, batched = kernels.gemm, kernels.gemm_batch
     item = a.itemsize
     m, k = a.shape[-2:]
     k_b, n = b.shape[-2:]
@@ -188,21 +183,37 @@ def _matrix_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> np.ndarr
         return None
     if a.ndim == 2 and b.ndim == 2:
         out = np.empty((m, n), a.dtype)
-        gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1],
+        kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1],
              b.ctypes.data, lb[1], 0.0, out.ctypes.data, n)  # fmt: skip
         return out
     try:
         batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     except ValueError:
         return None  # NumPy raises its own error
-    sa = _batch_stride(a.shape[:-2], tuple(s // item for s in a.strides[:-2]), batch)
-    sb = _batch_stride(b.shape[:-2], tuple(s // item for s in b.strides[:-2]), batch)
     count = math.prod(batch)
-    if sa is None or sb is None or min(sa, sb) < 0 or max(sa, sb, count * m * n) > _INT_MAX:
+    if count * m * n > _INT_MAX:
         return None
     out = np.empty(batch + (m, n), a.dtype)
-    batched(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1], sa,
-            b.ctypes.data, lb[1], sb, 0.0, out.ctypes.data, n, m * n, count)  # fmt: skip
+    strides_a = _batch_strides(a.shape[:-2], a.strides[:-2], batch, item)
+    strides_b = _batch_strides(b.shape[:-2], b.strides[:-2], batch, item)
+    sa, sb = _even_stride(strides_a, batch), _even_stride(strides_b, batch)
+    if sa is not None and sb is not None and max(sa, sb) <= _INT_MAX:
+        kernels.gemm_batch_strided(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data,
+                                   la[1], sa, b.ctypes.data, lb[1], sb, 0.0, out.ctypes.data,
+                                   n, m * n, count)  # fmt: skip
+        return out
+    # One group of ``count`` products given by address: any batch strides, one call.
+    pa = _addresses(a.ctypes.data, strides_a, batch, item)
+    pb = _addresses(b.ctypes.data, strides_b, batch, item)
+    pc = np.arange(count, dtype=np.int64) * (m * n * item) + out.ctypes.data
+    sizes = np.array([la[0], lb[0], m, n, k, la[1], lb[1], n, count], np.int32)
+    scalars = np.array([1.0, 0.0], a.dtype)
+    at = sizes.ctypes.data
+    ax = scalars.ctypes.data
+    i4, f = 4, a.itemsize
+    kernels.gemm_batch(_ROW_MAJOR, at, at + i4, at + 2 * i4, at + 3 * i4, at + 4 * i4, ax,
+                       pa.ctypes.data, at + 5 * i4, pb.ctypes.data, at + 6 * i4, ax + f,
+                       pc.ctypes.data, at + 7 * i4, 1, at + 8 * i4)  # fmt: skip
     return out
 
 
