@@ -7,6 +7,7 @@ Each layout MKL is handed must give ``np.matmul``'s shape, dtype and values (flo
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import subprocess
 import sys
@@ -108,6 +109,30 @@ def test_vector_products_go_to_mkl_and_match_numpy(layout, dtype, numpy_calls):
     assert numpy_calls.calls == 0
 
 
+@pytest.fixture
+def spread_vector() -> np.ndarray:
+    """Two float32 elements 2**31 + 1 elements apart (8 GiB of address space, never touched)."""
+    stride = 2**31 + 1
+    if sys.maxsize < 2**40 or sys.platform != "linux":
+        pytest.skip("needs Linux's anonymous mappings in a 64-bit address space")
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    try:
+        region = mmap.mmap(-1, 4 * (stride + 1), flags=flags)
+    except (OSError, OverflowError) as error:
+        pytest.skip(f"cannot map 8 GiB of address space: {error}")
+    vector = np.frombuffer(region, np.float32)[::stride]  # unmapped with its last view
+    vector[...] = [2.0, 3.0]
+    return vector
+
+
+def test_vectors_strided_beyond_32_bit_integers_match_numpy(spread_vector):
+    other = np.array([10.0, 100.0], np.float32)
+    mat = np.array([[1.0, 5.0, 7.0], [2.0, 0.5, -1.0]], np.float32)
+    for a, b in [(spread_vector, other), (other, spread_vector), (spread_vector, mat)]:
+        assert np.array_equal(blas.matmul(a, b), np.matmul(a, b))
+    assert np.array_equal(blas.matmul(mat.T, spread_vector), np.matmul(mat.T, spread_vector))
+
+
 @needs_mkl
 def test_head_views_and_reversed_batches_go_to_mkl(numpy_calls):
     qkv = rng.standard_normal((3, 7, 3 * 4 * 5)).astype(np.float32)  # (B, T, 3 * H * D)
@@ -152,6 +177,40 @@ def test_other_layouts_go_to_numpy_unchanged(a, b, numpy_calls):
     assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
+def _np_matrix(rows: int, cols: int) -> np.matrix:
+    with pytest.warns(PendingDeprecationWarning):
+        return np.matrix(np.ones((rows, cols), np.float32))
+
+
+@pytest.mark.parametrize(
+    "operands",
+    [
+        lambda: ([[1.0, 2.0]], [[3.0], [4.0]]),
+        lambda: ([[1.0, 2.0]], np.ones((2, 1), np.float32)),
+        lambda: (_np_matrix(2, 3), _np_matrix(3, 2)),
+        lambda: (np.ones((2, 3), np.float32), _np_matrix(3, 2)),
+        lambda: (np.ma.array(np.ones((2, 2)), mask=[[0, 1], [0, 0]]), np.ones((2, 2))),
+    ],
+    ids=["lists", "list-and-array", "matrix", "array-and-matrix", "masked"],
+)
+def test_non_arrays_and_subclasses_go_to_numpy_unchanged(operands, numpy_calls):
+    a, b = operands()
+    got = blas.matmul(a, b)
+    assert numpy_calls.calls == 1
+    want = numpy_calls.real(a, b)
+    assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape
+    assert np.array_equal(np.ma.getdata(got), np.ma.getdata(want))
+    assert np.array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(want))
+
+
+@pytest.mark.parametrize("shapes", [((), (3, 2)), ((2, 3), ()), ((), (3,)), ((3,), ()), ((), ())])
+@pytest.mark.parametrize("scalar", [np.float32, np.array], ids=["numpy-scalar", "0-d-array"])
+def test_zero_dimensional_operands_raise_numpy_errors(shapes, scalar):
+    a, b = (np.ones(s, np.float32) if s else scalar(np.float32(2.0)) for s in shapes)
+    with pytest.raises(ValueError, match="enough dimensions"):
+        blas.matmul(a, b)
+
+
 def test_mismatched_operands_raise_numpy_errors():
     with pytest.raises(ValueError):
         blas.matmul(np.ones((2, 3), np.float32), np.ones((4, 2), np.float32))
@@ -176,8 +235,8 @@ def test_the_host_backend_multiplies_through_this_module():
     assert NUMPY.matmul is expected
 
 
-def _import_in_child(env_value: str, code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TIEGRAD_BLAS=env_value)
+def _import_in_child(env_value: str, code: str, **extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TIEGRAD_BLAS=env_value, **extra)
     return subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
@@ -200,3 +259,41 @@ def test_required_mkl_that_is_missing_is_an_error_naming_the_folder():
     run = _import_in_child("mkl", code)
     assert run.returncode != 0
     assert "ConfigError" in run.stderr and "no-such-env" in run.stderr
+
+
+_PRODUCTS_MATCH = """
+import numpy as np
+from tiegrad.backend import blas
+rng = np.random.default_rng(0)
+q = rng.standard_normal((2, 5, 3, 4)).transpose(0, 2, 1, 3)
+pairs = [((5, 7), (7, 3)), ((4, 5, 7), (4, 7, 3)), ((7,), (7, 3)), ((5, 7), (7,)), ((7,), (7,))]
+pairs = [(rng.standard_normal(x), rng.standard_normal(y)) for x, y in pairs]
+pairs.append((q, rng.standard_normal((2, 3, 4, 6))))
+assert all(np.allclose(blas.matmul(a, b), np.matmul(a, b)) for a, b in pairs)
+print(blas.LIBRARY)
+"""
+
+
+@needs_mkl
+@pytest.mark.parametrize("layer", ["ILP64", "ILP64,GNU", "LP64"])
+def test_products_use_32_bit_integers_whatever_mkl_interface_layer_says(layer):
+    run = _import_in_child("mkl", _PRODUCTS_MATCH, MKL_INTERFACE_LAYER=layer)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == blas.LIBRARY
+
+
+_EARLIER_ILP64 = f"""
+import ctypes, sys
+from pathlib import Path
+ctypes.CDLL(str(Path(sys.prefix) / "lib" / {blas.LIBRARY!r})).MKL_Set_Interface_Layer(1)
+"""
+
+
+@needs_mkl
+def test_mkl_fixed_to_ilp64_by_an_earlier_caller_is_left_unused():
+    run = _import_in_child("auto", _EARLIER_ILP64 + _PRODUCTS_MATCH)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "None"
+    run = _import_in_child("mkl", _EARLIER_ILP64 + "import tiegrad")
+    assert run.returncode != 0
+    assert "ConfigError" in run.stderr and "ILP64" in run.stderr

@@ -3,14 +3,23 @@
 NumPy's wheels multiply with OpenBLAS. On x86-64, Intel's oneMKL (the PyPI package
 ``mkl``) runs the float32 products of this project's workloads 20-40% faster (README,
 "Benchmarks"), so the host backend's ``matmul`` hands every product that BLAS can read in
-place to ``cblas_?gemm``, and a stack of products to one ``cblas_?gemm_batch_strided``.
+place to ``cblas_?gemm``, and a stack of products to one ``cblas_?gemm_batch_strided``
+(``cblas_?gemm_batch`` with per-matrix addresses where the batch axes share no stride).
 
-What goes to MKL: operands of one dtype, float32 or float64, each at least 2-D, no empty
-axis, each matrix row- or column-contiguous, and batch axes that broadcast (``matmul``'s
-rules) and collapse into one even stride per operand (0 where an operand is broadcast).
-Everything else, and everything when MKL is absent, is ``np.matmul`` unchanged. Either
-way the result is a new C-contiguous array of ``np.matmul``'s shape and dtype; the values
-agree with OpenBLAS's to rounding, since the two libraries sum in different orders.
+What goes to MKL: plain ``np.ndarray`` operands (no subclass) of one native-order dtype,
+float32 or float64, no empty axis, each matrix row- or column-contiguous, every size and
+stride within MKL's 32-bit integers: a vector times a vector or a matrix, or operands of
+at least two axes whose batch axes broadcast (``matmul``'s rules). Everything else, and
+everything when MKL is absent, is ``np.matmul`` unchanged, errors included. Either way the
+result has ``np.matmul``'s type, shape and dtype (a scalar for two vectors); MKL's arrays
+are new and C-contiguous, where NumPy's may follow the operands' memory order. The values
+agree with OpenBLAS's to rounding, since the two libraries sum in different orders. MKL's
+products do not report overflow or invalid operations to ``np.errstate`` as NumPy's do.
+
+Integer width: the signatures below pass 32-bit integers (MKL's LP64 interface).
+``libmkl_rt`` would follow ``MKL_INTERFACE_LAYER=ILP64`` and read 64-bit ones, so the
+loader sets LP64 before any other MKL call, and leaves MKL unused where an earlier caller
+in this process has already fixed ILP64.
 
 Repeatability: unless the environment sets ``MKL_CBWR``, MKL runs in its conditional
 numerical reproducibility mode for the CPU it finds (``MKL_CBWR_AUTO``), so a product
@@ -29,6 +38,7 @@ import ctypes
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -41,6 +51,7 @@ ENV_SWITCH = "TIEGRAD_BLAS"
 _NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _CBWR_AUTO = 2
+_LP64 = 0  # MKL_INTERFACE_LP64
 _INT_MAX = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes and strides
 
 
@@ -77,8 +88,20 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
                 f"install it with: pip install 'tiegrad[mkl]'"
             )
         return None, {}
-    if "MKL_CBWR" not in os.environ:
-        lib.MKL_CBWR_Set(_CBWR_AUTO)
+    if lib.MKL_Set_Interface_Layer(_LP64) != _LP64:  # first, before MKL reads its environment
+        if choice == "mkl":
+            raise ConfigError(
+                f"{ENV_SWITCH}=mkl but {Path(lib._name).name} already runs its ILP64 interface "
+                f"in this process; tiegrad calls it with 32-bit integers (LP64)"
+            )
+        return None, {}
+    if "MKL_CBWR" not in os.environ and lib.MKL_CBWR_Set(_CBWR_AUTO) != 0:
+        warnings.warn(
+            f"tiegrad: {Path(lib._name).name} was called before tiegrad set its reproducible "
+            "mode (MKL_CBWR_AUTO); matrix products may differ in the last bits between runs",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     i, vp = ctypes.c_int, ctypes.c_void_p
     kernels = {}
     for dtype, scalar, prefix in (
@@ -156,6 +179,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     Aligned operands (NumPy's ``flags.aligned``) have strides in whole elements.
     """
+    if type(a) is not np.ndarray or type(b) is not np.ndarray:
+        return np.matmul(a, b)  # lists, scalars, subclasses: NumPy converts and wraps
     kernels = _KERNELS.get(a.dtype)
     if (
         kernels is None
@@ -168,7 +193,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.ndim > 1 and b.ndim > 1:
         out = _matrix_product(kernels, a, b)
     else:
-        out = _vector_product(kernels, a, b) if a.ndim + b.ndim <= 3 else None
+        out = _vector_product(kernels, a, b) if a.ndim and b.ndim and a.ndim + b.ndim <= 3 else None
     return np.matmul(a, b) if out is None else out
 
 
@@ -224,14 +249,14 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
         return None
     if a.ndim == 1 and b.ndim == 1:
         ia, ib = a.strides[0] // item, b.strides[0] // item
-        if min(ia, ib) <= 0 or a.size > _INT_MAX:
+        if min(ia, ib) <= 0 or max(ia, ib, a.size) > _INT_MAX:
             return None
         return a.dtype.type(kernels.dot(a.size, a.ctypes.data, ia, b.ctypes.data, ib))
     mat, vec = (a, b) if b.ndim == 1 else (b, a)
     rows, cols = mat.shape
     layout = _matrix(rows, cols, mat.strides[0] // item, mat.strides[1] // item)
     inc = vec.strides[0] // item if vec.size > 1 else 1
-    if layout is None or inc <= 0 or max(rows, cols, layout[1]) > _INT_MAX:
+    if layout is None or inc <= 0 or max(rows, cols, layout[1], inc) > _INT_MAX:
         return None
     trans, ld = layout
     if mat is b:  # vector @ matrix is the transposed matrix times the vector
