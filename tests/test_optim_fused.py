@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
-from tiegrad import NonFiniteError, Param, ParamList, _numba  # noqa: E402
+from tiegrad import NonFiniteError, Param, ParamList, _numba, _threads  # noqa: E402
 from tiegrad.optim import SGD, Adagrad, Adam, AdamW, RMSprop, fused  # noqa: E402
 
 CASES = [
@@ -356,7 +356,7 @@ def test_a_forked_child_steps_after_its_parent_used_the_threads(small_chunks):
     if pid == 0:  # the child: one more step on its own pool, then report
         try:
             opt.step([grad])
-            threads = fused._pool._threads  # the child's own pool, its threads alive
+            threads = _threads._pool._threads  # the child's own pool, its threads alive
             alive = bool(threads) and all(t.is_alive() for t in threads)
             right = np.array_equal(plist[0].value, expected)
             os.write(write, b"ok" if right and alive else b"bad")

@@ -15,7 +15,7 @@ cuts an op's rows into cache-sized blocks, run one after the other (they call BL
 With numba installed, float32 GELU, layer norm and the attention softmax run as
 single-pass kernels (``host_kernels``) instead. The elementwise kernels run their
 blocks on ``_THREADS`` threads: ``TIEGRAD_NUM_THREADS``, else 1 (see
-``_kernel_threads``). A thread pool starts on first use; a forked child starts its own.
+``_kernel_threads``), sharing the process's pool (``tiegrad._threads``).
 Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
 """
 
@@ -25,14 +25,12 @@ import ctypes
 import functools
 import math
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from .. import _numba
+from .. import _numba, _threads
 from . import blas
 from .base import Array, Backend, DType, Shape
 
@@ -200,75 +198,19 @@ def _kernel_threads() -> int:
 
 
 _THREADS = _kernel_threads()
-_POOL: list[ThreadPoolExecutor | None] = [None]
-
-
-def _forget_pool() -> None:
-    _POOL[0] = None  # a forked child has none of the parent's threads
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-class _Claims:
-    """Blocks ``0..n-1`` handed out one at a time to whichever thread asks next."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.lock = threading.Lock()
-        self.next = 0
-        self.done = 0
-        self.finished = threading.Event()
-        self.error: BaseException | None = None
-
-    def work(self, run: Callable[[int, int], None]) -> None:
-        """Claim and run blocks until none is left; the last one finished sets ``finished``.
-
-        After an error no more blocks are handed out (``n`` shrinks to those claimed).
-        """
-        while True:
-            with self.lock:
-                b = self.next
-                if b >= self.n:
-                    return
-                self.next = b + 1
-            try:
-                run(b, b + 1)
-            except BaseException as e:  # handed to the caller, which re-raises it
-                with self.lock:
-                    self.error = self.error or e
-                    self.n = self.next
-            with self.lock:
-                self.done += 1
-                if self.done == self.n:
-                    self.finished.set()
 
 
 def _parallel(run: Callable[[int, int], None], n_blocks: int) -> None:
-    """Run ``run(b, b + 1)`` for every block ``b`` of ``range(n_blocks)`` on several threads.
+    """Run ``run(b, b + 1)`` for every block ``b`` of ``range(n_blocks)`` on ``_THREADS``.
 
-    The caller and up to ``_THREADS - 1`` threads of a pool (started on first use) claim
-    blocks in turn; NumPy releases the GIL inside ufunc loops, ``einsum`` and BLAS calls,
-    so blocks run at the same time. The caller waits only for blocks a pool thread has
-    claimed: a pool thread the OS has not scheduled yet delays nothing, so on a loaded
-    machine the work degrades to the caller's thread instead of waiting a time slice.
-    A single block, or ``_THREADS == 1``, runs on the caller.
+    The threads claim blocks in turn (``tiegrad._threads.share``). A single block, or
+    ``_THREADS == 1``, is one call ``run(0, n_blocks)`` on the caller.
     """
     if _THREADS <= 1 or n_blocks <= 1:
         if n_blocks:
             run(0, n_blocks)
         return
-    pool = _POOL[0]
-    if pool is None:
-        pool = _POOL[0] = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="tiegrad-kernel")
-    claims = _Claims(n_blocks)
-    for _ in range(min(_THREADS, n_blocks) - 1):
-        pool.submit(claims.work, run)
-    claims.work(run)
-    claims.finished.wait()
-    if claims.error is not None:
-        raise claims.error
+    _threads.share(lambda b: run(b, b + 1), n_blocks, _THREADS)
 
 
 def _gelu32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -18,22 +18,20 @@ per thread, claimed in turn by the calling thread and ``THREADS - 1`` pool threa
 kernels release the GIL). The caller waits only for chunks a pool thread has claimed,
 so a pool thread the OS has not scheduled yet delays nothing: on a loaded machine the
 step degrades to one thread instead of waiting a time slice, which a fixed split per
-thread (numba's ``prange``) would. The pool is replaced in a forked child.
+thread (numba's ``prange``) would. The pool is the process's (``tiegrad._threads``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _numba
+from .. import _numba, _threads
 
 ENV_SWITCH = _numba.ENV_SWITCH
 ENABLED: bool = _numba.ENABLED
@@ -44,9 +42,6 @@ THREADS: int = min(
 CHUNK_MIN = 1 << 16  # elements; a batch under two of these runs on the calling thread
 CHUNKS = 4  # chunks per thread: the granularity of the sharing
 _UNSIGNED = {4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}  # exponent bits
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 class FusedRule(NamedTuple):
@@ -252,53 +247,13 @@ def _disjoint(
     return at
 
 
-class _Chunks:
-    """A kernel's element range in chunks that threads claim one at a time.
-
-    ``keep`` holds the arrays whose addresses ``args`` carries, alive for as long as a
-    pool thread may still run a chunk, whatever happens to the caller.
-    """
-
-    def __init__(
-        self, kernel: Callable[..., None], args: tuple[Any, ...], bounds: list[int], keep: Any
-    ) -> None:
-        self.kernel, self.args, self.bounds, self.keep = kernel, args, bounds, keep
-        self.next = 0  # the next chunk to claim
-        self.active = 0  # chunks claimed and not finished
-        self.error: BaseException | None = None
-        self.cond = threading.Condition()
-
-    def drain(self) -> None:
-        """Claim and run chunks until none is left."""
-        while True:
-            with self.cond:
-                i = self.next
-                if i == len(self.bounds) - 1:
-                    return
-                self.next, self.active = i + 1, self.active + 1
-            try:
-                self.kernel(*self.args, self.bounds[i], self.bounds[i + 1])
-            except BaseException as e:  # re-raised by the waiting caller
-                self.error = e
-            finally:
-                with self.cond:
-                    self.active -= 1
-                    self.cond.notify_all()
-
-    def wait(self) -> None:
-        """Return when every chunk has run; raise the first error of any thread."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.active == 0)
-        if self.error is not None:
-            raise self.error
-
-
 def _launch(
     kernel: Callable[..., None], table: np.ndarray, starts: np.ndarray, *args: Any, keep: Any
 ) -> None:
     """``kernel`` over all elements of the batch, shared by up to ``THREADS`` threads.
 
-    ``keep``: the arrays ``table`` points into (see ``_Chunks``).
+    ``keep``: the arrays ``table`` points into, held for as long as a pool thread may
+    still run a chunk, whatever happens to the caller.
     """
     total = int(starts[-1])
     threads = min(THREADS, total // CHUNK_MIN)
@@ -307,28 +262,8 @@ def _launch(
         return
     n = threads * CHUNKS
     bounds = [total * i // n for i in range(n + 1)]
-    chunks = _Chunks(kernel, (table, starts, *args), bounds, keep)
-    pool = _executor()
-    for _ in range(threads - 1):
-        pool.submit(chunks.drain)
-    chunks.drain()
-    chunks.wait()
 
+    def chunk(i: int, _held: Any = keep) -> None:
+        kernel(table, starts, *args, bounds[i], bounds[i + 1])
 
-def _executor() -> ThreadPoolExecutor:
-    """The pool threads, started on first use."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(32, thread_name_prefix="tiegrad-optim")
-        return _pool
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's pool threads do not exist here; start anew."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    _threads.share(chunk, n, threads)
