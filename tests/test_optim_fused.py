@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
+from optim_lists import make_list  # noqa: E402
+
 from tiegrad import NonFiniteError, Param, ParamList, _numba, _threads  # noqa: E402
 from tiegrad.optim import SGD, Adagrad, Adam, AdamW, RMSprop, fused  # noqa: E402
 
@@ -77,17 +79,6 @@ def fused_calls(monkeypatch):
 
     monkeypatch.setattr(fused, "run", counting)
     return calls
-
-
-def make_list(dtype, seed=0) -> ParamList:
-    """[w, b, w (tied), s (0-d), f (frozen), v (large)]: canonical [0, 1, 0, 3, None, 5]."""
-    g = np.random.default_rng(seed)
-    w = Param(g.standard_normal((40, 30)), dtype=dtype, name="w")
-    b = Param(g.standard_normal(7), dtype=dtype, name="b")
-    s = Param(g.standard_normal(()), dtype=dtype, name="s")
-    f = Param(g.standard_normal(5), dtype=dtype, requires_grad=False, name="f")
-    v = Param(g.standard_normal(3001), dtype=dtype, name="v")
-    return ParamList([w, b, w.alias(), s, f, v])
 
 
 def gradients(plist: ParamList, g: np.random.Generator) -> list:

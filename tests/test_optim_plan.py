@@ -16,6 +16,7 @@ import weakref
 
 import numpy as np
 import pytest
+from optim_lists import make_list
 
 import tiegrad.ops as T
 from tiegrad import (
@@ -52,17 +53,6 @@ def path(request, monkeypatch):
     monkeypatch.setattr(fused, "CHUNK_MIN", 512)  # small batches still use the threads
     monkeypatch.setattr(fused, "THREADS", 2)
     return request.param
-
-
-def make_list(dtype=np.float32) -> ParamList:
-    """[w, b, w (tied), s (0-d), f (frozen), v]: canonical slots [0, 1, 0, 3, None, 5]."""
-    g = np.random.default_rng(0)
-    w = Param(g.standard_normal((40, 30)), dtype=dtype, name="w")
-    b = Param(g.standard_normal(7), dtype=dtype, name="b")
-    s = Param(g.standard_normal(()), dtype=dtype, name="s")
-    f = Param(g.standard_normal(5), dtype=dtype, requires_grad=False, name="f")
-    v = Param(g.standard_normal(3001), dtype=dtype, name="v")
-    return ParamList([w, b, w.alias(), s, f, v])
 
 
 def grads_for(plist: ParamList, k: int) -> list:

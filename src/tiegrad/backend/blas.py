@@ -88,16 +88,17 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
                 f"install it with: pip install 'tiegrad[mkl]'"
             )
         return None, {}
+    loaded = Path(lib._name).name
     if lib.MKL_Set_Interface_Layer(_LP64) != _LP64:  # first, before MKL reads its environment
         if choice == "mkl":
             raise ConfigError(
-                f"{ENV_SWITCH}=mkl but {Path(lib._name).name} already runs its ILP64 interface "
+                f"{ENV_SWITCH}=mkl but {loaded} already runs its ILP64 interface "
                 f"in this process; tiegrad calls it with 32-bit integers (LP64)"
             )
         return None, {}
     if "MKL_CBWR" not in os.environ and lib.MKL_CBWR_Set(_CBWR_AUTO) != 0:
         warnings.warn(
-            f"tiegrad: {Path(lib._name).name} was called before tiegrad set its reproducible "
+            f"tiegrad: {loaded} was called before tiegrad set its reproducible "
             "mode (MKL_CBWR_AUTO); matrix products may differ in the last bits between runs",
             RuntimeWarning,
             stacklevel=2,
@@ -123,7 +124,7 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
             entry.restype = scalar if name == "dot" else None
             entries.append(entry)
         kernels[dtype] = _Kernels(*entries)
-    return Path(lib._name).name, kernels
+    return loaded, kernels
 
 
 LIBRARY, _KERNELS = _load()
