@@ -14,13 +14,14 @@ import os
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import tiegrad.backend.numpy_backend as nb
 import tiegrad.ops as T
-from tiegrad import EagerSession
+from tiegrad import EagerSession, _threads
 from tiegrad.backend import NUMPY, Backend, NumpyBackend
 from tiegrad.ops import _core
 
@@ -297,4 +298,7 @@ def test_kernel_threads_follow_the_environment(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     for unset in ("", "0", "many"):
         monkeypatch.setenv("TIEGRAD_NUM_THREADS", unset)
-        assert nb._kernel_threads() == 1  # BLAS's threads own the cores
+        monkeypatch.setattr(_threads, "TEAM", None)
+        assert nb._kernel_threads() == 1  # no OpenMP team: BLAS's threads own the cores
+        monkeypatch.setattr(_threads, "TEAM", SimpleNamespace(size=4))
+        assert nb._kernel_threads() == 4  # BLAS's own team

@@ -1,14 +1,30 @@
-"""``tiegrad._threads.share``: the one pool behind the host kernels and the fused optimizer."""
+"""``tiegrad._threads.share``: the threads behind the host kernels and the fused optimizer.
+
+Every test runs on both routes: MKL's OpenMP team (where MKL is loaded) and the pool.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from tiegrad import _threads
+from tiegrad.backend import blas
+
+_LENT = _threads.TEAM  # the team the import lent, or None
+
+
+@pytest.fixture(autouse=True, params=["team", "pool"])
+def route(request, monkeypatch):
+    if request.param == "team" and _LENT is None:
+        pytest.skip("no OpenMP team: oneMKL is not loaded")
+    monkeypatch.setattr(_threads, "TEAM", _LENT if request.param == "team" else None)
+    return request.param
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -58,8 +74,40 @@ def test_an_error_stops_the_handing_out_and_is_raised_in_the_caller():
     assert len(ran) < 1000
 
 
+def test_an_item_may_share_again():
+    seen = []
+    lock = threading.Lock()
+
+    def inner(i):
+        with lock:
+            seen.append(i)
+
+    _threads.share(lambda i: _threads.share(lambda j: inner(10 * i + j), 3, 2), 4, 2)
+    assert sorted(seen) == sorted(10 * i + j for i in range(4) for j in range(3))
+
+
+def test_callers_on_several_threads_at_once():
+    results, errors = {}, []
+
+    def caller(k):
+        try:
+            out = [0] * 50
+            for _ in range(20):
+                _threads.share(lambda i: out.__setitem__(i, out[i] + k), 50, 2)
+            results[k] = out
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=caller, args=(k,)) for k in (1, 2, 3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors and results == {k: [20 * k] * 50 for k in (1, 2, 3)}
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_forked_child_gets_a_pool_of_its_own():
+def test_a_forked_child_gets_threads_of_its_own():
     _threads.share(lambda i: time.sleep(0.001), 4, 2)  # the parent's pool exists
     read, write = os.pipe()
     pid = os.fork()
@@ -74,3 +122,21 @@ def test_a_forked_child_gets_a_pool_of_its_own():
     _, status = os.waitpid(pid, 0)
     assert status == 0 and os.read(read, 8) == b"ok"
     os.close(read)
+
+
+def _lent_in_a_fresh_process(**env):
+    code = "from tiegrad import _threads; import tiegrad.backend; print(_threads.TEAM is not None)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(blas.LIBRARY is None, reason="needs oneMKL (tiegrad[mkl])")
+def test_mkl_lends_its_team_unless_it_runs_another_threading_layer(route):
+    if route == "pool":
+        pytest.skip("one check is enough")
+    assert _lent_in_a_fresh_process(MKL_THREADING_LAYER="intel")
+    assert not _lent_in_a_fresh_process(MKL_THREADING_LAYER="SEQUENTIAL")
+    assert not _lent_in_a_fresh_process(TIEGRAD_BLAS="numpy")

@@ -145,8 +145,7 @@ class Backend:
         return g * (out > 0)
 
     # Fused kernels: a backend that has one for the operands returns its result; None
-    # or False (the defaults) make the op run its generic code instead. The softmax
-    # kernels run on the calling thread (attention calls them per block).
+    # or False (the defaults) make the op run its generic code instead.
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
     ) -> tuple[Array, Array, Array] | None:

@@ -26,6 +26,10 @@ numerical reproducibility mode for the CPU it finds (``MKL_CBWR_AUTO``), so a pr
 repeats bit for bit on one machine with one thread count, whatever the alignment of its
 operands; exact resumption from a checkpoint relies on that.
 
+Threads: unless the environment sets ``MKL_THREADING_LAYER`` to another layer, MKL runs
+on Intel OpenMP, and the loader lends that runtime's team to ``tiegrad._threads`` (its
+docstring says why), so the host kernels and the fused optimizer share MKL's threads.
+
 ``TIEGRAD_BLAS`` chooses, read once at import: unset or ``auto`` uses MKL when its
 ``libmkl_rt`` lies in this Python environment's ``lib`` folder, ``numpy`` never uses it,
 and ``mkl`` requires it (the import raises ``ConfigError`` when it is missing).
@@ -45,6 +49,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _threads
 from ..errors import ConfigError
 
 ENV_SWITCH = "TIEGRAD_BLAS"
@@ -52,6 +57,7 @@ _NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _CBWR_AUTO = 2
 _LP64 = 0  # MKL_INTERFACE_LP64
+_INTEL_OPENMP = 0  # MKL_THREADING_INTEL
 _INT_MAX = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes and strides
 
 
@@ -103,6 +109,7 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
             RuntimeWarning,
             stacklevel=2,
         )
+    _lend_openmp_team(lib)
     i, vp = ctypes.c_int, ctypes.c_void_p
     kernels = {}
     for dtype, scalar, prefix in (
@@ -125,6 +132,20 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
             entries.append(entry)
         kernels[dtype] = _Kernels(*entries)
     return loaded, kernels
+
+
+def _lend_openmp_team(lib: ctypes.CDLL) -> None:
+    """Lend MKL's Intel OpenMP team to ``tiegrad._threads``, unless MKL runs another layer."""
+    if os.environ.get("MKL_THREADING_LAYER", "INTEL").upper() != "INTEL":
+        return
+    if lib.MKL_Set_Threading_Layer(_INTEL_OPENMP) != _INTEL_OPENMP:
+        return
+    size = lib.MKL_Get_Max_Threads()  # loads the runtime
+    try:  # the runtime MKL has loaded, never a second one
+        runtime = ctypes.CDLL("libiomp5.so", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return
+    _threads.lend_team(runtime, size)
 
 
 LIBRARY, _KERNELS = _load()

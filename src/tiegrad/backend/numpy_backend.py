@@ -13,9 +13,9 @@ in cache) with a mask-free formula accurate to float32 precision; other dtypes t
 the exact path through the float64 Cephes ``erf`` (gradient checks). ``blockwise``
 cuts an op's rows into cache-sized blocks, run one after the other (they call BLAS).
 With numba installed, float32 GELU, layer norm and the attention softmax run as
-single-pass kernels (``host_kernels``) instead. The elementwise kernels run their
-blocks on ``_THREADS`` threads: ``TIEGRAD_NUM_THREADS``, else 1 (see
-``_kernel_threads``), sharing the process's pool (``tiegrad._threads``).
+single-pass kernels (``host_kernels``) instead. The elementwise and row kernels run
+their blocks on ``_THREADS`` threads (``_kernel_threads``: ``TIEGRAD_NUM_THREADS``, else
+MKL's OpenMP team where MKL runs the products, else 1) through ``tiegrad._threads``.
 Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
 """
 
@@ -186,18 +186,22 @@ def _normal_tail(a: np.ndarray, t: np.ndarray, e: np.ndarray, out: np.ndarray) -
 
 
 def _kernel_threads() -> int:
-    """Threads of the fused kernels: ``TIEGRAD_NUM_THREADS`` when set, else 1.
+    """Threads of the fused kernels: ``TIEGRAD_NUM_THREADS`` when set, else BLAS's OpenMP team.
 
-    One by default: BLAS keeps its worker threads spinning for a while after each
-    product, and a second pool competing with them for the cores loses more than it
-    gains (2 cores, one process, 75 steps each, alternating: W3 53.3 against 57.3 ms
-    per step, W1 no difference).
+    Without MKL's team (``tiegrad._threads``) the default is one thread: BLAS keeps its
+    workers spinning for a while after each product, and a pool of our own competing
+    with them for the cores gains nothing (2 cores, alternating: W1, W3 and W5 steps no
+    faster on 2 threads than on 1).
     """
     value = os.environ.get("TIEGRAD_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else 1
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return _threads.TEAM.size if _threads.TEAM is not None else 1
 
 
 _THREADS = _kernel_threads()
+_SHARES = 2  # blocks per thread when a kernel call is shared
+_SHARE_MIN = 1 << 18  # elements of the smallest shared block
 
 
 def _parallel(run: Callable[[int, int], None], n_blocks: int) -> None:
@@ -313,8 +317,16 @@ def _ranges_parallel(kernel: Callable[..., None], n: int, step: int, *args: Any)
 
 
 def _rows_parallel(kernel: Callable[..., None], rows: int, row_size: int, *args: Any) -> None:
-    """``kernel(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads."""
-    _ranges_parallel(kernel, rows, _rows_per_block(row_size), *args)
+    """``kernel(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads.
+
+    On several threads the blocks are also small enough for ``_SHARES`` of them per
+    thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
+    """
+    per_block = _rows_per_block(row_size)
+    if _THREADS > 1:
+        least = -(-_SHARE_MIN // max(1, row_size))
+        per_block = min(per_block, max(least, -(-rows // (_THREADS * _SHARES))))
+    _ranges_parallel(kernel, rows, per_block, *args)
 
 
 _add_reduce = np.add.reduce
@@ -448,7 +460,7 @@ class NumpyBackend(Backend):
             return False
         n = x.shape[-1]
         rows = x.size // n if n else 0
-        kernels.softmax(x.reshape(rows, n), 0, rows)
+        _rows_parallel(kernels.softmax, rows, n, x.reshape(rows, n))
         return True
 
     def softmax_backward_rows_(self, gp: Array, p: Array) -> bool:
@@ -457,7 +469,7 @@ class NumpyBackend(Backend):
             return False
         n = gp.shape[-1]
         rows = gp.size // n if n else 0
-        kernels.softmax_backward(gp.reshape(rows, n), p.reshape(rows, n), 0, rows)
+        _rows_parallel(kernels.softmax_backward, rows, n, gp.reshape(rows, n), p.reshape(rows, n))
         return True
 
     def blockwise(self, kernel: Callable[[int, int], None], n: int, item_size: int) -> None:
