@@ -1,7 +1,8 @@
 """numba, the optional compiler of tiegrad's fused host kernels (the extra ``tiegrad[fast]``).
 
-Two kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates) and
-``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows). ``ENABLED`` is false
+Kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates),
+``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows) and
+``tiegrad.backend.team_kernels`` (those as C functions for an OpenMP team). ``ENABLED`` is false
 when the environment sets ``TIEGRAD_NO_NUMBA`` to anything but ``""`` or ``"0"``; the
 NumPy code paths then run everywhere. ``load`` imports a kernel module, or returns None
 (with one warning) when numba is missing or fails to import, so the library runs the
@@ -54,5 +55,18 @@ def jit(**options: Any) -> Any:
             return numba.njit(cache=True, **options)(func)
         except RuntimeError:  # no writable cache location
             return numba.njit(cache=False, **options)(func)
+
+    return wrap
+
+
+def cfunc(signature: Any) -> Any:
+    """A decorator: ``numba.cfunc(signature)`` with the on-disk cache where one is usable."""
+    import numba
+
+    def wrap(func: Any) -> Any:
+        try:
+            return numba.cfunc(signature, nopython=True, cache=True)(func)
+        except RuntimeError:  # no writable cache location
+            return numba.cfunc(signature, nopython=True, cache=False)(func)
 
     return wrap

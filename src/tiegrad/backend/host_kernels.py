@@ -69,7 +69,7 @@ _F32_MAX = _F(np.finfo(np.float32).max)
 
 
 @intrinsic
-def _float_from_bits(typingctx: Any, bits: Any) -> Any:
+def float_from_bits(typingctx: Any, bits: Any) -> Any:
     """The float32 whose IEEE bit pattern is the int32 ``bits``."""
     sig = types.float32(types.int32)
 
@@ -96,7 +96,7 @@ def exp_neg(z: Any) -> Any:
     p = p * r + _EXP_P[4]
     p = p * r + _EXP_P[5]
     p = p * (r * r) + r + _F(1.0)
-    e = p * _float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
+    e = p * float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
     if z >= _EXP_MIN:
         return e
     return _F(0.0) if z < _EXP_MIN else z
@@ -112,6 +112,14 @@ def relu_vjp(g: np.ndarray, y: np.ndarray, out: np.ndarray, lo: int, hi: int) ->
     g, y, out = g[lo:hi], y[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         out[i] = g[i] * (_F(1.0) if y[i] > _F(0.0) else _F(0.0))
+
+
+@_kernel
+def multiply(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``out = a * b`` on flat elements ``lo .. hi``."""
+    a, b, out = a[lo:hi], b[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
+    for i in range(out.size):
+        out[i] = a[i] * b[i]
 
 
 @_kernel

@@ -201,7 +201,7 @@ def _kernel_threads() -> int:
 
 _THREADS = _kernel_threads()
 _SHARES = 2  # blocks per thread when a kernel call is shared
-_SHARE_MIN = 1 << 18  # elements of the smallest shared block
+_SHARE_MIN = 1 << 15  # elements of the smallest shared block
 
 
 def _parallel(run: Callable[[int, int], None], n_blocks: int) -> None:
@@ -316,17 +316,39 @@ def _ranges_parallel(kernel: Callable[..., None], n: int, step: int, *args: Any)
     _parallel(run, -(-n // step))
 
 
-def _rows_parallel(kernel: Callable[..., None], rows: int, row_size: int, *args: Any) -> None:
-    """``kernel(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads.
+def _rows_parallel(kernels: Any, name: str, rows: int, row_size: int, *args: Any) -> None:
+    """``kernels.<name>(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads.
 
     On several threads the blocks are also small enough for ``_SHARES`` of them per
     thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
+    Where MKL lends its OpenMP team, every call runs the kernel's C entry point
+    (``team_kernels``), on one thread or several: the entry point's machine code may
+    sum a row's lanes in another order than the jitted kernel's, so one code path for
+    every call keeps a row's bits independent of the call's size and of the threads.
     """
     per_block = _rows_per_block(row_size)
     if _THREADS > 1:
         least = -(-_SHARE_MIN // max(1, row_size))
         per_block = min(per_block, max(least, -(-rows // (_THREADS * _SHARES))))
-    _ranges_parallel(kernel, rows, per_block, *args)
+    entry = _team_entries().get(name)
+    if entry is None or _threads.TEAM is None:
+        _ranges_parallel(getattr(kernels, name), rows, per_block, *args)
+        return
+    n_blocks = -(-rows // per_block)
+    job = _team_kernels().job(n_blocks, per_block, rows, row_size, args)
+    _threads.TEAM.launch(entry, job.ctypes.data, max(1, min(_THREADS, n_blocks)))
+
+
+@functools.cache
+def _team_kernels() -> Any:
+    """``tiegrad.backend.team_kernels``, or None without numba."""
+    return _numba.load("tiegrad.backend.team_kernels")
+
+
+def _team_entries() -> dict[str, int]:
+    """The C entry points of the kernels by name, where an OpenMP team is lent."""
+    module = _team_kernels() if _threads.TEAM is not None else None
+    return {} if module is None else module.ENTRIES
 
 
 _add_reduce = np.add.reduce
@@ -415,15 +437,23 @@ class NumpyBackend(Backend):
         if kernels is None:
             return _gelu32(x)
         y, d = _outputs_apart(x, 2)
-        _rows_parallel(kernels.gelu, x.size, 1, x.reshape(-1), y, d)
+        _rows_parallel(kernels, "gelu", x.size, 1, x.reshape(-1), y, d)
         return y.reshape(x.shape), d.reshape(x.shape)
+
+    def gelu_vjp(self, g: Array, saved: Array) -> Array:
+        kernels = _fused_kernels(g, saved) if g.shape == saved.shape else None
+        if kernels is None:
+            return super().gelu_vjp(g, saved)
+        (gx,) = _outputs_apart(g, 1)
+        _rows_parallel(kernels, "multiply", g.size, 1, g.reshape(-1), saved.reshape(-1), gx)
+        return gx.reshape(g.shape)
 
     def relu_vjp(self, g: Array, out: Array) -> Array:
         kernels = _fused_kernels(g, out) if g.shape == out.shape else None
         if kernels is None:
             return super().relu_vjp(g, out)
         (gx,) = _outputs_apart(g, 1)
-        _rows_parallel(kernels.relu_vjp, g.size, 1, g.reshape(-1), out.reshape(-1), gx)
+        _rows_parallel(kernels, "relu_vjp", g.size, 1, g.reshape(-1), out.reshape(-1), gx)
         return gx.reshape(g.shape)
 
     def layer_norm_rows(
@@ -439,7 +469,7 @@ class NumpyBackend(Backend):
         rstd = np.empty((rows, 1), np.float32)
         w = np.ones(d, np.float32) if w is None else w
         b = np.zeros(d, np.float32) if b is None else b
-        _rows_parallel(kernels.layer_norm, rows, d, x, w, b, eps, xhat, rstd, out)
+        _rows_parallel(kernels, "layer_norm", rows, d, x, w, b, eps, xhat, rstd, out)
         return out, xhat, rstd
 
     def layer_norm_backward_rows(
@@ -451,7 +481,7 @@ class NumpyBackend(Backend):
         rows, d = g.shape
         gx = _outputs_apart(g, 1)[0].reshape(rows, d)
         w = np.ones(d, np.float32) if w is None else w
-        _rows_parallel(kernels.layer_norm_backward, rows, d, g, w, xhat, rstd, gx)
+        _rows_parallel(kernels, "layer_norm_backward", rows, d, g, w, xhat, rstd, gx)
         return gx, None, None  # the column sums: the op's BLAS products
 
     def softmax_rows_(self, x: Array) -> bool:
@@ -460,7 +490,7 @@ class NumpyBackend(Backend):
             return False
         n = x.shape[-1]
         rows = x.size // n if n else 0
-        _rows_parallel(kernels.softmax, rows, n, x.reshape(rows, n))
+        _rows_parallel(kernels, "softmax", rows, n, x.reshape(rows, n))
         return True
 
     def softmax_backward_rows_(self, gp: Array, p: Array) -> bool:
@@ -469,7 +499,9 @@ class NumpyBackend(Backend):
             return False
         n = gp.shape[-1]
         rows = gp.size // n if n else 0
-        _rows_parallel(kernels.softmax_backward, rows, n, gp.reshape(rows, n), p.reshape(rows, n))
+        _rows_parallel(
+            kernels, "softmax_backward", rows, n, gp.reshape(rows, n), p.reshape(rows, n)
+        )
         return True
 
     def blockwise(self, kernel: Callable[[int, int], None], n: int, item_size: int) -> None:
