@@ -297,3 +297,41 @@ def test_mkl_fixed_to_ilp64_by_an_earlier_caller_is_left_unused():
     run = _import_in_child("mkl", _EARLIER_ILP64 + "import tiegrad")
     assert run.returncode != 0
     assert "ConfigError" in run.stderr and "ILP64" in run.stderr
+
+
+_FORK_AFTER_PRODUCT = """
+import os, time
+import numpy as np
+{first}
+from tiegrad.backend import blas
+a = np.ones((256, 256), np.float32)
+blas.matmul(a, a)  # the parent's threads have run a product
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if blas.matmul(a, a)[0, 0] == 256 else 3)
+deadline = time.monotonic() + 30
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        raise SystemExit("the forked child hung in its first product")
+    time.sleep(0.01)
+print("ok")
+"""
+
+
+@needs_mkl
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("first", ["", "import torch  # loads GNU OpenMP before MKL"])
+def test_a_forked_child_multiplies_after_its_parent_did(first):
+    if first:
+        pytest.importorskip("torch")
+    run = _import_in_child("mkl", _FORK_AFTER_PRODUCT.format(first=first))
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+@needs_mkl
+def test_products_are_right_where_gnu_openmp_was_loaded_first():
+    pytest.importorskip("torch")
+    code = "import torch\n" + _PRODUCTS_MATCH
+    run = _import_in_child("mkl", code)
+    assert run.returncode == 0 and run.stdout.strip() == blas.LIBRARY, run.stderr

@@ -7,13 +7,14 @@ same time. The first error of any thread stops the handing out of items and is r
 in the caller once every claimed item has finished.
 
 Which threads. Where the host's matrix products run on an OpenMP runtime (oneMKL on
-Intel OpenMP, ``tiegrad.backend.blas``), that runtime lends its team (``lend_team``):
+Intel or GNU OpenMP, ``tiegrad.backend.blas``), that runtime lends its team (``lend_team``):
 the caller's BLAS workers, which keep spinning for a while after each product, take the
 items at once. A pool of our own would compete with those spinning workers for the
 cores and gain nothing (2 cores, W1/W3/W5 steps alternating 1 and 2 pool threads: no
 difference), where the team runs a float32 GELU of 1M elements in 1.49 against 2.71 ms
-on one thread. Intel OpenMP survives ``fork`` (its own handlers), and ``share`` returns
-when the whole team has finished.
+on one thread. Intel OpenMP survives ``fork`` (its own handlers); a forked child
+gives GNU OpenMP's team up for the pool. ``share`` returns when the whole team has
+finished.
 
 Without a team, one pool of Python threads serves the whole process; it starts on first
 use, and a forked child starts its own (the parent's threads do not exist there). The
@@ -111,14 +112,16 @@ _MEMBER = ctypes.cast(_member, ctypes.c_void_p).value
 class Team:
     """An OpenMP runtime's team of the calling thread, entered through ``GOMP_parallel``.
 
-    ``size`` is the number of threads the runtime's owner (MKL) runs its products on.
+    ``size`` is the number of threads the runtime's owner (MKL) runs its products on;
+    ``survives_fork`` tells whether the runtime starts a forked child's threads anew
+    (Intel OpenMP does, GNU OpenMP does not: a child waiting for them would hang).
     ``launch`` runs a C function on the team (no Python in its threads: a few
     microseconds per call); ``run`` runs Python items, each thread of the team taking
     the GIL to claim one (tens of microseconds per call).
     """
 
-    def __init__(self, runtime: ctypes.CDLL, size: int) -> None:
-        self.size = size
+    def __init__(self, runtime: ctypes.CDLL, size: int, survives_fork: bool) -> None:
+        self.size, self.survives_fork = size, survives_fork
         self._parallel = runtime.GOMP_parallel
         self._parallel.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
         self._parallel.restype = None
@@ -146,10 +149,14 @@ TEAM: Team | None = None
 """The OpenMP team ``share`` runs on, or None for the pool (``lend_team``)."""
 
 
-def lend_team(runtime: ctypes.CDLL, size: int) -> None:
-    """Run ``share`` on ``runtime``'s OpenMP team of ``size`` threads from now on."""
+def lend_team(runtime: ctypes.CDLL, size: int, survives_fork: bool) -> None:
+    """Run ``share`` on ``runtime``'s OpenMP team of ``size`` threads from now on.
+
+    A forked child of this process keeps the team only if ``survives_fork``, and uses
+    the pool otherwise.
+    """
     global TEAM
-    TEAM = Team(runtime, size)
+    TEAM = Team(runtime, size, survives_fork)
 
 
 def share(run: Callable[[int], None], n: int, threads: int) -> None:
@@ -182,9 +189,14 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _forget_pool() -> None:
-    """In a forked child: the parent's pool threads do not exist here; start anew."""
-    global _pool, _pool_lock
+    """In a forked child: the parent's pool threads do not exist here; start anew.
+
+    A team whose runtime does not start the child's threads anew is given up too.
+    """
+    global _pool, _pool_lock, TEAM
     _pool, _pool_lock = None, threading.Lock()
+    if TEAM is not None and not TEAM.survives_fork:
+        TEAM = None
 
 
 if hasattr(os, "register_at_fork"):

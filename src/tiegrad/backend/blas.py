@@ -26,9 +26,13 @@ numerical reproducibility mode for the CPU it finds (``MKL_CBWR_AUTO``), so a pr
 repeats bit for bit on one machine with one thread count, whatever the alignment of its
 operands; exact resumption from a checkpoint relies on that.
 
-Threads: unless the environment sets ``MKL_THREADING_LAYER`` to another layer, MKL runs
-on Intel OpenMP, and the loader lends that runtime's team to ``tiegrad._threads`` (its
-docstring says why), so the host kernels and the fused optimizer share MKL's threads.
+Threads: MKL runs on Intel OpenMP, or on GNU OpenMP where that is loaded already
+(``import torch`` before tiegrad; MKL never mixes the two) or where
+``MKL_THREADING_LAYER=GNU`` asks for it. The loader lends that runtime's team to
+``tiegrad._threads`` (its docstring says why), so the host kernels and the fused
+optimizer share MKL's threads. GNU OpenMP's threads do not survive ``fork``: a forked
+child waiting for them would hang in its first product, so there MKL runs on one
+thread and ``tiegrad._threads`` on its own pool.
 
 ``TIEGRAD_BLAS`` chooses, read once at import: unset or ``auto`` uses MKL when its
 ``libmkl_rt`` lies in this Python environment's ``lib`` folder, ``numpy`` never uses it,
@@ -57,7 +61,8 @@ _NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _CBWR_AUTO = 2
 _LP64 = 0  # MKL_INTERFACE_LP64
-_INTEL_OPENMP = 0  # MKL_THREADING_INTEL
+_INTEL_OPENMP, _GNU_OPENMP = 0, 3  # MKL_THREADING_INTEL, MKL_THREADING_GNU
+_OPENMP_RUNTIMES = {_INTEL_OPENMP: "libiomp5.so", _GNU_OPENMP: "libgomp.so.1"}
 _INT_MAX = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes and strides
 
 
@@ -135,17 +140,23 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
 
 
 def _lend_openmp_team(lib: ctypes.CDLL) -> None:
-    """Lend MKL's Intel OpenMP team to ``tiegrad._threads``, unless MKL runs another layer."""
-    if os.environ.get("MKL_THREADING_LAYER", "INTEL").upper() != "INTEL":
-        return
-    if lib.MKL_Set_Threading_Layer(_INTEL_OPENMP) != _INTEL_OPENMP:
+    """Lend the team of MKL's OpenMP runtime to ``tiegrad._threads`` (module docstring)."""
+    asked = os.environ.get("MKL_THREADING_LAYER", "INTEL").upper()
+    if asked == "INTEL":  # MKL answers with its GNU layer where GNU OpenMP is loaded
+        layer = lib.MKL_Set_Threading_Layer(_INTEL_OPENMP)
+    else:
+        layer = _GNU_OPENMP if asked == "GNU" else None
+    if layer not in _OPENMP_RUNTIMES:
         return
     size = lib.MKL_Get_Max_Threads()  # loads the runtime
     try:  # the runtime MKL has loaded, never a second one
-        runtime = ctypes.CDLL("libiomp5.so", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        runtime = ctypes.CDLL(_OPENMP_RUNTIMES[layer], mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
         return
-    _threads.lend_team(runtime, size)
+    survives_fork = layer == _INTEL_OPENMP
+    if not survives_fork and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=lambda: lib.MKL_Set_Num_Threads(1))
+    _threads.lend_team(runtime, size, survives_fork)
 
 
 LIBRARY, _KERNELS = _load()
