@@ -43,6 +43,7 @@ and ``mkl`` requires it (the import raises ``ConfigError`` when it is missing).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import sys
@@ -53,7 +54,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _threads
+from .. import _numba, _threads
 from ..errors import ConfigError
 
 ENV_SWITCH = "TIEGRAD_BLAS"
@@ -207,6 +208,13 @@ def _addresses(base: int, strides: tuple[int, ...], batch: tuple[int, ...], item
     return offsets * item + base
 
 
+@functools.cache
+def _address_of() -> Callable[[np.ndarray], int]:
+    """``x -> x.ctypes.data``, compiled by numba where it loads (a tenth of the time)."""
+    kernels = _numba.load("tiegrad.backend.host_kernels") if _numba.ENABLED else None
+    return kernels.address if kernels is not None else lambda x: x.ctypes.data
+
+
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``np.matmul(a, b)``, computed by MKL where the layout allows (module docstring).
 
@@ -241,8 +249,9 @@ def _matrix_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> np.ndarr
         return None
     if a.ndim == 2 and b.ndim == 2:
         out = np.empty((m, n), a.dtype)
-        kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1],
-             b.ctypes.data, lb[1], 0.0, out.ctypes.data, n)  # fmt: skip
+        address = _address_of()
+        kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, address(a), la[1],
+             address(b), lb[1], 0.0, address(out), n)  # fmt: skip
         return out
     try:
         batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
@@ -255,23 +264,24 @@ def _matrix_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> np.ndarr
     strides_a = _batch_strides(a.shape[:-2], a.strides[:-2], batch, item)
     strides_b = _batch_strides(b.shape[:-2], b.strides[:-2], batch, item)
     sa, sb = _even_stride(strides_a, batch), _even_stride(strides_b, batch)
+    address = _address_of()
     if sa is not None and sb is not None and max(sa, sb) <= _INT_MAX:
-        kernels.gemm_batch_strided(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data,
-                                   la[1], sa, b.ctypes.data, lb[1], sb, 0.0, out.ctypes.data,
+        kernels.gemm_batch_strided(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, address(a),
+                                   la[1], sa, address(b), lb[1], sb, 0.0, address(out),
                                    n, m * n, count)  # fmt: skip
         return out
     # One group of ``count`` products given by address: any batch strides, one call.
-    pa = _addresses(a.ctypes.data, strides_a, batch, item)
-    pb = _addresses(b.ctypes.data, strides_b, batch, item)
-    pc = np.arange(count, dtype=np.int64) * (m * n * item) + out.ctypes.data
+    pa = _addresses(address(a), strides_a, batch, item)
+    pb = _addresses(address(b), strides_b, batch, item)
+    pc = np.arange(count, dtype=np.int64) * (m * n * item) + address(out)
     sizes = np.array([la[0], lb[0], m, n, k, la[1], lb[1], n, count], np.int32)
     scalars = np.array([1.0, 0.0], a.dtype)
-    at = sizes.ctypes.data
-    ax = scalars.ctypes.data
+    at = address(sizes)
+    ax = address(scalars)
     i4, f = 4, a.itemsize
     kernels.gemm_batch(_ROW_MAJOR, at, at + i4, at + 2 * i4, at + 3 * i4, at + 4 * i4, ax,
-                       pa.ctypes.data, at + 5 * i4, pb.ctypes.data, at + 6 * i4, ax + f,
-                       pc.ctypes.data, at + 7 * i4, 1, at + 8 * i4)  # fmt: skip
+                       address(pa), at + 5 * i4, address(pb), at + 6 * i4, ax + f,
+                       address(pc), at + 7 * i4, 1, at + 8 * i4)  # fmt: skip
     return out
 
 
@@ -284,7 +294,8 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
         ia, ib = a.strides[0] // item, b.strides[0] // item
         if min(ia, ib) <= 0 or max(ia, ib, a.size) > _INT_MAX:
             return None
-        return a.dtype.type(kernels.dot(a.size, a.ctypes.data, ia, b.ctypes.data, ib))
+        address = _address_of()
+        return a.dtype.type(kernels.dot(a.size, address(a), ia, address(b), ib))
     mat, vec = (a, b) if b.ndim == 1 else (b, a)
     rows, cols = mat.shape
     layout = _matrix(rows, cols, mat.strides[0] // item, mat.strides[1] // item)
@@ -296,6 +307,7 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
         trans = _TRANS if trans == _NO_TRANS else _NO_TRANS
     stored_rows, stored_cols = (rows, cols) if layout[0] == _NO_TRANS else (cols, rows)
     out = np.empty(cols if mat is b else rows, a.dtype)
-    kernels.gemv(_ROW_MAJOR, trans, stored_rows, stored_cols, 1.0, mat.ctypes.data, ld,
-                 vec.ctypes.data, inc, 0.0, out.ctypes.data, 1)  # fmt: skip
+    address = _address_of()
+    kernels.gemv(_ROW_MAJOR, trans, stored_rows, stored_cols, 1.0, address(mat), ld,
+                 address(vec), inc, 0.0, address(out), 1)  # fmt: skip
     return out

@@ -68,6 +68,12 @@ _INV_SQRT_2PI = _F(1.0 / math.sqrt(2.0 * math.pi))
 _F32_MAX = _F(np.finfo(np.float32).max)
 
 
+@_numba.jit()
+def address(x: np.ndarray) -> int:
+    """The address of ``x``'s first element: ``x.ctypes.data``, about 0.5 instead of 1.7 us."""
+    return x.ctypes.data
+
+
 @intrinsic
 def float_from_bits(typingctx: Any, bits: Any) -> Any:
     """The float32 whose IEEE bit pattern is the int32 ``bits``."""

@@ -335,8 +335,9 @@ def _rows_parallel(kernels: Any, name: str, rows: int, row_size: int, *args: Any
         _ranges_parallel(getattr(kernels, name), rows, per_block, *args)
         return
     n_blocks = -(-rows // per_block)
-    job = _team_kernels().job(n_blocks, per_block, rows, row_size, args)
-    _threads.TEAM.launch(entry, job.ctypes.data, max(1, min(_THREADS, n_blocks)))
+    team_kernels = _team_kernels()
+    job = team_kernels.job(n_blocks, per_block, rows, row_size, args)
+    _threads.TEAM.launch(entry, team_kernels.hk.address(job), max(1, min(_THREADS, n_blocks)))
 
 
 @functools.cache

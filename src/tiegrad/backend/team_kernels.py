@@ -178,7 +178,7 @@ def job(n_blocks: int, per_block: int, items: int, row_size: int, operands: Any)
     words = [0, n_blocks, per_block, items, row_size]
     for op in operands:
         if isinstance(op, np.ndarray):
-            words.append(op.ctypes.data)
+            words.append(hk.address(op))
         else:
             words.append(int(np.float32(op).view(np.int32)))
     return np.array(words, np.int64)
