@@ -212,3 +212,31 @@ def test_relu_vjp_falls_back_to_numpy_outside_the_kernel(fused, g, y):
     want = g * (y > 0)
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sums_are_numpys_bit_for_bit(monkeypatch, fused, threads):
+    monkeypatch.setattr(nb, "_THREADS", threads)
+    g = np.random.default_rng(11)
+    a = g.standard_normal((700, 96)).astype(np.float32)  # large enough to share
+    b = g.standard_normal((700, 96)).astype(np.float32)
+    a[0, :3] = [np.inf, np.nan, -np.inf]
+    b[0, :3] = [-np.inf, 1.0, -np.inf]
+    with np.errstate(invalid="ignore"):  # inf - inf in the reference
+        want = a + b
+    np.testing.assert_array_equal(NUMPY.add(a, b), want)
+    v = g.standard_normal(96).astype(np.float32)
+    x = a.copy()
+    assert NUMPY.add_(x, v) is x
+    np.testing.assert_array_equal(x, a + v)
+
+
+def test_sums_outside_the_kernels_keep_numpys_rules(fused):
+    a = np.ones((700, 96), np.float32)
+    assert NUMPY.add(a, np.ones((700, 96))).dtype == np.float64  # promotion
+    np.testing.assert_array_equal(NUMPY.add(a, np.ones(96, np.float32)), a + 1)  # broadcast
+    strided = np.ones((700, 192), np.float32)[:, ::2]
+    np.testing.assert_array_equal(NUMPY.add(strided, a), strided + a)
+    x = np.zeros((700, 96), np.float32)
+    NUMPY.add_(x, np.ones(96, np.float64))  # casts like x += b
+    assert x.dtype == np.float32 and np.all(x == 1)

@@ -137,6 +137,18 @@ class Backend:
         """The input cotangent of ``gelu`` from the output cotangent ``g`` and ``saved``."""
         return g * saved
 
+    def add(self, a: Array, b: Array) -> Array:
+        """``a + b`` of two arrays, with the backend's broadcasting and type promotion."""
+        return a + b
+
+    def add_(self, x: Array, b: Array) -> Array:
+        """``x += b`` in place (``b`` broadcasts to ``x`` without changing its dtype); ``x``.
+
+        ``x`` must be an array nothing else holds (a fresh result).
+        """
+        x += b
+        return x
+
     def relu_vjp(self, g: Array, out: Array) -> Array:
         """``g * (out > 0)``, the input cotangent of ``relu`` from its output ``out``.
 

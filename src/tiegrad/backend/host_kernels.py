@@ -129,6 +129,24 @@ def multiply(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) ->
 
 
 @_kernel
+def add(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``out = a + b`` on flat elements ``lo .. hi`` (``out`` may be ``a``)."""
+    a, b, out = a[lo:hi], b[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
+    for i in range(out.size):
+        out[i] = a[i] + b[i]
+
+
+@_kernel
+def add_row_vector(x: np.ndarray, v: np.ndarray, lo: int, hi: int) -> None:
+    """Rows ``lo .. hi`` of ``(rows, n)`` ``x`` plus the vector ``v`` of ``n``, in place."""
+    n = x.shape[1]
+    for r in range(lo, hi):
+        row = x[r]  # a row view: the inner loop indexes from 0
+        for j in range(n):
+            row[j] += v[j]
+
+
+@_kernel
 def gelu(x: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
     """``y = x Phi(x)`` and ``d = Phi(x) + x phi(x)`` on flat elements ``lo .. hi``.
 

@@ -302,6 +302,17 @@ def _outputs_apart(x: np.ndarray, count: int) -> list[np.ndarray]:
     return outs
 
 
+def _shared_elementwise(a: np.ndarray, b: np.ndarray) -> Any:
+    """The host kernels for an elementwise op of ``a`` and ``b`` worth sharing, else None.
+
+    Both float32, C-contiguous, of one shape, and large enough for two threads; a
+    smaller call is faster in one NumPy loop than through a kernel's job.
+    """
+    if a.shape != b.shape or a.size < 2 * _SHARE_MIN:
+        return None
+    return _fused_kernels(a, b)
+
+
 def _rows_per_block(row_size: int) -> int:
     """Rows of ``row_size`` elements in one cache-sized block (``_BLOCK`` elements), >= 1."""
     return max(1, _BLOCK // max(1, row_size))
@@ -440,6 +451,24 @@ class NumpyBackend(Backend):
         y, d = _outputs_apart(x, 2)
         _rows_parallel(kernels, "gelu", x.size, 1, x.reshape(-1), y, d)
         return y.reshape(x.shape), d.reshape(x.shape)
+
+    def add(self, a: Array, b: Array) -> Array:
+        kernels = _shared_elementwise(a, b)
+        if kernels is None:
+            return a + b
+        (out,) = _outputs_apart(a, 1)
+        _rows_parallel(kernels, "add", a.size, 1, a.reshape(-1), b.reshape(-1), out)
+        return out.reshape(a.shape)
+
+    def add_(self, x: Array, b: Array) -> Array:
+        n = x.shape[-1] if x.ndim else 0
+        if b.ndim == 1 and b.shape[0] == n and x.size >= 2 * _SHARE_MIN:
+            kernels = _fused_kernels(x, b)
+            if kernels is not None:
+                _rows_parallel(kernels, "add_row_vector", x.size // n, n, x.reshape(-1, n), b)
+                return x
+        x += b
+        return x
 
     def gelu_vjp(self, g: Array, saved: Array) -> Array:
         kernels = _fused_kernels(g, saved) if g.shape == saved.shape else None

@@ -123,6 +123,26 @@ def multiply(job: Any) -> None:
 
 
 @_entry
+def add(job: Any) -> None:
+    """``host_kernels.add``; operands a, b, out."""
+    a, b, out = _flat(job, 0), _flat(job, 1), _flat(job, 2)
+    lo, hi = _next(job)
+    while lo < hi:
+        hk.add(a, b, out, lo, hi)
+        lo, hi = _next(job)
+
+
+@_entry
+def add_row_vector(job: Any) -> None:
+    """``host_kernels.add_row_vector``; operands x, v."""
+    x, v = _rows(job, 0, job[4]), _vector(job, 1)
+    lo, hi = _next(job)
+    while lo < hi:
+        hk.add_row_vector(x, v, lo, hi)
+        lo, hi = _next(job)
+
+
+@_entry
 def layer_norm(job: Any) -> None:
     """``host_kernels.layer_norm``; operands x, w, b, eps, xhat, rstd, out."""
     d = job[4]
@@ -169,7 +189,17 @@ def softmax_backward(job: Any) -> None:
 
 ENTRIES = {
     f.__name__: f.address
-    for f in (gelu, relu_vjp, multiply, layer_norm, layer_norm_backward, softmax, softmax_backward)
+    for f in (
+        gelu,
+        relu_vjp,
+        multiply,
+        add,
+        add_row_vector,
+        layer_norm,
+        layer_norm_backward,
+        softmax,
+        softmax_backward,
+    )
 }
 
 

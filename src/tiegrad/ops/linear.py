@@ -32,7 +32,7 @@ def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
     out2 = bk.matmul(x2, bk.transpose(wv, (1, 0)))
     if bias is not None:
         if bv.dtype == out2.dtype:
-            out2 += bv
+            out2 = bk.add_(out2, bv)
         else:
             out2 = out2 + bv  # keep NumPy's type promotion
     out = bk.reshape(out2, xs[:-1] + (n_out,))
