@@ -335,3 +335,86 @@ def test_products_are_right_where_gnu_openmp_was_loaded_first():
     code = "import torch\n" + _PRODUCTS_MATCH
     run = _import_in_child("mkl", code)
     assert run.returncode == 0 and run.stdout.strip() == blas.LIBRARY, run.stderr
+
+
+def _destination(shape: tuple[int, ...], layout: str, dtype: type) -> np.ndarray:
+    """A writable ``out`` of ``shape``: c, pad (longer rows), heads (a packed-qkv view)."""
+    *lead, r, c = shape
+    if layout == "pad":
+        return np.full(tuple(lead) + (r, c + 3), np.nan, dtype)[..., :c]
+    if layout == "heads":  # (..., r, c) matrices interleaved with two others along rows
+        full = np.full(tuple(lead[:-1]) + (r, 3) + tuple(lead[-1:]) + (c,), np.nan, dtype)
+        return np.moveaxis(full[..., 1, :, :], -2, -3) if lead else full[:, 1, :]
+    return np.full(shape, np.nan, dtype)
+
+
+@needs_mkl
+@pytest.mark.parametrize("layout", ["c", "pad", "heads"])
+@pytest.mark.parametrize("lead", [*BATCHES, ((1,), (1,)), ((1, 1), ())])
+@pytest.mark.parametrize("alpha", [1.0, 0.125])
+def test_products_written_into_a_destination_go_to_mkl(layout, lead, alpha, numpy_calls):
+    for m, k, n in SIZES:
+        a = _operand(lead[0] + (m, k), "t", np.float64)
+        b = _operand(lead[1] + (k, n), "c", np.float64)
+        want = alpha * numpy_calls.real(a, b)
+        out = _destination(want.shape, layout, np.float64)
+        assert blas.scaled_matmul(a, b, alpha, out) is out
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+        fresh = blas.scaled_matmul(a, b, alpha)
+        assert fresh.flags.c_contiguous and fresh.dtype == want.dtype
+        np.testing.assert_allclose(fresh, want, rtol=1e-12, atol=1e-12)
+    assert numpy_calls.calls == 0
+
+
+@pytest.mark.parametrize(
+    "case", ["strided rows", "other dtype", "overlap", "read-only", "vectors", "list"]
+)
+def test_destinations_mkl_cannot_write_are_assigned(case):
+    a = rng.standard_normal((4, 5)).astype(np.float32)
+    b = rng.standard_normal((5, 3)).astype(np.float32)
+    want = 0.5 * np.matmul(a, b)
+    if case == "strided rows":
+        out = np.zeros((4, 6), np.float32)[:, ::2]
+    elif case == "other dtype":
+        out = np.zeros((4, 3), np.float64)
+    elif case == "overlap":
+        a = rng.standard_normal((4, 4)).astype(np.float32)
+        b = rng.standard_normal((4, 4)).astype(np.float32)
+        want, out = 0.5 * np.matmul(a, b), a
+    elif case == "read-only":
+        out = np.zeros((4, 3), np.float32)
+        out.flags.writeable = False
+        with pytest.raises(ValueError):
+            blas.scaled_matmul(a, b, 0.5, out)
+        return
+    elif case == "vectors":
+        a, b, out = a[0], b[:, 0], np.zeros((), np.float32)
+        want = 0.5 * np.matmul(a, b)
+    else:
+        a, out = a.tolist(), np.zeros((4, 3), np.float32)
+    np.testing.assert_allclose(blas.scaled_matmul(a, b, 0.5), want, rtol=1e-6)
+    assert blas.scaled_matmul(a, b, 0.5, out) is out
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_a_destination_of_the_wrong_shape_is_numpys_error():
+    a, b = np.ones((4, 5), np.float32), np.ones((5, 3), np.float32)
+    with pytest.raises(ValueError):
+        blas.scaled_matmul(a, b, 1.0, np.zeros((3, 4), np.float32))
+
+
+@needs_mkl
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_a_call_mkl_refuses_is_computed_by_numpy_with_a_warning(monkeypatch, lead):
+    real = blas._matrix
+    monkeypatch.setattr(blas, "_matrix", lambda r, c, s0, s1: (real(r, c, s0, s1)[0], 1))
+    a = rng.standard_normal(lead + (4, 5)).astype(np.float32)
+    b = rng.standard_normal((5, 3)).astype(np.float32)
+    with pytest.warns(RuntimeWarning, match="MKL refused argument"):
+        got = blas.matmul(a, b)
+    np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-6)
+    out = np.full(lead + (4, 3), np.nan, np.float32)
+    with pytest.warns(RuntimeWarning, match="MKL refused argument"):
+        blas.scaled_matmul(a, b, 2.0, out)
+    np.testing.assert_allclose(out, 2 * np.matmul(a, b), rtol=1e-6)
+    assert not blas._REJECTED

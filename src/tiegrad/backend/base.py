@@ -238,6 +238,21 @@ class Backend:
     def matmul(self, a: Array, b: Array) -> Array:
         raise NotImplementedError
 
+    def scaled_matmul(self, a: Array, b: Array, scale: float, out: Array | None = None) -> Array:
+        """``scale * (a @ b)`` for operands of at least two axes; into ``out`` when given.
+
+        ``out`` has the product's shape and may be a view into a larger array; it is
+        returned, or the new array. A backend may scale inside the product (BLAS's
+        alpha), so the bits may differ from ``matmul`` followed by a multiplication.
+        """
+        product = self.matmul(a, b)
+        if scale != 1.0:
+            product = product * scale
+        if out is None:
+            return product
+        out[...] = product
+        return out
+
     def einsum(self, subscripts: str, *operands: Array) -> Array:
         raise NotImplementedError
 

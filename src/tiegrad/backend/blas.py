@@ -65,6 +65,32 @@ _LP64 = 0  # MKL_INTERFACE_LP64
 _INTEL_OPENMP, _GNU_OPENMP = 0, 3  # MKL_THREADING_INTEL, MKL_THREADING_GNU
 _OPENMP_RUNTIMES = {_INTEL_OPENMP: "libiomp5.so", _GNU_OPENMP: "libgomp.so.1"}
 _INT_MAX = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes and strides
+_XERBLA = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+_REJECTED: list[tuple[str, int]] = []  # (routine, argument position) MKL refused, oldest first
+
+
+@_XERBLA
+def _record_rejection(routine: bytes, position: Any, length: int) -> None:
+    """MKL's handler of a wrong argument (``mkl_set_xerbla``): MKL returns without computing."""
+    _REJECTED.append((routine[:length].decode(errors="replace"), position[0]))
+
+
+def _rejected() -> bool:
+    """Whether MKL refused an argument since the last check (then NumPy computes); warns.
+
+    The handler is the process's: a refusal in another library's MKL call is reported
+    at tiegrad's next product, which NumPy then computes as well (still right).
+    """
+    if not _REJECTED:
+        return False
+    routine, position = _REJECTED[-1]
+    _REJECTED.clear()
+    warnings.warn(
+        f"tiegrad: MKL refused argument {position} of {routine}; NumPy computed the product",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 class _Kernels(NamedTuple):
@@ -115,6 +141,8 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
             RuntimeWarning,
             stacklevel=2,
         )
+    lib.mkl_set_xerbla.restype = ctypes.c_void_p
+    lib.mkl_set_xerbla(_record_rejection)  # a refused call warns instead of printing
     _lend_openmp_team(lib)
     i, vp = ctypes.c_int, ctypes.c_void_p
     kernels = {}
@@ -220,16 +248,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     Aligned operands (NumPy's ``flags.aligned``) have strides in whole elements.
     """
-    if type(a) is not np.ndarray or type(b) is not np.ndarray:
-        return np.matmul(a, b)  # lists, scalars, subclasses: NumPy converts and wraps
-    kernels = _KERNELS.get(a.dtype)
-    if (
-        kernels is None
-        or b.dtype != a.dtype
-        or not (a.flags.aligned and b.flags.aligned)
-        or a.size == 0
-        or b.size == 0
-    ):
+    kernels = _operand_kernels(a, b)
+    if kernels is None:
         return np.matmul(a, b)
     if a.ndim > 1 and b.ndim > 1:
         out = _matrix_product(kernels, a, b)
@@ -238,8 +258,63 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.matmul(a, b) if out is None else out
 
 
-def _matrix_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
-    """``a @ b`` for operands of at least two axes, or None where BLAS cannot read them."""
+def scaled_matmul(
+    a: np.ndarray, b: np.ndarray, alpha: float = 1.0, out: np.ndarray | None = None
+) -> np.ndarray:
+    """``alpha * (a @ b)`` for operands of at least two axes, into ``out`` when given.
+
+    MKL scales the product as it writes it, into a new array or into ``out`` where it
+    reads the operands (as ``matmul``) and ``out`` is a writable array of the product's
+    shape and dtype whose matrices have rows of unit stride (any row and batch strides:
+    a view into a larger array works), sharing no memory with them. Otherwise the
+    product is computed, scaled and assigned with NumPy's casting. Returns ``out``, or
+    the new array.
+    """
+    kernels = _operand_kernels(a, b)
+    if kernels is not None and min(a.ndim, b.ndim) >= 2:
+        writable = out is None or (
+            type(out) is np.ndarray
+            and out.dtype == a.dtype
+            and out.flags.aligned
+            and out.flags.writeable
+            and not np.may_share_memory(out, a)
+            and not np.may_share_memory(out, b)
+        )
+        done = _matrix_product(kernels, a, b, out, alpha) if writable else None
+        if done is not None:
+            return done
+    product = matmul(a, b)
+    if alpha != 1.0:
+        product = product * alpha
+    if out is None:
+        return product
+    out[...] = product
+    return out
+
+
+def _operand_kernels(a: Any, b: Any) -> _Kernels | None:
+    """MKL's kernels for ``a @ b``, or None where the operands go to NumPy."""
+    if type(a) is not np.ndarray or type(b) is not np.ndarray:
+        return None  # lists, scalars, subclasses: NumPy converts and wraps
+    kernels = _KERNELS.get(a.dtype)
+    if (
+        kernels is None
+        or b.dtype != a.dtype
+        or not (a.flags.aligned and b.flags.aligned)
+        or a.size == 0
+        or b.size == 0
+    ):
+        return None
+    return kernels
+
+
+def _matrix_product(
+    kernels: _Kernels, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, alpha=1.0
+) -> np.ndarray | None:
+    """``alpha * (a @ b)`` for operands of at least two axes, into ``out`` (or a new array).
+
+    None where BLAS cannot read the operands or write ``out``.
+    """
     item = a.itemsize
     m, k = a.shape[-2:]
     k_b, n = b.shape[-2:]
@@ -247,42 +322,50 @@ def _matrix_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> np.ndarr
     lb = _matrix(k, n, b.strides[-2] // item, b.strides[-1] // item)
     if k != k_b or la is None or lb is None or max(m, n, k, la[1], lb[1]) > _INT_MAX:
         return None
-    if a.ndim == 2 and b.ndim == 2:
-        out = np.empty((m, n), a.dtype)
-        address = _address_of()
-        kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, address(a), la[1],
-             address(b), lb[1], 0.0, address(out), n)  # fmt: skip
-        return out
     try:
-        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) if a.ndim + b.ndim > 4 else ()
     except ValueError:
         return None  # NumPy raises its own error
-    count = math.prod(batch)
-    if count * m * n > _INT_MAX:
+    if out is None:
+        out = np.empty(batch + (m, n), a.dtype)
+    elif out.shape != batch + (m, n):
         return None
-    out = np.empty(batch + (m, n), a.dtype)
+    lc = _matrix(m, n, out.strides[-2] // item, out.strides[-1] // item)
+    if lc is None or lc[0] != _NO_TRANS or lc[1] > _INT_MAX:
+        return None
+    address = _address_of()
+    if a.ndim == 2 and b.ndim == 2:
+        kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, address(a), la[1],
+             address(b), lb[1], 0.0, address(out), lc[1])  # fmt: skip
+        return None if _rejected() else out
+    count = math.prod(batch)
+    strides_c = _batch_strides(batch, out.strides[:-2], batch, item)
+    if count * m * n > _INT_MAX or any(s <= 0 for s, c in zip(strides_c, batch) if c > 1):
+        return None
     strides_a = _batch_strides(a.shape[:-2], a.strides[:-2], batch, item)
     strides_b = _batch_strides(b.shape[:-2], b.strides[:-2], batch, item)
     sa, sb = _even_stride(strides_a, batch), _even_stride(strides_b, batch)
-    address = _address_of()
-    if sa is not None and sb is not None and max(sa, sb) <= _INT_MAX:
-        kernels.gemm_batch_strided(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, address(a),
+    sc = _even_stride(strides_c, batch)
+    if sc is not None and sc < lc[1] * m:  # MKL's strided call rejects it
+        sc = lc[1] * m if count == 1 else None  # interleaved destinations: by address
+    if sa is not None and sb is not None and sc is not None and max(sa, sb, sc) <= _INT_MAX:
+        kernels.gemm_batch_strided(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, address(a),
                                    la[1], sa, address(b), lb[1], sb, 0.0, address(out),
-                                   n, m * n, count)  # fmt: skip
-        return out
+                                   lc[1], sc, count)  # fmt: skip
+        return None if _rejected() else out
     # One group of ``count`` products given by address: any batch strides, one call.
     pa = _addresses(address(a), strides_a, batch, item)
     pb = _addresses(address(b), strides_b, batch, item)
-    pc = np.arange(count, dtype=np.int64) * (m * n * item) + address(out)
-    sizes = np.array([la[0], lb[0], m, n, k, la[1], lb[1], n, count], np.int32)
-    scalars = np.array([1.0, 0.0], a.dtype)
+    pc = _addresses(address(out), strides_c, batch, item)
+    sizes = np.array([la[0], lb[0], m, n, k, la[1], lb[1], lc[1], count], np.int32)
+    scalars = np.array([alpha, 0.0], a.dtype)
     at = address(sizes)
     ax = address(scalars)
     i4, f = 4, a.itemsize
     kernels.gemm_batch(_ROW_MAJOR, at, at + i4, at + 2 * i4, at + 3 * i4, at + 4 * i4, ax,
                        address(pa), at + 5 * i4, address(pb), at + 6 * i4, ax + f,
                        address(pc), at + 7 * i4, 1, at + 8 * i4)  # fmt: skip
-    return out
+    return None if _rejected() else out
 
 
 def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
@@ -295,7 +378,8 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
         if min(ia, ib) <= 0 or max(ia, ib, a.size) > _INT_MAX:
             return None
         address = _address_of()
-        return a.dtype.type(kernels.dot(a.size, address(a), ia, address(b), ib))
+        value = kernels.dot(a.size, address(a), ia, address(b), ib)
+        return None if _rejected() else a.dtype.type(value)
     mat, vec = (a, b) if b.ndim == 1 else (b, a)
     rows, cols = mat.shape
     layout = _matrix(rows, cols, mat.strides[0] // item, mat.strides[1] // item)
@@ -310,4 +394,4 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
     address = _address_of()
     kernels.gemv(_ROW_MAJOR, trans, stored_rows, stored_cols, 1.0, address(mat), ld,
                  address(vec), inc, 0.0, address(out), 1)  # fmt: skip
-    return out
+    return None if _rejected() else out

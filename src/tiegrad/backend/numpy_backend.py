@@ -432,6 +432,8 @@ class NumpyBackend(Backend):
     maximum = staticmethod(np.maximum)
     where = staticmethod(np.where)
     matmul = staticmethod(blas.matmul if blas.LIBRARY else np.matmul)
+    if blas.LIBRARY:
+        scaled_matmul = staticmethod(blas.scaled_matmul)
     einsum = staticmethod(np.einsum)
     broadcast_to = staticmethod(np.broadcast_to)
     expand_dims = staticmethod(np.expand_dims)

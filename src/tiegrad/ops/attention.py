@@ -88,17 +88,16 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
 
     def forward(lo: int, hi: int) -> None:
         i = block(lo, hi)
-        qs = qv[i] * scale
 
         def scores() -> Any:
-            x = bk.matmul(qs, kt[i])
+            x = bk.scaled_matmul(qv[i], kt[i], scale)
             if bias is not None:
                 x += bias[i] if batched_bias else bias
             return x
 
         p = softmax_(bk, scores(), scores)
         kept[lo] = p
-        out[i] = bk.matmul(p, vv[i])
+        bk.scaled_matmul(p, vv[i], 1.0, out[i])
 
     bk.blockwise(forward, n, item)
 
@@ -119,7 +118,7 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
             pb = kept[lo]
             gb = g[i]
             if want_v:
-                gv[i] = bk.matmul(swap_last(bk, pb), gb)
+                bk.scaled_matmul(swap_last(bk, pb), gb, 1.0, gv[i])
             if not (want_q or want_k):
                 return
             gs = bk.matmul(gb, swap_last(bk, vv[i]))
@@ -128,13 +127,9 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
                 gs -= bk.reshape(rowdot, tuple(gs.shape)[:-1] + (1,))
                 gs *= pb
             if want_q:
-                gqb = gq[i]
-                gqb[...] = bk.matmul(gs, kv[i])
-                gqb *= scale
+                bk.scaled_matmul(gs, kv[i], scale, gq[i])
             if want_k:  # the scale applied to the product: the scaled q is not kept
-                gkb = gk[i]
-                gkb[...] = bk.matmul(swap_last(bk, gs), qv[i])
-                gkb *= scale
+                bk.scaled_matmul(swap_last(bk, gs), qv[i], scale, gk[i])
 
         bk.blockwise(backward, n, item)
         return gq, gk, gv
