@@ -240,3 +240,14 @@ def test_sums_outside_the_kernels_keep_numpys_rules(fused):
     x = np.zeros((700, 96), np.float32)
     NUMPY.add_(x, np.ones(96, np.float64))  # casts like x += b
     assert x.dtype == np.float32 and np.all(x == 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_relu_kernel_is_numpys_maximum_bit_for_bit(monkeypatch, fused, threads):
+    monkeypatch.setattr(nb, "_THREADS", threads)
+    x = np.random.default_rng(12).standard_normal(70_001).astype(np.float32)
+    x[:6] = [np.nan, -0.0, 0.0, -np.inf, np.inf, -1e-45]
+    got = NUMPY.relu(x)
+    want = np.maximum(x, 0.0)
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))

@@ -1,4 +1,4 @@
-"""The host kernels on MKL's OpenMP team (``tiegrad.backend.team_kernels``, issue 9).
+"""The host kernels on MKL's OpenMP team (``host_kernels.entries``, issue 9).
 
 Where MKL lends its team, every float32 kernel call of the NumPy backend runs the
 kernel's C entry point. Its results must not depend on the number of threads or on how
@@ -33,6 +33,7 @@ def _calls(x, w, b):
     out["gelu"] = (y, saved)
     out["gelu_vjp"] = (NUMPY.gelu_vjp(x, saved),)
     out["relu_vjp"] = (NUMPY.relu_vjp(x, y),)
+    out["relu"] = (NUMPY.relu(x),)
     out["add"] = (NUMPY.add(x, saved),)
     out["add_"] = (NUMPY.add_(x.reshape(-1, D).copy(), w),)
     rows = x.reshape(-1, D)
@@ -97,10 +98,10 @@ def test_gelu_vjp_is_the_exact_product(monkeypatch, operands):
 
 
 def test_a_job_holds_addresses_and_float32_bits():
-    from tiegrad.backend import team_kernels
+    from tiegrad.backend import host_kernels
 
     a = np.zeros((4, 3), np.float32)
-    job = team_kernels.job(2, 3, 4, 3, (a, 1e-5))
+    job = host_kernels.job(2, 3, 4, 3, (a, 1e-5))
     assert job.dtype == np.int64 and job.flags.c_contiguous
     assert list(job[:5]) == [0, 2, 3, 4, 3]
     assert job[5] == a.ctypes.data

@@ -1,8 +1,8 @@
 """numba, the optional compiler of tiegrad's fused host kernels (the extra ``tiegrad[fast]``).
 
-Kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates),
-``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows) and
-``tiegrad.backend.team_kernels`` (those as C functions for an OpenMP team). ``ENABLED`` is false
+Two kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates) and
+``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows, and their C entry
+points for an OpenMP team). ``ENABLED`` is false
 when the environment sets ``TIEGRAD_NO_NUMBA`` to anything but ``""`` or ``"0"``; the
 NumPy code paths then run everywhere. ``load`` imports a kernel module, or returns None
 (with one warning) when numba is missing or fails to import, so the library runs the

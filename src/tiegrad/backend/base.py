@@ -149,6 +149,10 @@ class Backend:
         x += b
         return x
 
+    def relu(self, x: Array) -> Array:
+        """``max(x, 0)`` as a new array; NaN stays NaN."""
+        return self.maximum(x, 0.0)
+
     def relu_vjp(self, g: Array, out: Array) -> Array:
         """``g * (out > 0)``, the input cotangent of ``relu`` from its output ``out``.
 

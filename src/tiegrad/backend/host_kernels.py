@@ -1,5 +1,5 @@
-"""Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU's VJP, layer
-norm, softmax.
+"""Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU and its VJP,
+products and sums, layer norm, softmax; and their entry points for an OpenMP team.
 
 Imported only through ``tiegrad._numba.load`` by ``numpy_backend``, which decides when
 to use them (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``): every kernel
@@ -19,13 +19,38 @@ reassociation (a ``reassoc`` caller would reorder its range reduction: ~60 ulp),
 kernels that call it allow only ``contract`` (fused multiply-adds); the reductions of
 a row may be reassociated (vector lanes), so a row sum can differ from NumPy's in the
 last bits. NaN propagates through every kernel.
+
+On an OpenMP team. ``numpy_backend`` shares a kernel call between the threads of MKL's
+OpenMP team (``tiegrad._threads.Team.launch``): every thread of the team calls the
+kernel's entry point (``entries``) with the address of one job, and the threads claim
+the job's blocks with an atomic counter until none is left. A thread of the team never
+enters Python, so a shared call costs a few microseconds instead of the tens that a
+Python callback per thread costs (each needs the GIL, and waking a thread that waits
+for it is slow), and calls of 64k elements gain from the second thread.
+
+A job is a C-contiguous int64 array, built by ``job``:
+
+====  ====================================================================
+ 0    the next block to claim (the counter; 0 when the job starts)
+ 1    the number of blocks
+ 2    the rows (or elements) of a block
+ 3    the rows (or elements) of the call
+ 4    the row size (1 for an elementwise kernel)
+ 5..  the operands in the kernel's order: an array's data address, a float
+      scalar's float32 bit pattern
+====  ====================================================================
+
+The caller keeps every operand alive until the region ends and guarantees the layout
+the kernel expects (float32, C-contiguous, shapes as the kernel's).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -106,6 +131,19 @@ def exp_neg(z: Any) -> Any:
     if z >= _EXP_MIN:
         return e
     return _F(0.0) if z < _EXP_MIN else z
+
+
+@_kernel
+def relu(x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``out = max(x, 0)`` on flat elements ``lo .. hi``, as ``np.maximum(x, 0)``.
+
+    NaN stays NaN and ``-0.0`` becomes ``0.0`` (NumPy's answer on a tie is its second
+    operand).
+    """
+    x, out = x[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
+    for i in range(out.size):
+        v = x[i]
+        out[i] = v if (v > _F(0.0) or v != v) else _F(0.0)
 
 
 @_kernel
@@ -289,3 +327,186 @@ def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
             dot += gr[j] * pr[j]
         for j in range(n):
             gr[j] = pr[j] * (gr[j] - dot)
+
+
+# -- the kernels as bodies of an OpenMP parallel region ------------------------------------
+# C functions (numba cfuncs): no Python, no GIL. They live in this module so that numba's
+# on-disk cache, which it keys by the source file, never pairs an entry point with an
+# older kernel.
+@intrinsic
+def _claim(typingctx: Any, counter: Any) -> Any:
+    """Atomically add 1 to the int64 at ``counter``; the value before."""
+    sig = types.int64(types.CPointer(types.int64))
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.atomic_rmw("add", args[0], ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return sig, codegen
+
+
+@intrinsic
+def _floats(typingctx: Any, address: Any) -> Any:
+    """The int64 ``address`` as a pointer to float32."""
+    sig = types.CPointer(types.float32)(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@_inline
+def _flat(job: Any, k: int) -> Any:
+    """Operand ``k`` of ``job`` as a flat float32 array of the call's elements."""
+    return numba.carray(_floats(job[5 + k]), job[3])
+
+
+@_inline
+def _rows(job: Any, k: int, width: int) -> Any:
+    """Operand ``k`` of ``job`` as a (rows, width) float32 array."""
+    return numba.carray(_floats(job[5 + k]), (job[3], width))
+
+
+@_inline
+def _vector(job: Any, k: int) -> Any:
+    """Operand ``k`` of ``job`` as a float32 vector of the row size."""
+    return numba.carray(_floats(job[5 + k]), job[4])
+
+
+@_inline
+def _next(job: Any) -> Any:
+    """The next block ``(lo, hi)`` of ``job``, claimed for this thread; ``lo == hi`` at the end."""
+    b = _claim(job)
+    if b >= job[1]:
+        return 0, 0
+    lo = b * job[2]
+    return lo, min(job[3], lo + job[2])
+
+
+def _team_gelu(job: Any) -> None:
+    """``gelu``; operands x, y, d."""
+    x, y, d = _flat(job, 0), _flat(job, 1), _flat(job, 2)
+    lo, hi = _next(job)
+    while lo < hi:
+        gelu(x, y, d, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_relu(job: Any) -> None:
+    """``relu``; operands x, out."""
+    x, out = _flat(job, 0), _flat(job, 1)
+    lo, hi = _next(job)
+    while lo < hi:
+        relu(x, out, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_relu_vjp(job: Any) -> None:
+    """``relu_vjp``; operands g, y, out."""
+    g, y, out = _flat(job, 0), _flat(job, 1), _flat(job, 2)
+    lo, hi = _next(job)
+    while lo < hi:
+        relu_vjp(g, y, out, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_multiply(job: Any) -> None:
+    """``multiply``; operands a, b, out."""
+    a, b, out = _flat(job, 0), _flat(job, 1), _flat(job, 2)
+    lo, hi = _next(job)
+    while lo < hi:
+        multiply(a, b, out, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_add(job: Any) -> None:
+    """``add``; operands a, b, out."""
+    a, b, out = _flat(job, 0), _flat(job, 1), _flat(job, 2)
+    lo, hi = _next(job)
+    while lo < hi:
+        add(a, b, out, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_add_row_vector(job: Any) -> None:
+    """``add_row_vector``; operands x, v."""
+    x, v = _rows(job, 0, job[4]), _vector(job, 1)
+    lo, hi = _next(job)
+    while lo < hi:
+        add_row_vector(x, v, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_layer_norm(job: Any) -> None:
+    """``layer_norm``; operands x, w, b, eps, xhat, rstd, out."""
+    d = job[4]
+    x, w, b = _rows(job, 0, d), _vector(job, 1), _vector(job, 2)
+    eps = float_from_bits(np.int32(job[8]))
+    xhat, rstd, out = _rows(job, 4, d), _rows(job, 5, 1), _rows(job, 6, d)
+    lo, hi = _next(job)
+    while lo < hi:
+        layer_norm(x, w, b, eps, xhat, rstd, out, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_layer_norm_backward(job: Any) -> None:
+    """``layer_norm_backward``; operands g, w, xhat, rstd, gx."""
+    d = job[4]
+    g, w, xhat = _rows(job, 0, d), _vector(job, 1), _rows(job, 2, d)
+    rstd, gx = _rows(job, 3, 1), _rows(job, 4, d)
+    lo, hi = _next(job)
+    while lo < hi:
+        layer_norm_backward(g, w, xhat, rstd, gx, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_softmax(job: Any) -> None:
+    """``host_kernels.softmax``; operand x."""
+    x = _rows(job, 0, job[4])
+    lo, hi = _next(job)
+    while lo < hi:
+        softmax(x, lo, hi)
+        lo, hi = _next(job)
+
+
+def _team_softmax_backward(job: Any) -> None:
+    """``softmax_backward``; operands gp, p."""
+    gp, p = _rows(job, 0, job[4]), _rows(job, 1, job[4])
+    lo, hi = _next(job)
+    while lo < hi:
+        softmax_backward(gp, p, lo, hi)
+        lo, hi = _next(job)
+
+
+@functools.cache
+def entries() -> dict[str, int]:
+    """The address of each kernel's C entry point by name (the module docstring's team).
+
+    Compiled (or loaded from numba's cache) on the first call: only a process with a
+    team needs them.
+    """
+    names = (
+        "gelu",
+        "relu",
+        "relu_vjp",
+        "multiply",
+        "add",
+        "add_row_vector",
+        "layer_norm",
+        "layer_norm_backward",
+        "softmax",
+        "softmax_backward",
+    )
+    entry = _numba.cfunc(types.void(types.CPointer(types.int64)))
+    return {name: entry(globals()[f"_team_{name}"]).address for name in names}
+
+
+def job(n_blocks: int, per_block: int, items: int, row_size: int, operands: Any) -> np.ndarray:
+    """The job array of one call (module docstring); ``operands`` in the kernel's order."""
+    words = [0, n_blocks, per_block, items, row_size]
+    for op in operands:
+        if isinstance(op, np.ndarray):
+            words.append(address(op))
+        else:
+            words.append(int(np.float32(op).view(np.int32)))
+    return np.array(words, np.int64)

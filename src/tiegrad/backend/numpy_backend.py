@@ -333,7 +333,7 @@ def _rows_parallel(kernels: Any, name: str, rows: int, row_size: int, *args: Any
     On several threads the blocks are also small enough for ``_SHARES`` of them per
     thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
     Where MKL lends its OpenMP team, every call runs the kernel's C entry point
-    (``team_kernels``), on one thread or several: the entry point's machine code may
+    (``host_kernels.entries``), on one thread or several: the entry point's machine code may
     sum a row's lanes in another order than the jitted kernel's, so one code path for
     every call keeps a row's bits independent of the call's size and of the threads.
     """
@@ -341,26 +341,13 @@ def _rows_parallel(kernels: Any, name: str, rows: int, row_size: int, *args: Any
     if _THREADS > 1:
         least = -(-_SHARE_MIN // max(1, row_size))
         per_block = min(per_block, max(least, -(-rows // (_THREADS * _SHARES))))
-    entry = _team_entries().get(name)
-    if entry is None or _threads.TEAM is None:
+    entry = kernels.entries().get(name) if _threads.TEAM is not None else None
+    if entry is None:
         _ranges_parallel(getattr(kernels, name), rows, per_block, *args)
         return
     n_blocks = -(-rows // per_block)
-    team_kernels = _team_kernels()
-    job = team_kernels.job(n_blocks, per_block, rows, row_size, args)
-    _threads.TEAM.launch(entry, team_kernels.hk.address(job), max(1, min(_THREADS, n_blocks)))
-
-
-@functools.cache
-def _team_kernels() -> Any:
-    """``tiegrad.backend.team_kernels``, or None without numba."""
-    return _numba.load("tiegrad.backend.team_kernels")
-
-
-def _team_entries() -> dict[str, int]:
-    """The C entry points of the kernels by name, where an OpenMP team is lent."""
-    module = _team_kernels() if _threads.TEAM is not None else None
-    return {} if module is None else module.ENTRIES
+    job = kernels.job(n_blocks, per_block, rows, row_size, args)
+    _threads.TEAM.launch(entry, kernels.address(job), max(1, min(_THREADS, n_blocks)))
 
 
 _add_reduce = np.add.reduce
@@ -479,6 +466,14 @@ class NumpyBackend(Backend):
         (gx,) = _outputs_apart(g, 1)
         _rows_parallel(kernels, "multiply", g.size, 1, g.reshape(-1), saved.reshape(-1), gx)
         return gx.reshape(g.shape)
+
+    def relu(self, x: Array) -> Array:
+        kernels = _shared_elementwise(x, x)
+        if kernels is None:
+            return np.maximum(x, 0.0)
+        (out,) = _outputs_apart(x, 1)
+        _rows_parallel(kernels, "relu", x.size, 1, x.reshape(-1), out)
+        return out.reshape(x.shape)
 
     def relu_vjp(self, g: Array, out: Array) -> Array:
         kernels = _fused_kernels(g, out) if g.shape == out.shape else None

@@ -91,7 +91,7 @@ def relu(x: TensorRef) -> TensorRef:
     the next op usually keeps anyway, so the input can be freed.
     """
     s = session_of(x)
-    out = s.backend.maximum(x.value, 0.0)
+    out = s.backend.relu(x.value)
     return s._record(out, (x.id,), partial(_relu_vjp, s.backend, out))
 
 
