@@ -332,7 +332,8 @@ def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
 # -- the kernels as bodies of an OpenMP parallel region ------------------------------------
 # C functions (numba cfuncs): no Python, no GIL. They live in this module so that numba's
 # on-disk cache, which it keys by the source file, never pairs an entry point with an
-# older kernel.
+# older kernel. One plain function per kernel: entry points made by a closure factory
+# missed numba's cache in every new process (each compiled anew, about 4 s in all).
 @intrinsic
 def _claim(typingctx: Any, counter: Any) -> Any:
     """Atomically add 1 to the int64 at ``counter``; the value before."""
