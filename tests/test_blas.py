@@ -6,16 +6,18 @@ Each layout MKL is handed must give ``np.matmul``'s shape, dtype and values (flo
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
-from tiegrad.backend import NUMPY, blas
+from tiegrad.backend import NUMPY, Backend, blas
 
 needs_mkl = pytest.mark.skipif(blas.LIBRARY is None, reason="oneMKL is not installed")
 rng = np.random.default_rng(7)
@@ -417,4 +419,46 @@ def test_a_call_mkl_refuses_is_computed_by_numpy_with_a_warning(monkeypatch, lea
     with pytest.warns(RuntimeWarning, match="MKL refused argument"):
         blas.scaled_matmul(a, b, 2.0, out)
     np.testing.assert_allclose(out, 2 * np.matmul(a, b), rtol=1e-6)
-    assert not blas._REJECTED
+    assert not getattr(blas._refusals, "calls", [])
+
+
+@needs_mkl
+def test_a_refusal_is_reported_on_the_thread_that_made_the_call():
+    position = ctypes.c_int(9)
+    seen = []
+
+    def other_thread():
+        blas._record_refusal(b"cblas_sgemm", ctypes.byref(position), 11)
+        with pytest.warns(RuntimeWarning, match="argument 9 of cblas_sgemm"):
+            seen.append(blas._refused())
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert seen == [True] and not blas._refused()  # nothing recorded for this thread
+
+
+@pytest.mark.parametrize("scale", [0.0, float("inf")])
+def test_a_zero_or_infinite_scale_keeps_numpys_nan(scale):
+    a = rng.standard_normal((4, 5)).astype(np.float32)
+    a[1, 2] = np.nan
+    b = rng.standard_normal((5, 3)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        want = np.matmul(a, b) * np.float32(scale)
+        np.testing.assert_array_equal(blas.scaled_matmul(a, b, scale), want)
+
+
+def test_an_out_the_product_would_broadcast_to_is_refused():
+    a, b = np.ones((4, 5), np.float32), np.ones((5, 3), np.float32)
+    out = np.zeros((2, 4, 3), np.float32)
+    with pytest.raises(ValueError, match="out has shape"):
+        blas.scaled_matmul(a, b, 1.0, out)
+    with pytest.raises(ValueError, match="out has shape"):
+        Backend.scaled_matmul(NUMPY, a, b, 1.0, out)  # the generic version
+    assert not out.any()
+
+
+@needs_mkl
+def test_products_without_numba_take_addresses_from_numpy():
+    run = _import_in_child("mkl", _PRODUCTS_MATCH, TIEGRAD_NO_NUMBA="1")
+    assert run.returncode == 0 and run.stdout.strip() == blas.LIBRARY, run.stderr

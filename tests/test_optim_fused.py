@@ -347,13 +347,11 @@ def test_a_forked_child_steps_after_its_parent_used_the_threads(small_chunks):
     if pid == 0:  # the child: one more step on its own pool, then report
         try:
             opt.step([grad])
-            if _threads.TEAM is None:  # the child's own pool, its threads alive
-                threads = _threads._pool._threads
-                alive = bool(threads) and all(t.is_alive() for t in threads)
-            else:  # Intel OpenMP starts the child's team itself
-                alive = True
             right = np.array_equal(plist[0].value, expected)
-            os.write(write, b"ok" if right and alive else b"bad")
+            if _threads.TEAM is None:  # the pool route: the child's own pool, threads alive
+                threads = _threads._pool._threads
+                right = right and bool(threads) and all(t.is_alive() for t in threads)
+            os.write(write, b"ok" if right else b"bad")
         finally:
             os._exit(0)
     os.close(write)

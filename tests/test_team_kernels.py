@@ -59,10 +59,13 @@ def operands():
     return x, g.standard_normal(D).astype(np.float32), g.standard_normal(D).astype(np.float32)
 
 
-def _route(monkeypatch, threads, team, share_min=1 << 15):
+def _route(monkeypatch, threads, team, share_min=1 << 15, entry_points=None):
     monkeypatch.setattr(nb, "_THREADS", threads)
     monkeypatch.setattr(_threads, "TEAM", team)
     monkeypatch.setattr(nb, "_SHARE_MIN", share_min)
+    monkeypatch.setattr(
+        nb, "_ENTRY_POINTS", team is not None if entry_points is None else entry_points
+    )
 
 
 def test_results_do_not_depend_on_threads_or_blocks(monkeypatch, operands):
@@ -74,6 +77,17 @@ def test_results_do_not_depend_on_threads_or_blocks(monkeypatch, operands):
         for name, arrays in want.items():
             for a, b in zip(arrays, got[name]):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name} on {threads} threads")
+
+
+def test_a_process_without_its_team_keeps_the_bits(monkeypatch, operands):
+    # a forked child that gave a GNU OpenMP team up runs the entry points on its own thread
+    _route(monkeypatch, 2, _LENT, 500)
+    want = _calls(*operands)
+    _route(monkeypatch, 2, None, 500, entry_points=True)
+    got = _calls(*operands)
+    for name, arrays in want.items():
+        for a, b in zip(arrays, got[name]):
+            np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_the_team_agrees_with_the_jitted_kernels(monkeypatch, operands):
@@ -106,3 +120,15 @@ def test_a_job_holds_addresses_and_float32_bits():
     assert list(job[:5]) == [0, 2, 3, 4, 3]
     assert job[5] == a.ctypes.data
     assert np.int32(job[6]).view(np.float32) == np.float32(1e-5)
+
+
+def test_kernels_never_write_into_read_only_arrays(monkeypatch):
+    _route(monkeypatch, 2, _LENT, 500)
+    x = np.random.default_rng(3).standard_normal((1000, D)).astype(np.float32)
+    before = x.copy()
+    x.flags.writeable = False
+    assert not NUMPY.softmax_rows_(x)
+    assert not NUMPY.softmax_backward_rows_(x, x)
+    with pytest.raises(ValueError, match="read-only"):
+        NUMPY.add_(x, np.ones(D, np.float32))
+    np.testing.assert_array_equal(x, before)

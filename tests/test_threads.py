@@ -148,17 +148,23 @@ def test_mkl_lends_its_team_unless_it_runs_another_threading_layer(route):
 
 _GNU_TEAM_IN_A_CHILD = """
 import os, torch  # GNU OpenMP first: MKL takes its GNU layer
+import numpy as np
 from tiegrad import _threads
-import tiegrad.backend
+from tiegrad.backend import NUMPY
 team = _threads.TEAM
 assert team is not None and not team.survives_fork, team
 seen = []
 _threads.share(seen.append, 8, 2)
+x = np.random.default_rng(0).standard_normal((1000, 96)).astype(np.float32)
+w, b = np.ones(96, np.float32), np.zeros(96, np.float32)
+rows = NUMPY.layer_norm_rows(x, w, b, 1e-5)  # None without numba
 pid = os.fork()
 if pid == 0:
     child = []
     _threads.share(child.append, 8, 2)
-    os._exit(0 if _threads.TEAM is None and sorted(child) == list(range(8)) else 3)
+    again = NUMPY.layer_norm_rows(x, w, b, 1e-5)
+    same = rows is None or all(np.array_equal(p, c) for p, c in zip(rows, again))
+    os._exit(0 if _threads.TEAM is None and sorted(child) == list(range(8)) and same else 3)
 _, status = os.waitpid(pid, 0)
 assert status == 0 and _threads.TEAM is team and sorted(seen) == list(range(8))
 print("ok")

@@ -159,6 +159,15 @@ def lend_team(runtime: ctypes.CDLL, size: int, survives_fork: bool) -> None:
     TEAM = Team(runtime, size, survives_fork)
 
 
+def launch(entry: int, data: int, threads: int) -> None:
+    """The C function at ``entry`` called with ``data``: on ``threads`` threads of the team,
+    or once on the caller where no team is lent (the function claims all the work then)."""
+    if TEAM is not None:
+        TEAM.launch(entry, data, threads)
+    else:
+        _MEMBER_TYPE(entry)(data)
+
+
 def share(run: Callable[[int], None], n: int, threads: int) -> None:
     """``run(i)`` for every ``i`` in ``range(n)`` on up to ``threads`` threads, the caller's too.
 

@@ -18,6 +18,17 @@ DType = Any
 Shape = tuple[int, ...]
 
 
+def assign_product(out: Any, product: Any) -> Any:
+    """``out[...] = product``; ``out``. A ``ValueError`` unless their shapes are equal
+    (an assignment would broadcast a product of another shape)."""
+    if tuple(out.shape) != tuple(product.shape):
+        raise ValueError(
+            f"scaled_matmul: out has shape {tuple(out.shape)}, the product {tuple(product.shape)}"
+        )
+    out[...] = product
+    return out
+
+
 class Backend:
     """Abstract array backend. Subclasses implement every method below."""
 
@@ -245,17 +256,15 @@ class Backend:
     def scaled_matmul(self, a: Array, b: Array, scale: float, out: Array | None = None) -> Array:
         """``scale * (a @ b)`` for operands of at least two axes; into ``out`` when given.
 
-        ``out`` has the product's shape and may be a view into a larger array; it is
-        returned, or the new array. A backend may scale inside the product (BLAS's
-        alpha), so the bits may differ from ``matmul`` followed by a multiplication.
+        ``out`` has the product's shape (else ``ValueError``) and may be a view into a
+        larger array; it is returned, or the new array. A backend may scale inside the
+        product (BLAS's alpha), so the bits may differ from ``matmul`` followed by a
+        multiplication.
         """
         product = self.matmul(a, b)
         if scale != 1.0:
             product = product * scale
-        if out is None:
-            return product
-        out[...] = product
-        return out
+        return product if out is None else assign_product(out, product)
 
     def einsum(self, subscripts: str, *operands: Array) -> Array:
         raise NotImplementedError

@@ -47,6 +47,7 @@ import functools
 import math
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,7 @@ import numpy as np
 
 from .. import _numba, _threads
 from ..errors import ConfigError
+from .base import assign_product
 
 ENV_SWITCH = "TIEGRAD_BLAS"
 _NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
@@ -66,29 +68,36 @@ _INTEL_OPENMP, _GNU_OPENMP = 0, 3  # MKL_THREADING_INTEL, MKL_THREADING_GNU
 _OPENMP_RUNTIMES = {_INTEL_OPENMP: "libiomp5.so", _GNU_OPENMP: "libgomp.so.1"}
 _INT_MAX = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes and strides
 _XERBLA = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
-_REJECTED: list[tuple[str, int]] = []  # (routine, argument position) MKL refused, oldest first
+_refusals = threading.local()  # .calls: (routine, argument position) MKL refused, per thread
 
 
 @_XERBLA
-def _record_rejection(routine: bytes, position: Any, length: int) -> None:
-    """MKL's handler of a wrong argument (``mkl_set_xerbla``): MKL returns without computing."""
-    _REJECTED.append((routine[:length].decode(errors="replace"), position[0]))
+def _record_refusal(routine: bytes, position: Any, length: int) -> None:
+    """MKL's handler of a wrong argument (``mkl_set_xerbla``): MKL returns without computing.
 
-
-def _rejected() -> bool:
-    """Whether MKL refused an argument since the last check (then NumPy computes); warns.
-
-    The handler is the process's: a refusal in another library's MKL call is reported
-    at tiegrad's next product, which NumPy then computes as well (still right).
+    MKL checks the arguments on the calling thread, so each thread keeps its own record.
     """
-    if not _REJECTED:
+    if not hasattr(_refusals, "calls"):
+        _refusals.calls = []
+    _refusals.calls.append((routine[:length].decode(errors="replace"), position[0]))
+
+
+def _refused() -> bool:
+    """Whether MKL refused an argument on this thread since the last check; warns.
+
+    The caller then has NumPy compute the product. The handler is the process's: a
+    refusal in another library's MKL call on this thread is reported at tiegrad's next
+    product, which NumPy then computes as well (still right).
+    """
+    calls = getattr(_refusals, "calls", None)
+    if not calls:
         return False
-    routine, position = _REJECTED[-1]
-    _REJECTED.clear()
+    routine, position = calls[-1]
+    calls.clear()
     warnings.warn(
         f"tiegrad: MKL refused argument {position} of {routine}; NumPy computed the product",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return True
 
@@ -142,7 +151,7 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
             stacklevel=2,
         )
     lib.mkl_set_xerbla.restype = ctypes.c_void_p
-    lib.mkl_set_xerbla(_record_rejection)  # a refused call warns instead of printing
+    lib.mkl_set_xerbla(_record_refusal)  # a refused call warns instead of printing
     _lend_openmp_team(lib)
     i, vp = ctypes.c_int, ctypes.c_void_p
     kernels = {}
@@ -259,19 +268,21 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def scaled_matmul(
-    a: np.ndarray, b: np.ndarray, alpha: float = 1.0, out: np.ndarray | None = None
+    a: np.ndarray, b: np.ndarray, scale: float, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """``alpha * (a @ b)`` for operands of at least two axes, into ``out`` when given.
+    """``scale * (a @ b)`` for operands of at least two axes, into ``out`` when given.
 
-    MKL scales the product as it writes it, into a new array or into ``out`` where it
-    reads the operands (as ``matmul``) and ``out`` is a writable array of the product's
-    shape and dtype whose matrices have rows of unit stride (any row and batch strides:
-    a view into a larger array works), sharing no memory with them. Otherwise the
-    product is computed, scaled and assigned with NumPy's casting. Returns ``out``, or
-    the new array.
+    MKL scales the product as it writes it (its ``alpha``), into a new array or into
+    ``out`` where it reads the operands (as ``matmul``) and ``out`` is a writable array
+    of the product's shape and dtype whose matrices have rows of unit stride (any row
+    and batch strides: a view into a larger array works), sharing no memory with them.
+    Otherwise, and for a ``scale`` of 0 or not finite (where BLAS would skip the
+    operands and so drop their NaN), the product is computed, scaled and assigned with
+    NumPy's casting. An ``out`` of another shape is a ``ValueError``, even one the
+    product would broadcast to. Returns ``out``, or the new array.
     """
     kernels = _operand_kernels(a, b)
-    if kernels is not None and min(a.ndim, b.ndim) >= 2:
+    if kernels is not None and min(a.ndim, b.ndim) >= 2 and scale != 0 and math.isfinite(scale):
         writable = out is None or (
             type(out) is np.ndarray
             and out.dtype == a.dtype
@@ -280,16 +291,13 @@ def scaled_matmul(
             and not np.may_share_memory(out, a)
             and not np.may_share_memory(out, b)
         )
-        done = _matrix_product(kernels, a, b, out, alpha) if writable else None
+        done = _matrix_product(kernels, a, b, out, scale) if writable else None
         if done is not None:
             return done
     product = matmul(a, b)
-    if alpha != 1.0:
-        product = product * alpha
-    if out is None:
-        return product
-    out[...] = product
-    return out
+    if scale != 1.0:
+        product = product * scale
+    return product if out is None else assign_product(out, product)
 
 
 def _operand_kernels(a: Any, b: Any) -> _Kernels | None:
@@ -337,7 +345,7 @@ def _matrix_product(
     if a.ndim == 2 and b.ndim == 2:
         kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, address(a), la[1],
              address(b), lb[1], 0.0, address(out), lc[1])  # fmt: skip
-        return None if _rejected() else out
+        return None if _refused() else out
     count = math.prod(batch)
     strides_c = _batch_strides(batch, out.strides[:-2], batch, item)
     if count * m * n > _INT_MAX or any(s <= 0 for s, c in zip(strides_c, batch) if c > 1):
@@ -352,7 +360,7 @@ def _matrix_product(
         kernels.gemm_batch_strided(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, address(a),
                                    la[1], sa, address(b), lb[1], sb, 0.0, address(out),
                                    lc[1], sc, count)  # fmt: skip
-        return None if _rejected() else out
+        return None if _refused() else out
     # One group of ``count`` products given by address: any batch strides, one call.
     pa = _addresses(address(a), strides_a, batch, item)
     pb = _addresses(address(b), strides_b, batch, item)
@@ -365,7 +373,7 @@ def _matrix_product(
     kernels.gemm_batch(_ROW_MAJOR, at, at + i4, at + 2 * i4, at + 3 * i4, at + 4 * i4, ax,
                        address(pa), at + 5 * i4, address(pb), at + 6 * i4, ax + f,
                        address(pc), at + 7 * i4, 1, at + 8 * i4)  # fmt: skip
-    return None if _rejected() else out
+    return None if _refused() else out
 
 
 def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
@@ -379,7 +387,7 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
             return None
         address = _address_of()
         value = kernels.dot(a.size, address(a), ia, address(b), ib)
-        return None if _rejected() else a.dtype.type(value)
+        return None if _refused() else a.dtype.type(value)
     mat, vec = (a, b) if b.ndim == 1 else (b, a)
     rows, cols = mat.shape
     layout = _matrix(rows, cols, mat.strides[0] // item, mat.strides[1] // item)
@@ -394,4 +402,4 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
     address = _address_of()
     kernels.gemv(_ROW_MAJOR, trans, stored_rows, stored_cols, 1.0, address(mat), ld,
                  address(vec), inc, 0.0, address(out), 1)  # fmt: skip
-    return None if _rejected() else out
+    return None if _refused() else out

@@ -1,8 +1,9 @@
 """Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU and its VJP,
 products and sums, layer norm, softmax; and their entry points for an OpenMP team.
 
-Imported only through ``tiegrad._numba.load`` by ``numpy_backend``, which decides when
-to use them (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``): every kernel
+Imported only through ``tiegrad._numba.load``, by ``numpy_backend``, which decides when
+to use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
+``blas`` for ``address``. Every kernel
 takes the range ``lo .. hi`` of elements or rows it handles and releases the GIL, so
 its blocks can run on several threads. Each one reads its inputs once and writes its
 outputs once, where NumPy needs a pass over memory per ufunc; numba turns the loops

@@ -12,10 +12,13 @@ Fused kernels: ``gelu`` of a float32 array runs block by block (every temporary 
 in cache) with a mask-free formula accurate to float32 precision; other dtypes take
 the exact path through the float64 Cephes ``erf`` (gradient checks). ``blockwise``
 cuts an op's rows into cache-sized blocks, run one after the other (they call BLAS).
-With numba installed, float32 GELU, layer norm and the attention softmax run as
-single-pass kernels (``host_kernels``) instead. The elementwise and row kernels run
-their blocks on ``_THREADS`` threads (``_kernel_threads``: ``TIEGRAD_NUM_THREADS``, else
-MKL's OpenMP team where MKL runs the products, else 1) through ``tiegrad._threads``.
+With numba installed, float32 GELU and its VJP, ReLU and its VJP, large sums (``add``,
+``add_``), layer norm and the attention softmax run as single-pass kernels
+(``host_kernels``) instead. They run their blocks on ``_THREADS`` threads
+(``_kernel_threads``: ``TIEGRAD_NUM_THREADS``, else the size of MKL's OpenMP team
+where MKL runs the products, else 1): on that team through the kernels' C entry points
+(``_rows_parallel``), else on ``tiegrad._threads``' pool. Like MKL's products, the
+kernels do not report overflow or invalid operations to ``np.errstate``.
 Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
 """
 
@@ -200,6 +203,7 @@ def _kernel_threads() -> int:
 
 
 _THREADS = _kernel_threads()
+_ENTRY_POINTS = _threads.TEAM is not None  # the kernels run their C entry points
 _SHARES = 2  # blocks per thread when a kernel call is shared
 _SHARE_MIN = 1 << 15  # elements of the smallest shared block
 
@@ -332,22 +336,24 @@ def _rows_parallel(kernels: Any, name: str, rows: int, row_size: int, *args: Any
 
     On several threads the blocks are also small enough for ``_SHARES`` of them per
     thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
-    Where MKL lends its OpenMP team, every call runs the kernel's C entry point
-    (``host_kernels.entries``), on one thread or several: the entry point's machine code may
-    sum a row's lanes in another order than the jitted kernel's, so one code path for
-    every call keeps a row's bits independent of the call's size and of the threads.
+    Where MKL lent its OpenMP team at import (``_ENTRY_POINTS``), every call runs the
+    kernel's C entry point (``host_kernels.entries``), on one thread or several, and
+    on the caller alone in a forked child that gave the team up: the entry point's
+    machine code may sum a row's lanes in another order than the jitted kernel's, so
+    one code path keeps a row's bits independent of the call's size, of the threads and
+    of a fork.
     """
     per_block = _rows_per_block(row_size)
     if _THREADS > 1:
         least = -(-_SHARE_MIN // max(1, row_size))
         per_block = min(per_block, max(least, -(-rows // (_THREADS * _SHARES))))
-    entry = kernels.entries().get(name) if _threads.TEAM is not None else None
+    entry = kernels.entries().get(name) if _ENTRY_POINTS else None
     if entry is None:
         _ranges_parallel(getattr(kernels, name), rows, per_block, *args)
         return
     n_blocks = -(-rows // per_block)
     job = kernels.job(n_blocks, per_block, rows, row_size, args)
-    _threads.TEAM.launch(entry, kernels.address(job), max(1, min(_THREADS, n_blocks)))
+    _threads.launch(entry, kernels.address(job), max(1, min(_THREADS, n_blocks)))
 
 
 _add_reduce = np.add.reduce
@@ -453,7 +459,7 @@ class NumpyBackend(Backend):
         n = x.shape[-1] if x.ndim else 0
         if b.ndim == 1 and b.shape[0] == n and x.size >= 2 * _SHARE_MIN:
             kernels = _fused_kernels(x, b)
-            if kernels is not None:
+            if kernels is not None and x.flags.writeable:
                 _rows_parallel(kernels, "add_row_vector", x.size // n, n, x.reshape(-1, n), b)
                 return x
         x += b
@@ -513,7 +519,7 @@ class NumpyBackend(Backend):
 
     def softmax_rows_(self, x: Array) -> bool:
         kernels = _fused_kernels(x)
-        if kernels is None or x.ndim == 0:
+        if kernels is None or x.ndim == 0 or not x.flags.writeable:
             return False
         n = x.shape[-1]
         rows = x.size // n if n else 0
@@ -522,7 +528,7 @@ class NumpyBackend(Backend):
 
     def softmax_backward_rows_(self, gp: Array, p: Array) -> bool:
         kernels = _fused_kernels(gp, p)
-        if kernels is None or gp.ndim == 0 or gp.shape != p.shape:
+        if kernels is None or gp.ndim == 0 or gp.shape != p.shape or not gp.flags.writeable:
             return False
         n = gp.shape[-1]
         rows = gp.size // n if n else 0

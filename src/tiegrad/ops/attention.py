@@ -8,8 +8,9 @@ own fused attention (``Backend.fused_attention``: PyTorch's on a device) runs it
 no key padding mask is given; otherwise both share one kernel: the mask is an additive
 bias of ``-inf`` (no masked copy of the scores), the softmax runs in place
 (``softmax_``: the backend's row kernel, else a per-head block maximum as the shift),
-the batch runs in cache-sized blocks (``Backend.blockwise``), and the scale is folded
-into q.
+the batch runs in cache-sized blocks (``Backend.blockwise``), and the products scale
+as they write, into the output and cotangent arrays themselves
+(``Backend.scaled_matmul``: no scaled copy of q, no copy of a product).
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ per name and dtype), made once per state layout. ``run`` completes the table wit
 parameters' and gradients' addresses and the rule's kernel updates every element once.
 
 Threads. A batch of at least ``2 * CHUNK_MIN`` elements is cut into ``CHUNKS`` chunks
-per thread, claimed in turn by the calling thread and ``THREADS - 1`` pool threads (the
-kernels release the GIL). The caller waits only for chunks a pool thread has claimed,
-so a pool thread the OS has not scheduled yet delays nothing: on a loaded machine the
-step degrades to one thread instead of waiting a time slice, which a fixed split per
-thread (numba's ``prange``) would. The pool is the process's (``tiegrad._threads``).
+per thread, claimed in turn by up to ``THREADS`` threads, the caller's among them (the
+kernels release the GIL), through ``tiegrad._threads.share``: on MKL's OpenMP team
+where MKL lends it, else on the process's pool, where the caller waits only for chunks
+a pool thread has claimed (on a loaded machine the step degrades to one thread instead
+of waiting a time slice).
 """
 
 from __future__ import annotations
