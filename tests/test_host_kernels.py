@@ -251,3 +251,27 @@ def test_relu_kernel_is_numpys_maximum_bit_for_bit(monkeypatch, fused, threads):
     want = np.maximum(x, 0.0)
     np.testing.assert_array_equal(got, want)
     assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_index_add_kernel_sums_as_numpys_add_at(fused):
+    g = np.random.default_rng(13)
+    ids = g.integers(0, 96, 2048)  # many repeats
+    values = g.standard_normal((2048, 128)).astype(np.float32)
+    out = g.standard_normal((96, 128)).astype(np.float32)
+    want = out.copy()
+    np.add.at(want, ids, values)
+    NUMPY.index_add(out, ids, values)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("bad", [-1, 96])
+def test_index_add_outside_the_kernel_keeps_numpys_rules(fused, bad):
+    ids = np.array([0, 5, bad, 5])
+    values = np.ones((4, 8), np.float32)
+    out = np.zeros((96, 8), np.float32)
+    if bad < 0:  # NumPy wraps a negative index
+        NUMPY.index_add(out, ids, values)
+        assert out[95, 0] == 1 and out[5, 0] == 2
+    else:
+        with pytest.raises(IndexError):
+            NUMPY.index_add(out, ids, values)

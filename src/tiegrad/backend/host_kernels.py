@@ -1,5 +1,6 @@
 """Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU and its VJP,
-products and sums, layer norm, softmax; and their entry points for an OpenMP team.
+products and sums, a scatter-add of rows, layer norm, softmax; and entry points of the
+elementwise and row kernels for an OpenMP team.
 
 Imported only through ``tiegrad._numba.load``, by ``numpy_backend``, which decides when
 to use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
@@ -183,6 +184,19 @@ def add_row_vector(x: np.ndarray, v: np.ndarray, lo: int, hi: int) -> None:
         row = x[r]  # a row view: the inner loop indexes from 0
         for j in range(n):
             row[j] += v[j]
+
+
+@_kernel
+def index_add_rows(out: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
+    """``out[ids[i]] += values[i]`` for every row ``i``, in order (``np.add.at``'s sums).
+
+    The caller guarantees ``0 <= ids < len(out)`` (there is no bounds check).
+    """
+    d = out.shape[1]
+    for i in range(ids.size):
+        row, add_row = out[ids[i]], values[i]  # row views: the inner loop indexes from 0
+        for j in range(d):
+            row[j] += add_row[j]
 
 
 @_kernel

@@ -13,7 +13,8 @@ in cache) with a mask-free formula accurate to float32 precision; other dtypes t
 the exact path through the float64 Cephes ``erf`` (gradient checks). ``blockwise``
 cuts an op's rows into cache-sized blocks, run one after the other (they call BLAS).
 With numba installed, float32 GELU and its VJP, ReLU and its VJP, large sums (``add``,
-``add_``), layer norm and the attention softmax run as single-pass kernels
+``add_``), the embedding's scatter-add (``index_add``), layer norm and the attention
+softmax run as single-pass kernels
 (``host_kernels``) instead. They run their blocks on ``_THREADS`` threads
 (``_kernel_threads``: ``TIEGRAD_NUM_THREADS``, else the size of MKL's OpenMP team
 where MKL runs the products, else 1): on that team through the kernels' C entry points
@@ -590,6 +591,20 @@ class NumpyBackend(Backend):
             np.add.at(out, index, values)
 
     def index_add(self, out: Array, indices: Array, values: Array) -> None:
+        kernels = _fused_kernels(out, values) if out.ndim == 2 and values.ndim == 2 else None
+        if (
+            kernels is not None
+            and out.flags.writeable
+            and indices.ndim == 1
+            and indices.dtype.kind == "i"
+            and len(indices) == len(values)
+            and values.shape[1] == out.shape[1]
+            and len(indices)
+            and 0 <= indices.min()
+            and indices.max() < len(out)
+        ):
+            kernels.index_add_rows(out, indices, values)
+            return
         if len(indices) <= len(out):
             np.add.at(out, indices, values)
             return
