@@ -14,8 +14,8 @@ the exact path through the float64 Cephes ``erf`` (gradient checks). ``blockwise
 cuts an op's rows into cache-sized blocks, run one after the other (they call BLAS).
 With numba installed, float32 GELU and its VJP, ReLU and its VJP, large sums (``add``,
 ``add_``), the embedding's scatter-add (``index_add``), layer norm and the attention
-softmax run as single-pass kernels
-(``host_kernels``) instead. They run their blocks on ``_THREADS`` threads
+softmax run as single-pass kernels (``host_kernels``) instead; all but the scatter-add
+run their blocks on ``_THREADS`` threads
 (``_kernel_threads``: ``TIEGRAD_NUM_THREADS``, else the size of MKL's OpenMP team
 where MKL runs the products, else 1): on that team through the kernels' C entry points
 (``_rows_parallel``), else on ``tiegrad._threads``' pool. Like MKL's products, the
