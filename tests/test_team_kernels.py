@@ -39,8 +39,8 @@ def _calls(x, w, b):
     rows = x.reshape(-1, D)
     ln, xhat, rstd = NUMPY.layer_norm_rows(rows, w, b, 1e-5)
     out["layer_norm"] = (ln, xhat, rstd)
-    out["layer_norm_backward"] = (
-        NUMPY.layer_norm_backward_rows(rows, w, xhat, rstd, (True, False, False))[0],
+    out["layer_norm_backward"] = NUMPY.layer_norm_backward_rows(
+        rows, w, xhat, rstd, (True, True, True)
     )
     p = rows.copy()
     assert NUMPY.softmax_rows_(p)
@@ -132,3 +132,20 @@ def test_kernels_never_write_into_read_only_arrays(monkeypatch):
     with pytest.raises(ValueError, match="read-only"):
         NUMPY.add_(x, np.ones(D, np.float32))
     np.testing.assert_array_equal(x, before)
+
+
+def test_layer_norm_column_sums_are_the_weight_and_bias_cotangents(monkeypatch):
+    _route(monkeypatch, 2, _LENT, 500)
+    g = np.random.default_rng(5)
+    rows = g.standard_normal((1001, D)).astype(np.float32)
+    w = g.standard_normal(D).astype(np.float32)
+    _, xhat, rstd = NUMPY.layer_norm_rows(rows, w, None, 1e-5)
+    cot = g.standard_normal((1001, D)).astype(np.float32)
+    gx, gw, gb = NUMPY.layer_norm_backward_rows(cot, w, xhat, rstd, (True, True, True))
+    wide = cot.astype(np.float64)
+    np.testing.assert_allclose(gw, (wide * xhat).sum(axis=0), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gb, wide.sum(axis=0), rtol=1e-4, atol=1e-4)
+    assert NUMPY.layer_norm_backward_rows(cot, w, xhat, rstd, (True, False, False))[1:] == (
+        None,
+        None,
+    )

@@ -264,6 +264,10 @@ def layer_norm(
             outr[j] = h * w[j] + b[j]
 
 
+COLUMN_CHUNK = 64
+"""Rows per partial column sum of ``layer_norm_backward`` (a block holds whole chunks)."""
+
+
 @_row_kernel
 def layer_norm_backward(
     g: np.ndarray,
@@ -271,17 +275,24 @@ def layer_norm_backward(
     xhat: np.ndarray,
     rstd: np.ndarray,
     gx: np.ndarray,
+    pw: np.ndarray,
+    pb: np.ndarray,
     lo: int,
     hi: int,
 ) -> None:
-    """Rows ``lo .. hi`` of the input cotangent of ``layer_norm``.
+    """Rows ``lo .. hi`` of the input cotangent of ``layer_norm``, and partial column sums.
 
-    ``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` with ``gh = g * w``.
+    ``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` with ``gh = g * w``. Row
+    ``r`` adds ``g * xhat`` and ``g`` into row ``r // COLUMN_CHUNK`` of ``pw`` and ``pb``
+    (zeros on entry), in row order: the weight's and the bias's cotangents are the sums
+    of those rows, the same bits however the rows are cut into blocks, as long as
+    ``lo`` is a multiple of ``COLUMN_CHUNK``.
     """
     n = g.shape[1]
     inv_n = _F(1.0) / _F(n)
     for r in range(lo, hi):
         gr, hr, gxr = g[r], xhat[r], gx[r]  # row views: the inner loops index from 0
+        pwr, pbr = pw[r // COLUMN_CHUNK], pb[r // COLUMN_CHUNK]
         m1 = _F(0.0)
         m2 = _F(0.0)
         for j in range(n):
@@ -293,6 +304,8 @@ def layer_norm_backward(
         rs = rstd[r, 0]
         for j in range(n):
             gxr[j] = (gr[j] * w[j] - m1 - hr[j] * m2) * rs
+            pwr[j] += gr[j] * hr[j]
+            pbr[j] += gr[j]
 
 
 @_row_kernel
@@ -466,18 +479,21 @@ def _team_layer_norm(job: Any) -> None:
 
 
 def _team_layer_norm_backward(job: Any) -> None:
-    """``layer_norm_backward``; operands g, w, xhat, rstd, gx."""
+    """``layer_norm_backward``; operands g, w, xhat, rstd, gx, pw, pb."""
     d = job[4]
     g, w, xhat = _rows(job, 0, d), _vector(job, 1), _rows(job, 2, d)
     rstd, gx = _rows(job, 3, 1), _rows(job, 4, d)
+    chunks = (job[3] + COLUMN_CHUNK - 1) // COLUMN_CHUNK
+    pw = numba.carray(_floats(job[10]), (chunks, d))
+    pb = numba.carray(_floats(job[11]), (chunks, d))
     lo, hi = _next(job)
     while lo < hi:
-        layer_norm_backward(g, w, xhat, rstd, gx, lo, hi)
+        layer_norm_backward(g, w, xhat, rstd, gx, pw, pb, lo, hi)
         lo, hi = _next(job)
 
 
 def _team_softmax(job: Any) -> None:
-    """``host_kernels.softmax``; operand x."""
+    """``softmax``; operand x."""
     x = _rows(job, 0, job[4])
     lo, hi = _next(job)
     while lo < hi:

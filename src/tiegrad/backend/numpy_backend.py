@@ -332,11 +332,14 @@ def _ranges_parallel(kernel: Callable[..., None], n: int, step: int, *args: Any)
     _parallel(run, -(-n // step))
 
 
-def _rows_parallel(kernels: Any, name: str, rows: int, row_size: int, *args: Any) -> None:
+def _rows_parallel(
+    kernels: Any, name: str, rows: int, row_size: int, *args: Any, align: int = 1
+) -> None:
     """``kernels.<name>(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads.
 
     On several threads the blocks are also small enough for ``_SHARES`` of them per
     thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
+    A block holds a multiple of ``align`` rows.
     Where MKL lent its OpenMP team at import (``_ENTRY_POINTS``), every call runs the
     kernel's C entry point (``host_kernels.entries``), on one thread or several, and
     on the caller alone in a forked child that gave the team up: the entry point's
@@ -348,6 +351,7 @@ def _rows_parallel(kernels: Any, name: str, rows: int, row_size: int, *args: Any
     if _THREADS > 1:
         least = -(-_SHARE_MIN // max(1, row_size))
         per_block = min(per_block, max(least, -(-rows // (_THREADS * _SHARES))))
+    per_block = -(-per_block // align) * align
     entry = kernels.entries().get(name) if _ENTRY_POINTS else None
     if entry is None:
         _ranges_parallel(getattr(kernels, name), rows, per_block, *args)
@@ -515,8 +519,13 @@ class NumpyBackend(Backend):
         rows, d = g.shape
         gx = _outputs_apart(g, 1)[0].reshape(rows, d)
         w = np.ones(d, np.float32) if w is None else w
-        _rows_parallel(kernels, "layer_norm_backward", rows, d, g, w, xhat, rstd, gx)
-        return gx, None, None  # the column sums: the op's BLAS products
+        chunk = kernels.COLUMN_CHUNK
+        pw, pb = np.zeros((2, -(-rows // chunk), d), np.float32)
+        args = (g, w, xhat, rstd, gx, pw, pb)
+        _rows_parallel(kernels, "layer_norm_backward", rows, d, *args, align=chunk)
+        gw = _add_reduce(pw, axis=0) if wants[1] else None
+        gb = _add_reduce(pb, axis=0) if wants[2] else None
+        return gx, gw, gb
 
     def softmax_rows_(self, x: Array) -> bool:
         kernels = _fused_kernels(x)
