@@ -318,6 +318,13 @@ def _shared_elementwise(a: np.ndarray, b: np.ndarray) -> Any:
     return _fused_kernels(a, b)
 
 
+def _binary(kernels: Any, name: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``kernels.<name>(a, b, out)`` over the flat elements of ``a`` and ``b`` (one shape)."""
+    (out,) = _outputs_apart(a, 1)
+    _rows_parallel(kernels, name, a.size, 1, a.reshape(-1), b.reshape(-1), out)
+    return out.reshape(a.shape)
+
+
 def _rows_per_block(row_size: int) -> int:
     """Rows of ``row_size`` elements in one cache-sized block (``_BLOCK`` elements), >= 1."""
     return max(1, _BLOCK // max(1, row_size))
@@ -454,11 +461,7 @@ class NumpyBackend(Backend):
 
     def add(self, a: Array, b: Array) -> Array:
         kernels = _shared_elementwise(a, b)
-        if kernels is None:
-            return a + b
-        (out,) = _outputs_apart(a, 1)
-        _rows_parallel(kernels, "add", a.size, 1, a.reshape(-1), b.reshape(-1), out)
-        return out.reshape(a.shape)
+        return a + b if kernels is None else _binary(kernels, "add", a, b)
 
     def add_(self, x: Array, b: Array) -> Array:
         n = x.shape[-1] if x.ndim else 0
@@ -474,9 +477,7 @@ class NumpyBackend(Backend):
         kernels = _fused_kernels(g, saved) if g.shape == saved.shape else None
         if kernels is None:
             return super().gelu_vjp(g, saved)
-        (gx,) = _outputs_apart(g, 1)
-        _rows_parallel(kernels, "multiply", g.size, 1, g.reshape(-1), saved.reshape(-1), gx)
-        return gx.reshape(g.shape)
+        return _binary(kernels, "multiply", g, saved)
 
     def relu(self, x: Array) -> Array:
         kernels = _shared_elementwise(x, x)
@@ -490,9 +491,7 @@ class NumpyBackend(Backend):
         kernels = _fused_kernels(g, out) if g.shape == out.shape else None
         if kernels is None:
             return super().relu_vjp(g, out)
-        (gx,) = _outputs_apart(g, 1)
-        _rows_parallel(kernels, "relu_vjp", g.size, 1, g.reshape(-1), out.reshape(-1), gx)
-        return gx.reshape(g.shape)
+        return _binary(kernels, "relu_vjp", g, out)
 
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
