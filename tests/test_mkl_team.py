@@ -63,7 +63,12 @@ print("ok")
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_a_forked_child_gives_a_gnu_openmp_team_up_for_the_pool():
+    env = {k: v for k, v in os.environ.items() if k != "MKL_THREADING_LAYER"}  # MKL's choice
     out = subprocess.run(
-        [sys.executable, "-c", _GNU_TEAM_IN_A_CHILD], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _GNU_TEAM_IN_A_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
