@@ -239,10 +239,21 @@ def _even_stride(strides: tuple[int, ...], batch: tuple[int, ...]) -> int | None
 
 def _addresses(base: int, strides: tuple[int, ...], batch: tuple[int, ...], item: int) -> Any:
     """The address of every matrix of an operand, in ``batch`` order (int64 array)."""
+    return _byte_offsets(strides, batch, item) + base
+
+
+@functools.lru_cache(maxsize=256)
+def _byte_offsets(strides: tuple[int, ...], batch: tuple[int, ...], item: int) -> np.ndarray:
+    """The byte offset of every matrix from the first, in ``batch`` order (read-only).
+
+    Cached: a training step multiplies operands of the same layouts at new addresses.
+    """
     offsets = np.zeros(1, np.int64)
     for n, stride in zip(batch, strides):
         offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
-    return offsets * item + base
+    offsets *= item
+    offsets.flags.writeable = False
+    return offsets
 
 
 @functools.cache
