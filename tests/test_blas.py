@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tiegrad.backend import NUMPY, Backend, blas
+from tiegrad.errors import ShapeError
 
 needs_mkl = pytest.mark.skipif(blas.LIBRARY is None, reason="oneMKL is not installed")
 rng = np.random.default_rng(7)
@@ -451,9 +452,9 @@ def test_a_zero_or_infinite_scale_keeps_numpys_nan(scale):
 def test_an_out_the_product_would_broadcast_to_is_refused():
     a, b = np.ones((4, 5), np.float32), np.ones((5, 3), np.float32)
     out = np.zeros((2, 4, 3), np.float32)
-    with pytest.raises(ValueError, match="out has shape"):
+    with pytest.raises(ShapeError, match="out has shape"):
         blas.scaled_matmul(a, b, 1.0, out)
-    with pytest.raises(ValueError, match="out has shape"):
+    with pytest.raises(ShapeError, match="out has shape"):
         Backend.scaled_matmul(NUMPY, a, b, 1.0, out)  # the generic version
     assert not out.any()
 

@@ -13,16 +13,18 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ShapeError
+
 Array = Any
 DType = Any
 Shape = tuple[int, ...]
 
 
 def assign_product(out: Any, product: Any) -> Any:
-    """``out[...] = product``; ``out``. A ``ValueError`` unless their shapes are equal
-    (an assignment would broadcast a product of another shape)."""
+    """``out[...] = product``; ``out``. A ``ShapeError`` (a ``ValueError``) unless their
+    shapes are equal (an assignment would broadcast a product of another shape)."""
     if tuple(out.shape) != tuple(product.shape):
-        raise ValueError(
+        raise ShapeError(
             f"scaled_matmul: out has shape {tuple(out.shape)}, the product {tuple(product.shape)}"
         )
     out[...] = product
@@ -256,7 +258,7 @@ class Backend:
     def scaled_matmul(self, a: Array, b: Array, scale: float, out: Array | None = None) -> Array:
         """``scale * (a @ b)`` for operands of at least two axes; into ``out`` when given.
 
-        ``out`` has the product's shape (else ``ValueError``) and may be a view into a
+        ``out`` has the product's shape (else ``ShapeError``) and may be a view into a
         larger array; it is returned, or the new array. A backend may scale inside the
         product (BLAS's alpha), so the bits may differ from ``matmul`` followed by a
         multiplication.

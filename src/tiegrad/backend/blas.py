@@ -289,8 +289,8 @@ def scaled_matmul(
     and batch strides: a view into a larger array works), sharing no memory with them.
     Otherwise, and for a ``scale`` of 0 or not finite (where BLAS would skip the
     operands and so drop their NaN), the product is computed, scaled and assigned with
-    NumPy's casting. An ``out`` of another shape is a ``ValueError``, even one the
-    product would broadcast to. Returns ``out``, or the new array.
+    NumPy's casting. An ``out`` of another shape is a ``ShapeError`` (a ``ValueError``),
+    even one the product would broadcast to. Returns ``out``, or the new array.
     """
     kernels = _operand_kernels(a, b)
     if kernels is not None and min(a.ndim, b.ndim) >= 2 and scale != 0 and math.isfinite(scale):
