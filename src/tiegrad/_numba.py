@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import os
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -50,23 +51,23 @@ def jit(**options: Any) -> Any:
     """
     import numba
 
-    def wrap(func: Any) -> Any:
-        try:
-            return numba.njit(cache=True, **options)(func)
-        except RuntimeError:  # no writable cache location
-            return numba.njit(cache=False, **options)(func)
-
-    return wrap
+    return _cached(lambda cache: numba.njit(cache=cache, **options))
 
 
 def cfunc(signature: Any) -> Any:
-    """A decorator: ``numba.cfunc(signature)`` with the on-disk cache where one is usable."""
+    """A decorator: ``numba.cfunc(signature)`` (a C function), cached as ``jit`` is."""
     import numba
+
+    return _cached(lambda cache: numba.cfunc(signature, nopython=True, cache=cache))
+
+
+def _cached(decorator: Callable[[bool], Any]) -> Any:
+    """A decorator applying ``decorator(True)``, or ``decorator(False)`` without a cache."""
 
     def wrap(func: Any) -> Any:
         try:
-            return numba.cfunc(signature, nopython=True, cache=True)(func)
+            return decorator(True)(func)
         except RuntimeError:  # no writable cache location
-            return numba.cfunc(signature, nopython=True, cache=False)(func)
+            return decorator(False)(func)
 
     return wrap

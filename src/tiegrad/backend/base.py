@@ -20,9 +20,16 @@ DType = Any
 Shape = tuple[int, ...]
 
 
-def assign_product(out: Any, product: Any) -> Any:
-    """``out[...] = product``; ``out``. A ``ShapeError`` (a ``ValueError``) unless their
-    shapes are equal (an assignment would broadcast a product of another shape)."""
+def scale_into(product: Any, scale: float, out: Any = None) -> Any:
+    """``scale * product`` as a new array, or assigned into ``out`` and ``out`` returned.
+
+    ``out`` must have the product's shape: a ``ShapeError`` (a ``ValueError``) otherwise,
+    where an assignment would broadcast a product of another shape.
+    """
+    if scale != 1.0:
+        product = product * scale
+    if out is None:
+        return product
     if tuple(out.shape) != tuple(product.shape):
         raise ShapeError(
             f"scaled_matmul: out has shape {tuple(out.shape)}, the product {tuple(product.shape)}"
@@ -263,10 +270,7 @@ class Backend:
         product (BLAS's alpha), so the bits may differ from ``matmul`` followed by a
         multiplication.
         """
-        product = self.matmul(a, b)
-        if scale != 1.0:
-            product = product * scale
-        return product if out is None else assign_product(out, product)
+        return scale_into(self.matmul(a, b), scale, out)
 
     def einsum(self, subscripts: str, *operands: Array) -> Array:
         raise NotImplementedError

@@ -57,7 +57,7 @@ import numpy as np
 
 from .. import _numba, _threads
 from ..errors import ConfigError
-from .base import assign_product
+from .base import scale_into
 
 ENV_SWITCH = "TIEGRAD_BLAS"
 _NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
@@ -305,10 +305,7 @@ def scaled_matmul(
         done = _matrix_product(kernels, a, b, out, scale) if writable else None
         if done is not None:
             return done
-    product = matmul(a, b)
-    if scale != 1.0:
-        product = product * scale
-    return product if out is None else assign_product(out, product)
+    return scale_into(matmul(a, b), scale, out)
 
 
 def _operand_kernels(a: Any, b: Any) -> _Kernels | None:

@@ -361,7 +361,8 @@ def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
 # C functions (numba cfuncs): no Python, no GIL. They live in this module so that numba's
 # on-disk cache, which it keys by the source file, never pairs an entry point with an
 # older kernel. One plain function per kernel: entry points made by a closure factory
-# missed numba's cache in every new process (each compiled anew, about 4 s in all).
+# missed numba's cache in every new process (each compiled anew, about 4 s in all), and
+# a shared generator of blocks failed to compile once it was loaded from the cache.
 @intrinsic
 def _claim(typingctx: Any, counter: Any) -> Any:
     """Atomically add 1 to the int64 at ``counter``; the value before."""

@@ -270,11 +270,17 @@ def _loaded_kernels() -> Any:
     return _numba.load("tiegrad.backend.host_kernels")
 
 
-def _fused_kernels(*arrays: Any) -> Any:
-    """The host kernels when enabled, loadable and every array is C-contiguous float32."""
+def _fused_kernels(*arrays: Any, written: Any = None) -> Any:
+    """The host kernels when enabled, loadable and every array is C-contiguous float32.
+
+    ``written``, an array the kernel writes in place, must also be writable (the
+    kernels would write into a read-only array; NumPy's path raises its error).
+    """
     if not (_numba.ENABLED and FUSED_KERNELS):
         return None
-    for a in arrays:
+    if written is not None and not written.flags.writeable:
+        return None
+    for a in (*arrays, written):
         if a is not None and (a.dtype != np.float32 or not a.flags.c_contiguous):
             return None
     return _loaded_kernels()
@@ -318,11 +324,17 @@ def _shared_elementwise(a: np.ndarray, b: np.ndarray) -> Any:
     return _fused_kernels(a, b)
 
 
-def _binary(kernels: Any, name: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``kernels.<name>(a, b, out)`` over the flat elements of ``a`` and ``b`` (one shape)."""
-    (out,) = _outputs_apart(a, 1)
-    _rows_parallel(kernels, name, a.size, 1, a.reshape(-1), b.reshape(-1), out)
-    return out.reshape(a.shape)
+def _elementwise(kernels: Any, name: str, *inputs: np.ndarray, outputs: int = 1) -> Any:
+    """``kernels.<name>(*inputs, *outs)`` over the flat elements of equal-shape ``inputs``.
+
+    The ``outputs`` new arrays (shaped as the inputs) lie apart from the first input
+    (``_outputs_apart``); one is returned as itself, several as a tuple.
+    """
+    x = inputs[0]
+    outs = _outputs_apart(x, outputs)
+    _rows_parallel(kernels, name, x.size, 1, *(a.reshape(-1) for a in inputs), *outs)
+    shaped = tuple(o.reshape(x.shape) for o in outs)
+    return shaped[0] if outputs == 1 else shaped
 
 
 def _rows_per_block(row_size: int) -> int:
@@ -455,19 +467,17 @@ class NumpyBackend(Backend):
         kernels = _fused_kernels(x)
         if kernels is None:
             return _gelu32(x)
-        y, d = _outputs_apart(x, 2)
-        _rows_parallel(kernels, "gelu", x.size, 1, x.reshape(-1), y, d)
-        return y.reshape(x.shape), d.reshape(x.shape)
+        return _elementwise(kernels, "gelu", x, outputs=2)
 
     def add(self, a: Array, b: Array) -> Array:
         kernels = _shared_elementwise(a, b)
-        return a + b if kernels is None else _binary(kernels, "add", a, b)
+        return a + b if kernels is None else _elementwise(kernels, "add", a, b)
 
     def add_(self, x: Array, b: Array) -> Array:
         n = x.shape[-1] if x.ndim else 0
         if b.ndim == 1 and b.shape[0] == n and x.size >= 2 * _SHARE_MIN:
-            kernels = _fused_kernels(x, b)
-            if kernels is not None and x.flags.writeable:
+            kernels = _fused_kernels(b, written=x)
+            if kernels is not None:
                 _rows_parallel(kernels, "add_row_vector", x.size // n, n, x.reshape(-1, n), b)
                 return x
         x += b
@@ -477,21 +487,17 @@ class NumpyBackend(Backend):
         kernels = _fused_kernels(g, saved) if g.shape == saved.shape else None
         if kernels is None:
             return super().gelu_vjp(g, saved)
-        return _binary(kernels, "multiply", g, saved)
+        return _elementwise(kernels, "multiply", g, saved)
 
     def relu(self, x: Array) -> Array:
         kernels = _shared_elementwise(x, x)
-        if kernels is None:
-            return np.maximum(x, 0.0)
-        (out,) = _outputs_apart(x, 1)
-        _rows_parallel(kernels, "relu", x.size, 1, x.reshape(-1), out)
-        return out.reshape(x.shape)
+        return np.maximum(x, 0.0) if kernels is None else _elementwise(kernels, "relu", x)
 
     def relu_vjp(self, g: Array, out: Array) -> Array:
         kernels = _fused_kernels(g, out) if g.shape == out.shape else None
         if kernels is None:
             return super().relu_vjp(g, out)
-        return _binary(kernels, "relu_vjp", g, out)
+        return _elementwise(kernels, "relu_vjp", g, out)
 
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
@@ -527,8 +533,8 @@ class NumpyBackend(Backend):
         return gx, gw, gb
 
     def softmax_rows_(self, x: Array) -> bool:
-        kernels = _fused_kernels(x)
-        if kernels is None or x.ndim == 0 or not x.flags.writeable:
+        kernels = _fused_kernels(written=x)
+        if kernels is None or x.ndim == 0:
             return False
         n = x.shape[-1]
         rows = x.size // n if n else 0
@@ -536,8 +542,8 @@ class NumpyBackend(Backend):
         return True
 
     def softmax_backward_rows_(self, gp: Array, p: Array) -> bool:
-        kernels = _fused_kernels(gp, p)
-        if kernels is None or gp.ndim == 0 or gp.shape != p.shape or not gp.flags.writeable:
+        kernels = _fused_kernels(p, written=gp)
+        if kernels is None or gp.ndim == 0 or gp.shape != p.shape:
             return False
         n = gp.shape[-1]
         rows = gp.size // n if n else 0
@@ -599,10 +605,9 @@ class NumpyBackend(Backend):
             np.add.at(out, index, values)
 
     def index_add(self, out: Array, indices: Array, values: Array) -> None:
-        kernels = _fused_kernels(out, values) if out.ndim == 2 and values.ndim == 2 else None
+        kernels = _fused_kernels(values, written=out) if out.ndim == 2 == values.ndim else None
         if (
             kernels is not None
-            and out.flags.writeable
             and indices.ndim == 1
             and indices.dtype.kind == "i"
             and len(indices) == len(values)
