@@ -1,7 +1,10 @@
 """Optimizers on a device: mirrors and state updated on the device (C3-C8).
 
 The device path runs each optimizer's own update rule through torch's foreach
-kernels, so fed the same gradients it reproduces the host trajectory bit for bit.
+kernels. Fed the same gradients it follows the host trajectory within
+``tolerance.OPTIMIZER_ULPS`` (PyTorch's CPU kernels are another implementation, whose
+last bits depend on the CPU's vector width); a device run resumed from a checkpoint
+repeats the uninterrupted device run bit for bit.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import os
 
 import numpy as np
 import pytest
+from tolerance import OPTIMIZER_ULPS, assert_close_ulps
 
 import tiegrad
 from tiegrad import EagerSession, Param, ParamList
@@ -79,14 +83,28 @@ def _state_equal(a: dict, b: dict) -> bool:
     return True
 
 
+def _assert_close_to_host(device_values, host_values) -> None:
+    for slot, (d, h) in enumerate(zip(device_values, host_values)):
+        assert_close_ulps(d, h, OPTIMIZER_ULPS, what=f"slot {slot}")
+
+
+def _assert_state_close_to_host(device: dict, host: dict) -> None:
+    assert device.keys() == host.keys()
+    for slot in host:
+        assert device[slot].keys() == host[slot].keys()
+        for name, value in host[slot].items():
+            if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+                assert_close_ulps(device[slot][name], value, OPTIMIZER_ULPS, what=f"{slot}/{name}")
+            else:
+                assert device[slot][name] == value, f"{slot}/{name}"
+
+
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_device_step_reproduces_the_host_trajectory_bitwise(config):  # C3, C4, C5
+def test_device_step_follows_the_host_trajectory(config):  # C3, C4, C5
     host_pl, host_opt = _run(config, device=False)
     dev_pl, dev_opt = _run(config, device=True)
-    for h, d in zip(host_pl.values(), dev_pl.values_synced()):
-        np.testing.assert_array_equal(d, h)
-    assert _state_equal(dev_opt.state_dict()["state"], host_opt.state_dict()["state"])
-    assert sorted(dev_opt.state_dict()["state"]) == sorted(host_opt.state_dict()["state"])
+    _assert_close_to_host(dev_pl.values_synced(), host_pl.values())
+    _assert_state_close_to_host(dev_opt.state_dict()["state"], host_opt.state_dict()["state"])
 
 
 def test_device_step_updates_mirrors_and_leaves_the_host_stale():  # C7
@@ -132,7 +150,7 @@ def test_tied_device_step_equals_independent_storages_fed_the_sum():  # referenc
     assert [e["step"] for e in tied.state_dict()["state"].values()] == [6, 6]
 
 
-def test_host_step_after_device_steps_syncs_first_and_continues_bitwise():  # C7
+def test_host_step_after_device_steps_syncs_first_and_continues():  # C7
     host_pl, host_opt = _run("adam", device=False, steps=6)
     pl, opt = _run("adam", device=True, steps=3)
     slots = pl.canonical_slot_indices()
@@ -140,9 +158,8 @@ def test_host_step_after_device_steps_syncs_first_and_continues_bitwise():  # C7
         opt.step(pl.canonical_gradients(slots, _grads(k)))  # host gradients: a host step
     assert opt._device_state is None
     assert pl[0].storage.mirror is None and pl[0].storage.host_current
-    for h, d in zip(host_pl.values(), pl.values()):
-        np.testing.assert_array_equal(d, h)
-    assert _state_equal(opt.state_dict()["state"], host_opt.state_dict()["state"])
+    _assert_close_to_host(pl.values(), host_pl.values())
+    _assert_state_close_to_host(opt.state_dict()["state"], host_opt.state_dict()["state"])
 
 
 def test_load_state_dict_replaces_the_device_state():  # C6, C7
@@ -155,8 +172,7 @@ def test_load_state_dict_replaces_the_device_state():  # C6, C7
     for k in range(3, 6):
         host_opt.step(host_pl.canonical_gradients(slots, _grads(k)))
         opt.step(_dev(pl.canonical_gradients(slots, _grads(k))))
-    for h, d in zip(host_pl.values(), pl.values_synced()):
-        np.testing.assert_array_equal(d, h)
+    _assert_close_to_host(pl.values_synced(), host_pl.values())
 
 
 def _snapshot(pl: ParamList, opt) -> tuple:
@@ -254,6 +270,7 @@ def test_a_storage_the_session_did_not_use_is_a_missing_gradient():  # C4, C6
 
 
 def test_checkpoint_of_device_training_syncs_and_resumes_bitwise(tmp_path):  # C7, C9
+    straight_pl, _ = _run("adamw", device=True, steps=6)
     pl, opt = _run("adamw", device=True, steps=3)
     path = tmp_path / "device.safetensors"
     tiegrad.save(path, pl, opt)
@@ -265,10 +282,9 @@ def test_checkpoint_of_device_training_syncs_and_resumes_bitwise(tmp_path):  # C
     for k in range(3, 6):
         opt.step(_dev(pl.canonical_gradients(slots, _grads(k))))
         fresh_opt.step(_dev(fresh.canonical_gradients(slots, _grads(k))))
-    host_pl, _ = _run("adamw", device=False, steps=6)
-    for a, b, h in zip(pl.values_synced(), fresh.values_synced(), host_pl.values()):
-        np.testing.assert_array_equal(a, h)
-        np.testing.assert_array_equal(b, h)
+    for a, b, s in zip(pl.values_synced(), fresh.values_synced(), straight_pl.values_synced()):
+        np.testing.assert_array_equal(a, s)  # the same device path: bit for bit
+        np.testing.assert_array_equal(b, s)
 
 
 def test_device_step_after_reset_uses_the_recordings_groups():  # C2, C4

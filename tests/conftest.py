@@ -1,0 +1,34 @@
+"""Suite-wide configuration: which tests CI runs again on the fallback route.
+
+CI runs the whole suite on the full ``test`` install, then the tests marked
+``kernels`` a second time with the compiled paths off (``TIEGRAD_NO_NUMBA=1``,
+``TIEGRAD_BLAS=numpy``): the route a plain ``pip install .`` takes where numba or
+oneMKL is missing. The mark follows from the module's name, so a new test file of
+ops, optimizers or kernels joins the second pass without anyone remembering to.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+#: Modules that exercise the arithmetic: kernels, backends, ops, optimizers, and the
+#: training steps whose bits resumption must repeat.
+KERNEL_MODULES = (
+    "test_blas",
+    "test_checkpoint_models",
+    "test_contracts_",
+    "test_gradients_after_reset",
+    "test_host_kernels",
+    "test_models_",
+    "test_nn_layers",
+    "test_ops_",
+    "test_optim_",
+    "test_reference_cases",
+    "test_tape",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.startswith(KERNEL_MODULES):
+            item.add_marker(pytest.mark.kernels)
