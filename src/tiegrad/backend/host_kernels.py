@@ -18,9 +18,11 @@ slower that way (2.2 against 0.95 ns per element).
 
 Accuracy: float32 throughout; ``exp_neg`` is within 1 ulp where it is compiled without
 reassociation (a ``reassoc`` caller would reorder its range reduction: ~60 ulp), so the
-kernels that call it allow only ``contract`` (fused multiply-adds); the reductions of
-a row may be reassociated (vector lanes), so a row sum can differ from NumPy's in the
-last bits. NaN propagates through every kernel.
+elementwise kernels allow only ``contract`` (fused multiply-adds); the row kernels
+(layer norm, the softmax VJP) allow nothing. No kernel may be reassociated: a row's
+sums run in the order ``_lanes`` writes out, so their bits are the same in every
+process, however the kernel was compiled, and can differ from NumPy's sums in the last
+bits. NaN propagates through every kernel.
 
 On an OpenMP team. ``numpy_backend`` shares a kernel call between the threads of MKL's
 OpenMP team (``tiegrad._threads.Team.launch``): every thread of the team calls the
@@ -63,7 +65,7 @@ from .. import _numba
 # ``contract`` lets LLVM fuse a * b + c into one FMA (one rounding instead of two): the
 # GELU kernel runs about 25% faster, and no result is less accurate.
 _kernel = _numba.jit(nogil=True, error_model="numpy", fastmath={"contract"})
-_row_kernel = _numba.jit(nogil=True, error_model="numpy", fastmath={"reassoc", "nsz"})
+_row_kernel = _numba.jit(nogil=True, error_model="numpy")  # IEEE order: _lanes' sums
 _inline = _numba.jit(inline="always")
 
 _F = np.float32
@@ -133,6 +135,56 @@ def exp_neg(z: Any) -> Any:
     if z >= _EXP_MIN:
         return e
     return _F(0.0) if z < _EXP_MIN else z
+
+
+@_inline
+def _sum(x: Any) -> Any:
+    """The sum of the float32 vector ``x`` in a fixed order (``_lanes``)."""
+    return _lanes(x, x, False)
+
+
+@_inline
+def _dot(a: Any, b: Any) -> Any:
+    """``sum(a * b)`` of float32 vectors in ``_lanes``' order."""
+    return _lanes(a, b, True)
+
+
+@_inline
+def _lanes(a: Any, b: Any, products: bool) -> Any:
+    """The sum of ``a`` (or of ``a * b`` with ``products``) in a fixed order.
+
+    Lane ``k`` adds elements ``k, k + 8, ...`` in order (the tail after the last whole
+    group of eight goes to lane 0), and the lanes combine as ``((0+1)+(2+3))+((4+5)+(6+7))``.
+    The order is written out, not licensed by fast-math: under ``reassoc`` the compiler
+    chooses it, and a kernel's entry point compiled in the running process summed in
+    another order than the same entry point loaded from numba's cache (a resumed run
+    then missed a straight one's bits). Eight independent lanes still vectorize.
+    """
+    n = a.size
+    whole = n - n % 8
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = _F(0.0)
+    for j in range(0, whole, 8):
+        if products:
+            s0 += a[j] * b[j]
+            s1 += a[j + 1] * b[j + 1]
+            s2 += a[j + 2] * b[j + 2]
+            s3 += a[j + 3] * b[j + 3]
+            s4 += a[j + 4] * b[j + 4]
+            s5 += a[j + 5] * b[j + 5]
+            s6 += a[j + 6] * b[j + 6]
+            s7 += a[j + 7] * b[j + 7]
+        else:
+            s0 += a[j]
+            s1 += a[j + 1]
+            s2 += a[j + 2]
+            s3 += a[j + 3]
+            s4 += a[j + 4]
+            s5 += a[j + 5]
+            s6 += a[j + 6]
+            s7 += a[j + 7]
+    for j in range(whole, n):
+        s0 += a[j] * b[j] if products else a[j]
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
 @_kernel
@@ -247,16 +299,10 @@ def layer_norm(
     epsf = _F(eps)
     for r in range(lo, hi):
         xr, hr, outr = x[r], xhat[r], out[r]  # row views: the inner loops index from 0
-        s = _F(0.0)
+        mean = _sum(xr) * inv_n
         for j in range(n):
-            s += xr[j]
-        mean = s * inv_n
-        v = _F(0.0)
-        for j in range(n):
-            c = xr[j] - mean
-            hr[j] = c
-            v += c * c
-        rs = _F(1.0) / np.sqrt(v * inv_n + epsf)
+            hr[j] = xr[j] - mean
+        rs = _F(1.0) / np.sqrt(_dot(hr, hr) * inv_n + epsf)
         rstd[r, 0] = rs
         for j in range(n):
             h = hr[j] * rs
@@ -293,28 +339,15 @@ def layer_norm_backward(
     for r in range(lo, hi):
         gr, hr, gxr = g[r], xhat[r], gx[r]  # row views: the inner loops index from 0
         pwr, pbr = pw[r // COLUMN_CHUNK], pb[r // COLUMN_CHUNK]
-        m1 = _F(0.0)
-        m2 = _F(0.0)
         for j in range(n):
-            gh = gr[j] * w[j]
-            m1 += gh
-            m2 += gh * hr[j]
-        m1 *= inv_n
-        m2 *= inv_n
+            gxr[j] = gr[j] * w[j]  # gh
+        m1 = _sum(gxr) * inv_n
+        m2 = _dot(gxr, hr) * inv_n
         rs = rstd[r, 0]
         for j in range(n):
-            gxr[j] = (gr[j] * w[j] - m1 - hr[j] * m2) * rs
+            gxr[j] = (gxr[j] - m1 - hr[j] * m2) * rs
             pwr[j] += gr[j] * hr[j]
             pbr[j] += gr[j]
-
-
-@_row_kernel
-def _row_sum(row: np.ndarray) -> Any:
-    """The sum of a float32 row, in vector lanes (reassociated)."""
-    s = _F(0.0)
-    for j in range(row.size):
-        s += row[j]
-    return s
 
 
 @_kernel
@@ -322,8 +355,7 @@ def softmax(x: np.ndarray, lo: int, hi: int) -> None:
     """Rows ``lo .. hi`` of ``(rows, n)`` ``x`` replaced by their softmax.
 
     Each row is shifted by its own maximum; a row of only ``-inf`` (a query that sees no
-    key) becomes zeros, a row with a NaN becomes NaN. Compiled without fast-math (which
-    would reorder the range reduction of ``exp_neg``); only the row sum is reassociated.
+    key) becomes zeros, a row with a NaN becomes NaN; the row sum is ``_sum``'s.
     """
     n = x.shape[1]
     for r in range(lo, hi):
@@ -335,7 +367,7 @@ def softmax(x: np.ndarray, lo: int, hi: int) -> None:
         m = _F(0.0) if m == -np.inf else m
         for j in range(n):
             row[j] = exp_neg(row[j] - m)
-        s = _row_sum(row)
+        s = _sum(row)
         scale = _F(1.0) / (s if s != _F(0.0) else _F(1.0))
         for j in range(n):
             row[j] *= scale
@@ -350,9 +382,7 @@ def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
     n = p.shape[1]
     for r in range(lo, hi):
         gr, pr = gp[r], p[r]  # row views: the inner loops index from 0
-        dot = _F(0.0)
-        for j in range(n):
-            dot += gr[j] * pr[j]
+        dot = _dot(gr, pr)
         for j in range(n):
             gr[j] = pr[j] * (gr[j] - dot)
 
