@@ -323,10 +323,11 @@ def test_values_read_the_host_in_slot_order():  # C7 host side
     assert pl.shapes == ((3,), (2,), (3,)) and pl.dtypes == (np.float64,) * 3
 
 
-def test_use_without_gradients_is_still_registered_and_grouped():  # REFERENCE section 4
+def test_use_without_gradients_is_registered_but_not_grouped():  # issue 16 over REFERENCE 4
     s = EagerSession()
     p = Param(np.zeros(2))
     with s.no_grad():
         leaf = s.use(p)
     assert not leaf.requires_grad
-    assert [g.leaves for g in s.parameter_groups()] == [(leaf.id,)]
+    assert s.parameter_registrations() == {leaf.id: p}
+    assert s.parameter_groups() == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -89,7 +90,7 @@ class Gradients(Mapping):
     (unpinning every storage), then an in-place optimizer step.
     """
 
-    __slots__ = ("session", "_grads", "_gen", "_params", "_storages")
+    __slots__ = ("session", "_grads", "_gen", "_params", "_storages", "_trainable")
 
     def __init__(
         self,
@@ -97,12 +98,14 @@ class Gradients(Mapping):
         grads: dict[int, Array],
         params: dict[int, Any],
         storages: dict[int, Any],
+        trainable: frozenset[int],
     ) -> None:
         self.session = session
         self._grads = grads
         self._gen = session._generation
         self._params = params
         self._storages = storages
+        self._trainable = trainable
 
     def _key(self, key: object) -> object:
         if isinstance(key, TensorRef):
@@ -132,18 +135,30 @@ class Gradients(Mapping):
         return f"Gradients({len(self)} ids: {sorted(self._grads)})"
 
     def parameter_groups(self) -> list[Any]:
-        """The trainable uses of the recording, grouped by storage identity (C4)."""
+        """The uses recorded as trainable, grouped by storage identity (C4).
+
+        Trainability is the one each use was recorded with: a use of a frozen handle or
+        one recorded under ``no_grad`` is in no group, and freezing a handle after the
+        recording does not change the groups (its recorded gradient is still summed).
+        """
         from .params.groups import group_parameter_registrations
 
-        return group_parameter_registrations(self._params, self._storages)
+        return group_parameter_registrations(self._params, self._storages, self._trainable)
 
 
-_latest: list[Gradients | None] = [None]
+_latest = threading.local()  # .session: a weak reference to this thread's latest backward's
 
 
 def latest_gradients() -> Gradients | None:
-    """The result of the most recent ``backward`` of any session (for ``optimizer.step()``)."""
-    return _latest[0]
+    """The result of the latest ``backward`` run by the calling thread (``optimizer.step()``).
+
+    Per thread: a backward in another thread is never seen. The session is held weakly,
+    so this keeps neither a session nor its tape alive; None when no backward has run in
+    this thread or its session is gone.
+    """
+    ref = getattr(_latest, "session", None)
+    session = None if ref is None else ref()
+    return None if session is None else session.last_gradients
 
 
 class EagerSession:
@@ -153,6 +168,10 @@ class EagerSession:
     the session's generator ``rng``, the only source of randomness of its ops
     (dropout). ``backward`` returns gradients by node id and also keeps them as
     ``last_gradients`` for ``optimizer.step()``.
+
+    A session is single-threaded: the thread that records its first node after
+    construction or ``reset`` owns the recording, and recording or ``backward`` from
+    another thread raises ``TapeError`` (use one session per thread).
     """
 
     def __init__(self, device: str | None = None, seed: int = 0, backend: Backend | None = None):
@@ -177,12 +196,27 @@ class EagerSession:
         self._grad_leaves: list[int] = []
         self._params: dict[int, Any] = {}
         self._storages: dict[int, Any] = {}
+        self._owner: int | None = None  # the thread recording since the last reset
+
+    def _claim(self) -> None:
+        """Make the calling thread the owner of the recording, or refuse a second thread."""
+        me = _thread_id()
+        if self._owner is None:
+            self._owner = me
+        elif self._owner != me:
+            raise TapeError(
+                f"this session is recording in thread {self._owner}, not in the calling "
+                f"thread {me}: a session is single-threaded (use one session per thread, or "
+                f"reset it before handing it to another thread)"
+            )
 
     # -- recording -----------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._values)
 
     def _leaf(self, value: Array, requires_grad: bool) -> TensorRef:
+        if self._owner != _thread_id():
+            self._claim()
         i = len(self._values)
         rg = requires_grad and self.grad_enabled
         self._values.append(value)
@@ -199,6 +233,8 @@ class EagerSession:
 
         The hot path of every op (DESIGN: performance): a few appends, no dictionaries.
         """
+        if self._owner != _thread_id():
+            self._claim()
         rg = self._rg
         i = len(rg)
         try:
@@ -360,6 +396,8 @@ class EagerSession:
         """
         bk = self.backend
         oid = self.check(out)
+        if self._owner != _thread_id():
+            self._claim()
         ov = out.value
         if seed is None:
             if math.prod(tuple(ov.shape)) != 1:
@@ -386,7 +424,7 @@ class EagerSession:
             if g is None:
                 continue
             if i in keep:
-                result[i] = g if g.dtype == meta[i][1] else bk.astype(g, meta[i][1])
+                result[i] = _handed_out(g if g.dtype == meta[i][1] else bk.astype(g, meta[i][1]))
             vjp = vjps[i]
             if vjp is None:
                 continue
@@ -409,10 +447,12 @@ class EagerSession:
         for i in keep:
             if i not in result and rg[i]:
                 shape, dtype = meta[i]
-                result[i] = bk.zeros(tuple(shape), dtype)
-        grads = Gradients(self, result, dict(self._params), dict(self._storages))
+                result[i] = _handed_out(bk.zeros(tuple(shape), dtype))
+        grads = Gradients(
+            self, result, dict(self._params), dict(self._storages), frozenset(self._grad_leaves)
+        )
         self.last_gradients = grads
-        _latest[0] = grads
+        _latest.session = weakref.ref(self)
         return grads
 
     def grad(self, grads: Mapping[int, Array], ref: TensorRef) -> Array:
@@ -426,10 +466,16 @@ class EagerSession:
 
     # -- parameters (grouping lives in tiegrad.params) -------------------------------
     def parameter_groups(self) -> list[Any]:
-        """Trainable uses grouped by storage identity, in order of first use (C4)."""
+        """Uses recorded as trainable grouped by storage identity, in order of first use (C4).
+
+        As ``Gradients.parameter_groups``: a use recorded under ``no_grad`` or through a
+        frozen handle is in no group.
+        """
         from .params.groups import group_parameter_registrations
 
-        return group_parameter_registrations(self._params, self._storages)
+        return group_parameter_registrations(
+            self._params, self._storages, frozenset(self._grad_leaves)
+        )
 
     def sgd_step(self, lr: float, gradients: Mapping[int, Array] | None = None) -> None:
         """One plain SGD update of every used storage from its summed gradient (C3, C4)."""
@@ -441,6 +487,20 @@ class EagerSession:
 
 
 _weak = weakref.ref
+_thread_id = threading.get_ident
+
+
+def _handed_out(g: Array) -> Array:
+    """A gradient as ``backward`` returns it: on the host a read-only view (C4).
+
+    Ops hand one cotangent to several operands (``a + b``) or views of it to their
+    parents, so two returned gradients may share memory: none is writable, so scaling
+    one in place cannot change another. Use ``g * c`` or ``g.copy()``.
+    """
+    if isinstance(g, np.ndarray):
+        g = g.view()
+        g.flags.writeable = False
+    return g
 
 
 def _backend_for(device: str | None) -> Backend:

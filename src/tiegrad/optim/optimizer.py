@@ -64,7 +64,7 @@ from ..errors import (
     SlotError,
 )
 from ..params import Param, ParamList, dense_group_gradient
-from ..params.storage import check_host_array
+from ..params.storage import ParameterStorage, check_host_array
 from ..session import Gradients, latest_gradients
 from . import fused
 from .device import device_step, is_device_step, release_state, sync_state
@@ -128,6 +128,8 @@ class Optimizer:
         self.param_groups: list[dict[str, Any]] = groups
         self._slot_group = slot_group
         self._state = FlatState()
+        self._state_owners: dict[int, ParameterStorage] = {}  # the storage of each entry
+        self._keyed_by: StepPlan | None = None  # the plan the state is keyed by (_rekey_state)
         self._device_state: Any = None  # a DeviceState mirror after device steps (optim.device)
         self._work: dict[np.dtype, list[np.ndarray]] = {}
         self._step_plan: StepPlan | None = None  # the cached layout work (optim.plan)
@@ -163,7 +165,7 @@ class Optimizer:
     def state(self) -> Mapping[int, Mapping[str, Any]]:
         """``{canonical slot: {"step": int, name: read-only array}}`` (C5), synced (C7)."""
         sync_state(self)
-        return self._state.read_only()
+        return self._state.read_only(self._trained_state_slots(self._plan()))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """A no-op, kept for familiarity with torch.optim.
@@ -231,7 +233,8 @@ class Optimizer:
         first (C7).
         """
         sync_state(self)
-        hps = self._checked_groups(self.param_groups, self._plan())
+        plan = self._plan()
+        hps = self._checked_groups(self.param_groups, plan)
         return {
             "kind": self.kind,
             "defaults": plain(self.defaults),
@@ -239,7 +242,7 @@ class Optimizer:
                 {"slots": list(group["slots"])} | plain(hp)
                 for group, hp in zip(self.param_groups, hps)
             ],
-            "state": self._state.snapshot(),
+            "state": self._state.snapshot(self._trained_state_slots(plan)),
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
         }
@@ -290,6 +293,8 @@ class Optimizer:
         self._device_state = None  # replaced, not synced: the loaded state wins
         plan.program = None  # it holds the replaced state buffers
         self._state.install(specs, entries)
+        self._state_owners = {slot: plan.storages[slot] for slot in specs}
+        self._keyed_by = plan
         self.step_count = step_count
         self.skipped_steps = skipped
 
@@ -394,29 +399,51 @@ class Optimizer:
         return plan.specs(self._slot_group, [self._state_names(hp) for hp in hps])
 
     def _state_specs(self, plan: StepPlan, hps: Sequence[Mapping[str, Any]]) -> dict[int, SlotSpec]:
-        """The state layout this step needs; existing state is checked against it (C6).
+        """The state layout this step needs, the existing state re-keyed to it first.
 
-        State of a slot that became frozen is dropped at the write; state of a slot that
-        now shares another slot's storage is an error (two histories cannot merge).
+        State belongs to a storage; its canonical slot is only its key. After a layout
+        change (a freeze, an unfreeze, a tie, an untie, a new storage at a slot) each
+        entry moves to the canonical slot of its storage (``_rekey_state``), so it
+        always fits its slot's shape and dtype. State of a storage no longer trained at
+        any slot is dropped at the write; a new storage starts a new history.
         """
-        specs = self._required_specs(plan, hps)
-        if self._state.matches(specs):  # the layout of the last step: nothing to check
-            return specs
-        for slot in self._state.slots():
-            c = plan.slots[slot]
-            if c is not None and c != slot:
-                raise AliasError(
-                    f"{self.kind}.step: {self._label(slot)} has optimizer state but now "
-                    f"shares the storage of slot {c}; separate histories cannot be merged "
-                    f"(build a new optimizer or load a state dict)"
-                )
-            if c is None:
-                continue
-            shape, dtype, _ = specs[slot]
-            for name, arr in self._state.tensors(slot).items():
-                what = f"{self.kind}.step: state {name!r} of {self._label(slot)}"
-                _check_state_tensor(what, arr, shape, dtype, "the parameter")
-        return specs
+        self._rekey_state(plan)
+        return self._required_specs(plan, hps)
+
+    def _rekey_state(self, plan: StepPlan) -> None:
+        """Key the state by ``plan``'s canonical slots: each entry moves with its storage.
+
+        ``_state_owners`` names the storage of every entry. An entry whose storage
+        ``plan`` trains moves to that storage's canonical slot, with its step count and
+        tensors: one history per storage however its slots are frozen, tied or untied
+        (C1, C5). An entry of a storage ``plan`` no longer trains stays where no
+        canonical slot is, until the next write drops it (so a refused step loses
+        nothing, C6), and is dropped now otherwise. A newer device state is synced first.
+        """
+        if self._keyed_by is plan:
+            return
+        owners = self._state_owners
+        moves: dict[int, int] = {}
+        kept: dict[int, ParameterStorage] = {}
+        for slot, storage in owners.items():
+            new = plan.index.get(id(storage))
+            if new is not None:
+                moves[slot] = new
+                kept[new] = storage
+        for slot, storage in owners.items():
+            if slot not in moves and plan.slots[slot] != slot:
+                moves[slot] = slot
+                kept[slot] = storage
+        if len(moves) < len(owners) or any(old != new for old, new in moves.items()):
+            release_state(self)
+            self._state.rekey(moves)
+        self._state_owners = kept
+        self._keyed_by = plan
+
+    def _trained_state_slots(self, plan: StepPlan) -> list[int]:
+        """The slots of the state entries of storages ``plan`` trains (canonical slots)."""
+        self._rekey_state(plan)
+        return [slot for slot in self._state.slots() if plan.slots[slot] == slot]
 
     def _checked_state(
         self,
@@ -571,7 +598,10 @@ class Optimizer:
     ) -> set[tuple[int, str]]:
         """``FlatState.arrange`` for ``specs``, new tensors at their group's initial value."""
         sg = self._slot_group
-        return self._state.arrange(specs, lambda s, name: self._initial_value(name, hps[sg[s]]))
+        created = self._state.arrange(specs, lambda s, name: self._initial_value(name, hps[sg[s]]))
+        storages = self._plan().storages
+        self._state_owners = {slot: storages[slot] for slot in specs}
+        return created
 
     def _apply(
         self,

@@ -63,10 +63,10 @@ class FlatState:
         """The flat buffer of ``name`` holding ``slots`` (one dtype) and each slot's start in it."""
         return self._spans[int(slots[0]), name][0], self._starts[name][slots]
 
-    def read_only(self) -> Mapping[int, Mapping[str, Any]]:
-        """``{slot: {"step": int, name: read-only view}}`` for inspection."""
+    def read_only(self, slots: Sequence[int]) -> Mapping[int, Mapping[str, Any]]:
+        """``{slot: {"step": int, name: read-only view}}`` of ``slots``, for inspection."""
         out = {}
-        for slot in self.slots():
+        for slot in slots:
             entry: dict[str, Any] = {"step": self._steps[slot]}
             for name, arr in self._tensors[slot].items():
                 view = arr.view()
@@ -75,12 +75,12 @@ class FlatState:
             out[slot] = MappingProxyType(entry)
         return MappingProxyType(out)
 
-    def snapshot(self) -> dict[int, dict[str, Any]]:
-        """``{slot: {"step": int, name: copy}}``: owned copies, safe to keep or serialize."""
+    def snapshot(self, slots: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """``{slot: {"step": int, name: copy}}`` of ``slots``: owned copies, safe to keep."""
         return {
             slot: {"step": self._steps[slot]}
             | {name: arr.copy() for name, arr in self._tensors[slot].items()}
-            for slot in self.slots()
+            for slot in slots
         }
 
     def layout(self) -> dict[tuple[int, str], tuple[np.ndarray, int, int]]:
@@ -129,6 +129,20 @@ class FlatState:
         steps = {slot: self._steps.get(slot, 0) for slot in specs}
         self._build(specs, steps, source)
         return created
+
+    def rekey(self, moves: Mapping[int, int]) -> None:
+        """Move the state of each slot ``old`` to slot ``moves[old]``; drop the other slots.
+
+        The step counts and tensors move unchanged (their buffers are rebuilt in the new
+        slot order). ``moves`` must be one-to-one.
+        """
+        back = {new: old for old, new in moves.items()}
+        old = self._tensors
+        self._build(
+            {new: self._specs[slot] for new, slot in back.items()},
+            {new: self._steps[slot] for new, slot in back.items()},
+            lambda slot, name: old[back[slot]][name],
+        )
 
     def install(
         self, specs: Mapping[int, SlotSpec], entries: Mapping[int, Mapping[str, Any]]

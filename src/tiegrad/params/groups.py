@@ -8,7 +8,7 @@ starting from its current value (C3), never from a leaf snapshot.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,15 +87,22 @@ class ParameterGroup:
 
 
 def group_parameter_registrations(
-    parameters: Mapping[int, Any], storages: Mapping[int, ParameterStorage]
+    parameters: Mapping[int, Any],
+    storages: Mapping[int, ParameterStorage],
+    trainable: Container[int] | None = None,
 ) -> list[ParameterGroup]:
     """Group trainable registrations by storage identity without reading tensor data.
 
-    Registrations whose handle is frozen are left out. A storage whose shape differs
-    from its handle's raises before any grouping. Entries without a storage stay
+    ``trainable``: the leaves recorded as requiring a gradient (a session's); a
+    registration outside it (a frozen use, a use under ``no_grad``) is left out. Without
+    it, registrations whose handle is frozen now are left out. A storage whose shape
+    differs from its handle's raises before any grouping. Entries without a storage stay
     separate, even when they are the same handle. Groups come in order of first leaf.
     """
-    regs = sorted((i, p) for i, p in parameters.items() if p.requires_grad)
+    if trainable is None:
+        regs = sorted((i, p) for i, p in parameters.items() if p.requires_grad)
+    else:
+        regs = sorted((i, p) for i, p in parameters.items() if i in trainable)
     descs = []
     for i, p in regs:
         st = storages.get(i)
