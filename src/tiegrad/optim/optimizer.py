@@ -528,10 +528,24 @@ class Optimizer:
         session = gradients.session
         index = plan.index
         raw: list[Any] = [None] * len(plan.slots)
+        held: dict[int, int] | None = None
         for group in gradients.parameter_groups():
-            i = None if group.storage is None else index.get(id(group.storage))
+            if group.storage is None:
+                continue
+            i = index.get(id(group.storage))
             if i is not None:
                 raw[i] = session.backend.to_numpy(dense_group_gradient(group, gradients))
+                continue
+            if held is None:
+                held = {id(p.storage): slot for slot, p in reversed(list(enumerate(self.params)))}
+            if id(group.storage) in held:
+                raise AliasError(
+                    f"{self.kind}.step: the layout changed since backward: leaf "
+                    f"{group.id} recorded a trainable use of the storage of "
+                    f"{self._label(held[id(group.storage)])}, which is frozen at every slot "
+                    f"now; its recorded gradient would be dropped (record again, or restore "
+                    f"the trainability before stepping)"
+                )
         return raw
 
     def _list_gradients(self, gradients: Sequence[Any], plan: StepPlan) -> list[Any]:
