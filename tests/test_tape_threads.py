@@ -39,7 +39,7 @@ def test_step_without_gradients_takes_the_latest_backward_of_its_own_thread():
         p = Param(np.zeros(3))
         opt = SGD([p], lr=1.0)
         s = EagerSession()
-        for k in range(20):
+        for _ in range(20):
             s.reset()
             loss = (s.use(p) * float(i + 1)).sum()
             s.backward(loss)
