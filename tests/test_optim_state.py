@@ -69,7 +69,14 @@ def trained(cls, kwargs, steps: int = 3):
 def test_state_dict_layout(cls, kwargs):  # C5
     opt = trained(cls, kwargs)
     sd = opt.state_dict()
-    assert list(sd) == ["kind", "defaults", "param_groups", "state", "step_count", "skipped_steps"]
+    keys = ["kind", "defaults", "param_groups", "layout", "state", "step_count", "skipped_steps"]
+    assert list(sd) == keys
+    assert [(r["canonical"], r["storage"]) for r in sd["layout"]] == [
+        (0, 0),
+        (1, 1),
+        (0, 0),
+        (None, 3),
+    ]
     assert sd["kind"] == cls.kind and sd["step_count"] == 3 and sd["skipped_steps"] == 0
     assert [g["slots"] for g in sd["param_groups"]] == [[0, 1], [2, 3]]
     assert sorted(sd["state"]) == [0, 1]  # canonical slots; slot 2 is p again, 3 frozen
@@ -264,6 +271,25 @@ def test_state_saved_untied_is_refused_where_the_slot_is_an_alias():  # C5, C6
     tied = Adam(ParamList([big_p, big_q, big_q]), lr=0.05)
     tied.step([np.ones(2), np.ones(3), None])
     before = snapshot(tied)
-    with pytest.raises(AliasError, match="slot 2, which shares the storage of slot 1"):
+    with pytest.raises(CheckpointError, match="alias layout mismatch at slot 2"):
         tied.load_state_dict(saved.state_dict())
     assert snapshot(tied) == before
+
+
+@pytest.mark.parametrize("layout", ["abc", "qpp"], ids=["untied", "state swapped between storages"])
+def test_state_of_a_tied_layout_is_refused_by_another_layout_side_by_side(layout):  # C6, C9
+    # Saved on [p, q, p]; [a, b, c] and [q, p, p] have the same slots, shapes and group
+    # slots, but not its ties: refused with both layouts shown, nothing changed.
+    def handles(spec):
+        made = {}
+        return [made.setdefault(c, Param(np.zeros(2), name=f"s{i}")) for i, c in enumerate(spec)]
+
+    saved = Adam(ParamList(handles("pqp")), lr=0.05)
+    saved.step([np.ones(2), np.ones(2), None])
+    target = Adam(ParamList(handles(layout)), lr=0.05)
+    target.step([np.ones(2), np.ones(2), None if layout == "qpp" else np.ones(2)])
+    before = snapshot(target)
+    with pytest.raises(CheckpointError, match="alias layout mismatch at slot 2") as e:
+        target.load_state_dict(saved.state_dict())
+    assert "state dict" in str(e.value) and "<-- differs" in str(e.value)
+    assert snapshot(target) == before

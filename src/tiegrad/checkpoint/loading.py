@@ -147,7 +147,7 @@ def _match_slots(
                 f"{label}: dtype mismatch, the file has {f.dtype}, the model {t.dtype}"
             )
     if strict:
-        _check_strict_layout(pairs, where)
+        check_strict_layout(pairs, where)
     else:
         _check_ties(pairs, file_slots, target, where)
     return pairs, missing, unexpected
@@ -163,22 +163,29 @@ def _aligned(
     ]
 
 
-def _check_strict_layout(pairs: Sequence[Pair], where: str) -> None:
+def check_strict_layout(
+    pairs: Sequence[Pair], where: str, sides: tuple[str, str] = ("file", "model")
+) -> None:
+    """``CheckpointError`` at the first pair whose trainability or ties differ (C9).
+
+    ``sides`` names the two layouts in the message and the side-by-side table.
+    """
+    a, b = sides
     for i, (f, t) in enumerate(pairs):
         if f.requires_grad != t.requires_grad:
             problem = (
-                f"trainability mismatch at slot {i} ({t.path!r}): the file has requires_grad="
-                f"{f.requires_grad}, the model {t.requires_grad}"
+                f"trainability mismatch at slot {i} ({t.path!r}): the {a} has requires_grad="
+                f"{f.requires_grad}, the {b} {t.requires_grad}"
             )
         elif (f.storage, f.canonical) != (t.storage, t.canonical):
             problem = (
                 f"alias layout mismatch at slot {i} ({t.path!r}) (storage alias mismatch): the "
-                f"file stores it at slot {f.storage} (canonical {f.canonical}), the model at slot "
+                f"{a} stores it at slot {f.storage} (canonical {f.canonical}), the {b} at slot "
                 f"{t.storage} (canonical {t.canonical})"
             )
         else:
             continue
-        raise CheckpointError(f"{where}: {problem}\n{layout_table(pairs, ('file', 'model'))}")
+        raise CheckpointError(f"{where}: {problem}\n{layout_table(pairs, sides)}")
 
 
 def _check_ties(

@@ -145,7 +145,7 @@ class Schema:
             raise CheckpointError(
                 f"{where}: schema keys {sorted(doc)}, expected {sorted(_TOP_KEYS)}"
             )
-        slots = tuple(_parse_slots(doc["slots"], where))
+        slots = tuple(parse_slots(doc["slots"], where))
         check_layout(slots, where)
         optimizer = _parse_optimizer(doc["optimizer"], slots, where)
         rng = doc["rng"]
@@ -160,7 +160,8 @@ def _slot_label(i: int, path: str) -> str:
     return f"slot {i} ({path!r})"
 
 
-def _parse_slots(raw: Any, where: str) -> list[SlotRecord]:
+def parse_slots(raw: Any, where: str) -> list[SlotRecord]:
+    """Slot records from their JSON form, each field's type checked (``check_layout``: ties)."""
     if not isinstance(raw, list):
         raise CheckpointError(f"{where}: schema 'slots' must be a list")
     out: list[SlotRecord] = []

@@ -75,7 +75,15 @@ from .plan import CHUNK, Program, Run, StepPlan
 from .state import FlatState, SlotSpec
 
 NONFINITE_MODES = ("raise", "skip")
-STATE_DICT_KEYS = ("kind", "defaults", "param_groups", "state", "step_count", "skipped_steps")
+STATE_DICT_KEYS = (
+    "kind",
+    "defaults",
+    "param_groups",
+    "layout",
+    "state",
+    "step_count",
+    "skipped_steps",
+)
 
 ParamsArg = ParamList | Param | Iterable[Param] | Iterable[Mapping[str, Any]]
 GradientsArg = Gradients | Sequence[Any] | None
@@ -228,9 +236,12 @@ class Optimizer:
         """Hyperparameters, counters and state by canonical slot; arrays are owned copies.
 
         ``{"kind", "defaults", "param_groups": [{"slots": [...], hyperparameters}],
-        "state": {slot: {"step": int, name: ndarray}}, "step_count", "skipped_steps"}``;
-        everything but the arrays is JSON-serializable. A newer device state is synced
-        first (C7).
+        "layout", "state": {slot: {"step": int, name: ndarray}}, "step_count",
+        "skipped_steps"}``; everything but the arrays is JSON-serializable. ``layout``
+        is the alias layout the state is keyed by, one checkpoint slot record per slot
+        (path, shape, dtype, trainability, canonical slot, storage slot; C5, C9). The
+        state is keyed by the current layout (after a freeze or a re-tie, by the new
+        canonical slot of each trained storage). A newer device state is synced first (C7).
         """
         sync_state(self)
         plan = self._plan()
@@ -242,6 +253,7 @@ class Optimizer:
                 {"slots": list(group["slots"])} | plain(hp)
                 for group, hp in zip(self.param_groups, hps)
             ],
+            "layout": [record.to_json() for record in self._layout()],
             "state": self._state.snapshot(self._trained_state_slots(plan)),
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
@@ -251,10 +263,12 @@ class Optimizer:
         """Adopt a ``state_dict``, validated completely before anything changes (C6).
 
         Checked: the keys and ``kind``; every hyperparameter; that group ``i`` holds
-        the same slots here; that state is only at canonical slots of the current
-        alias map (C5); each entry's ``step`` and exactly the tensors the loaded
-        hyperparameters need, with this slot's shape and dtype; the counters. The
-        arrays are copied, so the dict may be reused.
+        the same slots here; that the alias layout is this optimizer's (trainability,
+        canonical and storage slot of every slot, compared as checkpoint loading does
+        and shown side by side, C6, C9), so state never moves to another storage; that
+        state is only at canonical slots (C5); each entry's ``step`` and exactly the
+        tensors the loaded hyperparameters need, with this slot's shape and dtype; the
+        counters. The arrays are copied, so the dict may be reused.
         """
         where = f"{self.kind}.load_state_dict"
         sd = _mapping(where, "the state dict", state_dict)
@@ -281,6 +295,7 @@ class Optimizer:
                     f"{where}: param_groups[{gi}] holds slots {list(group['slots'])}, this "
                     f"optimizer's group {gi} holds slots {list(mine['slots'])}"
                 )
+        self._check_layout(where, sd["layout"])
         plan = self._plan()
         hps = self._checked_groups(groups, plan)
         required = self._required_specs(plan, hps)
@@ -304,6 +319,32 @@ class Optimizer:
             hp = ", ".join(f"{k}={group.get(k)!r}" for k in self.hyperparameters)
             lines.append(f"  group {gi}: slots {list(group['slots'])}: {hp}")
         return "\n".join(lines)
+
+    def _layout(self) -> list[Any]:
+        """The alias layout of ``params`` as checkpoint slot records (C5, C9)."""
+        from ..checkpoint.schema import slot_records
+
+        return slot_records(self.params)
+
+    def _check_layout(self, where: str, raw: Any) -> None:
+        """``CheckpointError`` unless ``raw`` (a state dict's ``layout``) is this layout.
+
+        Parsed and compared by the checkpoint's own code (the slot records, the strict
+        layout check and its side-by-side table), so both loads agree (C6, C9).
+        """
+        from ..checkpoint.loading import check_strict_layout
+        from ..checkpoint.schema import check_layout, layout_table, parse_slots
+
+        saved = parse_slots(raw, f"{where}: layout")
+        check_layout(saved, f"{where}: layout")
+        mine = self._layout()
+        pairs = list(zip(saved, mine))
+        if len(saved) != len(mine):
+            raise CheckpointError(
+                f"{where}: the state is for {len(saved)} slots, this optimizer has "
+                f"{len(mine)}\n{layout_table(pairs, ('state dict', 'optimizer'))}"
+            )
+        check_strict_layout(pairs, where, ("state dict", "optimizer"))
 
     # -- construction --------------------------------------------------------------------
     def _parse_groups(self, params: ParamsArg) -> tuple[ParamList, list[dict[str, Any]], list[int]]:
