@@ -114,7 +114,7 @@ def write_safetensors(
         with os.fdopen(fd, "wb") as f:
             data = memoryview(
                 safetensors.numpy.save(
-                    {k: np.ascontiguousarray(v) for k, v in tensors.items()}, dict(metadata)
+                    {k: _contiguous(v) for k, v in tensors.items()}, dict(metadata)
                 )
             )
             for start in range(0, len(data), _WRITE_CHUNK):
@@ -132,6 +132,11 @@ def write_safetensors(
         raise
     _fsync_folder(folder)
     return len(data)
+
+
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    """``arr`` C-contiguous with its own shape (``np.ascontiguousarray`` makes a 0-d array 1-d)."""
+    return np.ascontiguousarray(arr).reshape(arr.shape)
 
 
 def _fsync_folder(folder: str) -> None:

@@ -42,12 +42,16 @@ def sum(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
 
 
 def mean(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
-    """Mean over ``axis`` (all by default); VJP: ``g / n`` broadcast back."""
+    """Mean over ``axis`` (all by default); VJP: ``g / n`` broadcast back.
+
+    Over no elements (an empty axis) the mean is NaN, as in PyTorch and NumPy.
+    """
     s = session_of(x)
     bk = s.backend
     shape = tuple(x.value.shape)
     axes = normalize_axes(axis, len(shape), "mean")
-    inv = 1.0 / math.prod(shape[a] for a in axes)
+    n = math.prod(shape[a] for a in axes)
+    inv = 1.0 / n if n else math.nan
     out = bk.sum(x.value, axis=axes, keepdims=keepdims) * inv
     vjp = partial(_spread_vjp, bk, _kept_shape(shape, axes), shape, inv)
     return s._record(out, (x.id,), vjp)

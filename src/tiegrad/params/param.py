@@ -14,9 +14,11 @@ class Param:
     """A parameter handle. Several handles may share one storage (a tie, C1).
 
     ``Param(value)`` copies ``value`` into a new storage, so NumPy views never create
-    hidden aliases (C1). Python numbers and lists become float32. ``requires_grad`` and
-    ``name`` belong to the handle: a frozen alias of a trainable handle shares the
-    storage but contributes no gradient (C4, C5).
+    hidden aliases (C1). One dtype rule: a value that has a dtype (a NumPy array, a
+    NumPy scalar such as ``np.float64(1.5)``, a torch tensor, detached first) keeps it
+    and must be floating; Python numbers and lists become float32, as in PyTorch.
+    ``requires_grad`` and ``name`` belong to the handle: a frozen alias of a trainable
+    handle shares the storage but contributes no gradient (C4, C5).
     """
 
     __slots__ = ("storage", "requires_grad", "name")
@@ -28,7 +30,9 @@ class Param:
         name: str | None = None,
         dtype: Any = None,
     ) -> None:
-        if isinstance(value, np.ndarray) or dtype is not None:
+        if callable(getattr(value, "detach", None)):  # a torch tensor, maybe requiring grad
+            value = value.detach().cpu().numpy()
+        if hasattr(value, "dtype") or dtype is not None:
             arr = np.array(value, dtype=dtype, copy=True)
         else:
             arr = np.array(value, copy=True)

@@ -36,7 +36,10 @@ def check_host_array(what: str, value: Any, shape: tuple[int, ...], dtype: np.dt
     """
     if isinstance(value, np.ndarray):
         if value.dtype != dtype:
-            raise DTypeError(f"{what}: expected dtype {dtype.name}, got {value.dtype.name}")
+            got = value.dtype.name
+            if got == dtype.name:  # the same type in the other byte order
+                got = f"{got} in non-native byte order ({value.dtype.str!r}); convert it"
+            raise DTypeError(f"{what}: expected dtype {dtype.name}, got {got}")
         arr = value
     else:
         if hasattr(value, "dtype") and dtype_name(value) != dtype.name:
