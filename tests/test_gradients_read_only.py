@@ -51,3 +51,13 @@ def test_group_gradients_pass_through_or_are_independent():  # C4
     total *= 10.0
     np.testing.assert_array_equal(grads[gq.leaves[0]], np.ones(2))
     np.testing.assert_array_equal(grads[gp.id], np.ones(2))
+
+
+def test_on_a_device_the_operands_of_add_get_distinct_tensors():
+    pytest.importorskip("torch")
+    s = EagerSession(device="torch:cpu")
+    a, b = s.leaf(np.ones(3)), s.leaf(np.ones(3))
+    grads = s.backward(((a + b) * 2.0).sum())
+    assert grads[a] is not grads[b]
+    grads[a].mul_(10.0)  # a device tensor cannot be read-only: it is independent
+    assert grads[b].tolist() == [2.0, 2.0, 2.0]

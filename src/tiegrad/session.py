@@ -424,7 +424,7 @@ class EagerSession:
             if g is None:
                 continue
             if i in keep:
-                result[i] = _handed_out(g if g.dtype == meta[i][1] else bk.astype(g, meta[i][1]))
+                result[i] = g if g.dtype == meta[i][1] else bk.astype(g, meta[i][1])
             vjp = vjps[i]
             if vjp is None:
                 continue
@@ -447,7 +447,8 @@ class EagerSession:
         for i in keep:
             if i not in result and rg[i]:
                 shape, dtype = meta[i]
-                result[i] = _handed_out(bk.zeros(tuple(shape), dtype))
+                result[i] = bk.zeros(tuple(shape), dtype)
+        _hand_out(bk, result)
         grads = Gradients(
             self, result, dict(self._params), dict(self._storages), frozenset(self._grad_leaves)
         )
@@ -490,17 +491,25 @@ _weak = weakref.ref
 _thread_id = threading.get_ident
 
 
-def _handed_out(g: Array) -> Array:
-    """A gradient as ``backward`` returns it: on the host a read-only view (C4).
+def _hand_out(bk: Backend, result: dict[int, Array]) -> None:
+    """Make the gradients ``backward`` returns safe to hand out: none writes another.
 
-    Ops hand one cotangent to several operands (``a + b``) or views of it to their
-    parents, so two returned gradients may share memory: none is writable, so scaling
-    one in place cannot change another. Use ``g * c`` or ``g.copy()``.
+    Ops hand one cotangent to several operands (``a + b``) or a view of it to a parent,
+    so two gradients may share memory. On the host each becomes a read-only view
+    (``g * c`` or ``g.copy()`` give a writable one); a device tensor cannot be read-only,
+    so one handed to several nodes is copied for all but the first, as PyTorch's
+    ``.grad`` are distinct tensors. A group of one still passes its gradient through as
+    the same object (C4).
     """
-    if isinstance(g, np.ndarray):
-        g = g.view()
-        g.flags.writeable = False
-    return g
+    seen: set[int] = set()
+    for i, g in result.items():
+        if isinstance(g, np.ndarray):
+            g = g.view()
+            g.flags.writeable = False
+        elif id(g) in seen:
+            g = bk.copy(g)
+        seen.add(id(g))
+        result[i] = g
 
 
 def _backend_for(device: str | None) -> Backend:
