@@ -14,7 +14,15 @@ one array per canonical slot; from then on there is a single code path:
    the optimizer does not hold are ignored.
 2. A list as returned by ``opt.params.canonical_gradients(slots, grads)``: one entry
    per slot, None at frozen and alias slots.
-3. ``None``: ``tiegrad.latest_gradients()``, the result of the latest ``backward``.
+3. ``None``: ``tiegrad.latest_gradients()``, the result of the latest ``backward``
+   run by the calling thread (its session held weakly).
+
+State belongs to the storage; the canonical slot is only its key. When the layout
+changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot) each entry
+moves to the canonical slot of its storage, so a storage keeps one history however its
+uses are frozen; a storage no longer trained at any slot loses its state at the next
+write, and a new one starts fresh. A storage whose use was recorded as trainable but
+that is frozen at every slot now is refused (the layout changed since ``backward``).
 
 Every step validates everything before its first write (C6): each group's
 hyperparameters, storages shared across groups having equal hyperparameters, every

@@ -7,7 +7,8 @@ cover many small parameters in one vectorized call. Buffers are allocated when t
 layout changes (the first step, a re-tie, a load) and reused by every other step.
 
 The state of a slot is ``{"step": int, name: array, ...}``. Only canonical slots of
-trainable storages own state; frozen slots own none (C5).
+trainable storages own state; frozen slots own none (C5). The slot is a key, the state
+belongs to the storage: ``rekey`` moves entries when the optimizer's layout changes.
 
 ``revision`` changes with every change of the layout or of a step count, so a caller
 that remembers it knows whether the state is still exactly as it left it (the
