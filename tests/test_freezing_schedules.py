@@ -212,3 +212,15 @@ def test_a_step_that_would_drop_a_recorded_gradient_is_refused_and_changes_nothi
         opt.step(grads)
     np.testing.assert_array_equal(p.value, [0.0, 0.0])
     assert dict(opt.state) == {} and opt.step_count == 0
+
+
+def test_on_a_device_a_step_that_would_drop_a_recorded_gradient_is_refused_too():
+    p = Param(np.zeros(2, np.float32))
+    h = p.alias()
+    opt = SGD(ParamList([p, h]), lr=1.0)
+    s = EagerSession(device="torch:cpu")
+    grads = s.backward((s.use(p) * 2.0).sum() + (s.use(h) * 3.0).sum())
+    p.requires_grad = h.requires_grad = False
+    with pytest.raises(AliasError, match="the layout changed since backward"):
+        opt.step(grads)
+    np.testing.assert_array_equal(p.value_synced(), [0.0, 0.0])

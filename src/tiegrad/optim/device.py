@@ -126,11 +126,9 @@ def device_step(opt: Any, gradients: Any) -> None:
     if isinstance(gradients, Gradients):
         session = gradients.session
         index = plan.index
-        groups = [
-            g
-            for g in gradients.parameter_groups()
-            if g.storage is not None and id(g.storage) in index
-        ]
+        recorded = gradients.parameter_groups()
+        opt._check_recorded(recorded, plan)
+        groups = [g for g in recorded if g.storage is not None and id(g.storage) in index]
         order = [index[id(g.storage)] for g in groups]
         for group in groups:
             check_device_gradients(group, gradients, session.backend)

@@ -576,14 +576,25 @@ class Optimizer:
         """The session's group gradients at the canonical slots of their storages (C1)."""
         session = gradients.session
         index = plan.index
+        groups = gradients.parameter_groups()
+        self._check_recorded(groups, plan)
         raw: list[Any] = [None] * len(plan.slots)
-        held: dict[int, int] | None = None
-        for group in gradients.parameter_groups():
-            if group.storage is None:
-                continue
-            i = index.get(id(group.storage))
+        for group in groups:
+            i = None if group.storage is None else index.get(id(group.storage))
             if i is not None:
                 raw[i] = session.backend.to_numpy(dense_group_gradient(group, gradients))
+        return raw
+
+    def _check_recorded(self, groups: Sequence[Any], plan: StepPlan) -> None:
+        """``AliasError`` if a recorded group's storage is held here but trained at no slot.
+
+        Its use was trainable when recorded and is frozen at every slot now: stepping
+        would silently drop that recorded gradient (the layout changed since backward).
+        Groups of storages this optimizer does not hold are another optimizer's.
+        """
+        held: dict[int, int] | None = None
+        for group in groups:
+            if group.storage is None or id(group.storage) in plan.index:
                 continue
             if held is None:
                 held = {id(p.storage): slot for slot, p in reversed(list(enumerate(self.params)))}
@@ -595,7 +606,6 @@ class Optimizer:
                     f"now; its recorded gradient would be dropped (record again, or restore "
                     f"the trainability before stepping)"
                 )
-        return raw
 
     def _list_gradients(self, gradients: Sequence[Any], plan: StepPlan) -> list[Any]:
         """A copy of a per-slot list, checked to hold None at frozen and alias slots (C5)."""
