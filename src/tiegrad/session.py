@@ -288,7 +288,8 @@ class EagerSession:
         object with ``get()``, ``set(array)``, ``shape``, ``dtype`` and
         ``requires_grad``; the latter has no storage descriptor and is never grouped
         with anything (C1). The registration is kept even when the use is frozen or
-        gradients are disabled; only trainable registrations are grouped (C4).
+        gradients are disabled; only uses recorded as trainable (a trainable handle,
+        gradients enabled) are grouped (C4), whatever the handle's flag is later.
         """
         storage = getattr(param, "storage", None)
         if storage is not None:
