@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import tiegrad as tg
 import tiegrad.ops as T
 from tiegrad import AliasError, EagerSession, Param, ParamList, dense_group_gradient
 from tiegrad.models import TiedLM
@@ -118,6 +119,12 @@ def test_a_save_after_a_freeze_round_trips(tmp_path):
     twin = AdamW(ParamList([W, W_out, b]), lr=0.05)
     twin.load_state_dict(sd)
     assert twin.state[1]["step"] == 2
+    path = tmp_path / "frozen.safetensors"  # and through a checkpoint (C9)
+    tg.save(path, ParamList([W, W_out, b]), optimizer=opt)
+    again = AdamW(ParamList([W, W_out, b]), lr=0.05)
+    tg.load(path, ParamList([W, W_out, b]), optimizer=again)
+    assert sorted(again.state) == [1, 2] and again.state[1]["step"] == 2
+    np.testing.assert_array_equal(again.state[1]["exp_avg"], opt.state[1]["exp_avg"])
 
 
 def test_a_refused_step_after_a_freeze_keeps_the_history_of_an_untrained_storage():
