@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from tiegrad import EagerSession, Param, TapeError, latest_gradients
+from tiegrad import EagerSession, MissingGradientError, Param, TapeError, latest_gradients
 from tiegrad.optim import SGD
 
 
@@ -72,7 +72,7 @@ def test_the_latest_gradients_do_not_keep_a_session_or_its_tape_alive():
     arr = p.storage.host_for_update()  # no tape pins the array: an in-place update
     assert arr is host
     p.storage.commit_host(arr)
-    with pytest.raises(Exception, match="no backward has run"):
+    with pytest.raises(MissingGradientError, match="no backward has run"):
         SGD([p], lr=0.1).step()
 
 
