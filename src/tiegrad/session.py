@@ -506,7 +506,7 @@ def _hand_out(bk: Backend, result: dict[int, Array]) -> None:
     for i, g in result.items():
         if isinstance(g, np.ndarray):
             g = g.view()
-            g.flags.writeable = False
+            g.setflags(write=False)
         elif id(g) in seen:
             g = bk.copy(g)
         seen.add(id(g))
