@@ -255,6 +255,12 @@ def test_linear(xshape):
     check_grad(lambda x, w: T.linear(x, w), [rnd(*xshape), rnd(4, 5, seed=1)])
 
 
+@pytest.mark.parametrize("xshape", [(5,), (3, 5), (2, 3, 5)])
+def test_affine(xshape):
+    check_grad(T.affine, [rnd(*xshape), rnd(5, 4, seed=1), rnd(4, seed=2)])
+    check_grad(lambda x, w: T.affine(x, w), [rnd(*xshape), rnd(5, 4, seed=1)])
+
+
 # -- losses -----------------------------------------------------------------------------
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])

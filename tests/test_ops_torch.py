@@ -198,6 +198,13 @@ def test_linear(xshape):
     compare(T.linear, F.linear, [x, w])
 
 
+@pytest.mark.parametrize("xshape", [(6,), (4, 6), (2, 3, 6)])
+def test_affine(xshape):
+    x, w, b = rnd(*xshape), rnd(6, 5, seed=1), rnd(5, seed=2)
+    compare(T.affine, lambda a, w, b: b + a @ w, [x, w, b])
+    compare(T.affine, torch.matmul, [x, w])
+
+
 # -- losses -----------------------------------------------------------------------------
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

@@ -1,4 +1,4 @@
-"""The ``tiegrad`` command: ``train``, ``sample``, ``inspect`` and ``resume``.
+"""The ``tiegrad`` command: ``train``, ``sample``, ``inspect``, ``resume`` and ``export``.
 
 ``tiegrad train`` with no arguments is the main job: a character ``TiedLM`` trained
 on the running interpreter's standard-library source (no download). It prints the
@@ -30,6 +30,7 @@ FLAGS: dict[str, str] = {
     "--vocab": "vocab",
     "--corpus-chars": "corpus_chars",
     "--val-fraction": "val_fraction",
+    "--init": "init",
     "--d-model": "d_model",
     "--layers": "n_layers",
     "--heads": "n_heads",
@@ -55,7 +56,7 @@ FLAGS: dict[str, str] = {
 }
 
 
-_METAVARS = {"text": "FILE", "run": "DIR", "vocab": "{char,byte}"}
+_METAVARS = {"text": "FILE", "init": "DIR", "run": "DIR", "vocab": "{char,byte}"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,7 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("run", metavar="DIR", help="run folder")
     resume.add_argument("--steps", type=int, default=None, help="new total step count")
     _add_no_progress(resume)
+    _add_export(sub)
     return parser
+
+
+def _add_export(sub: Any) -> None:
+    export = sub.add_parser(
+        "export", help="write a GPT-2 run or checkpoint as a Hugging Face model directory"
+    )
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint")
+    export.add_argument("dir", metavar="DIR", help="output directory")
+    export.add_argument("--format", choices=["hf"], default="hf", help="output format (hf)")
 
 
 def _add_no_progress(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
-    commands = {"train": _train, "sample": _sample, "inspect": _inspect, "resume": _resume}
+    commands = {
+        "train": _train,
+        "sample": _sample,
+        "inspect": _inspect,
+        "resume": _resume,
+        "export": _export,
+    }
     try:
         return commands[args.command](args)
     except TiegradError as e:
@@ -195,10 +212,10 @@ def _fresh_run_folder() -> str:
 
 
 def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
-    from .data import Vocab
+    from .data import tokenizer_from_dict
     from .train.job import (
-        MODEL_CLASS,
         build_dataset,
+        build_init,
         build_model,
         build_optimizer,
         load_text,
@@ -209,17 +226,23 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
 
     run = RunDir(config["run"])
     source = load_text(config)
-    dataset = build_dataset(config, source, Vocab.from_dict(vocab) if vocab else None)
-    model = build_model(model_config(config, dataset.vocab_size))
+    vocab = tokenizer_from_dict(vocab) if vocab else None
+    if config["init"]:
+        model, dataset = build_init(config, source, vocab)
+    else:
+        dataset = build_dataset(config, source, vocab)
+        model = build_model(model_config(config, dataset.vocab_size))
     if not resume:
         _check_fresh_run_folder(run, model.config)
     optimizer, schedule = build_optimizer(config, model)
     unit = dataset.vocab.unit
     extra = {
-        "model": {"class": MODEL_CLASS, "config": model.config},
+        "model": {"class": type(model).__name__, "config": model.config},
         "vocab": dataset.vocab.to_dict(),
         "loss_unit": unit,
     }
+    if config["init"]:
+        extra["hf_config"] = model.source_config
     trainer = Trainer(
         model,
         optimizer,
@@ -312,11 +335,14 @@ def _print_config(config: dict[str, Any], text: str, dataset: Any, model: Any) -
         f"  data     {text}; vocab {c['vocab']} ({dataset.vocab_size} symbols); "
         f"train {len(dataset.train):,} / val {len(dataset.val):,} tokens"
     )
-    print(
-        f"  model    TiedLM d_model={c['d_model']} n_layers={c['n_layers']} "
-        f"n_heads={c['n_heads']} seq_len={c['seq_len']} mlp_ratio={c['mlp_ratio']} "
-        f"dropout={c['dropout']}; {unique:,} parameters (embedding tied to the output)"
-    )
+    if c["init"]:
+        print(f"  model    {model.label()} from {c['init']}; {unique:,} parameters")
+    else:
+        print(
+            f"  model    TiedLM d_model={c['d_model']} n_layers={c['n_layers']} "
+            f"n_heads={c['n_heads']} seq_len={c['seq_len']} mlp_ratio={c['mlp_ratio']} "
+            f"dropout={c['dropout']}; {unique:,} parameters (embedding tied to the output)"
+        )
     print(
         f"  optim    AdamW lr={c['lr']:g} min_lr={c['min_lr']:g} "
         f"warmup={min(c['warmup_steps'], c['steps'])} "
@@ -358,7 +384,7 @@ def _sample(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .checkpoint import load
-    from .data import Vocab
+    from .data import tokenizer_from_dict
     from .train.job import build_model
     from .train.rundir import RunDir
 
@@ -384,8 +410,8 @@ def _sample(args: argparse.Namespace) -> int:
     kwargs = _model_config(extra)
     if kwargs is None or not isinstance(extra.get("vocab"), dict):
         raise ConfigError(f"{path}: not a checkpoint of 'tiegrad train' (no model or vocab)")
-    vocab = Vocab.from_dict(extra["vocab"])
-    model = build_model(dict(kwargs))
+    vocab = tokenizer_from_dict(extra["vocab"])
+    model = build_model(dict(kwargs), extra["model"].get("class", "TiedLM"))
     load(path, model)
     model.eval()
     prompt = args.prompt or "\n"
@@ -403,6 +429,41 @@ def _inspect(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.file):
         raise ConfigError(f"checkpoint {args.file!r} does not exist or is not a file")
     print(inspect(args.file))
+    return 0
+
+
+# -- export --------------------------------------------------------------------------------
+def _export(args: argparse.Namespace) -> int:
+    """Write a ``GPT2`` run's best (else latest) checkpoint, or a checkpoint file, as a
+    transformers directory: ``config.json``, ``model.safetensors`` and the tokenizer files."""
+    from .checkpoint import load
+    from .data import HFTokenizer, tokenizer_from_dict
+    from .train.job import build_model
+    from .train.rundir import RunDir
+
+    source = Path(args.source)
+    if source.is_dir():
+        path = RunDir(source).best_or_latest()
+        if path is None:
+            raise ConfigError(f"run folder {args.source!r} holds no checkpoint")
+    elif source.is_file():
+        path = source
+    else:
+        raise ConfigError(f"{args.source!r} is neither a run folder nor a checkpoint file")
+    extra = _checkpoint_extra(path)
+    kwargs = _model_config(extra)
+    if kwargs is None or extra["model"].get("class") != "GPT2":
+        raise ConfigError(
+            f"{path}: export --format hf needs a GPT2 checkpoint (from 'tiegrad train --init')"
+        )
+    model = build_model(dict(kwargs), "GPT2")
+    load(path, model)
+    model.source_config = extra.get("hf_config") or {}
+    tokenizer = tokenizer_from_dict(extra["vocab"]) if "vocab" in extra else None
+    model.save_pretrained(args.dir)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(args.dir)
+    print(f"exported {path} to {args.dir} (GPT2LMHeadModel.from_pretrained loads it)")
     return 0
 
 

@@ -3,6 +3,7 @@
 from .corpus import DEFAULT_MAX_CHARS, stdlib_corpus, stdlib_root
 from .loader import ArrayDataset, Batch, BatchSource, DataLoader
 from .text import TextDataset, WindowLoader, read_text
+from .tokenizer import HFTokenizer, directory_tokenizer, tokenizer_from_dict
 from .vocab import Vocab
 
 __all__ = [
@@ -11,10 +12,13 @@ __all__ = [
     "BatchSource",
     "DEFAULT_MAX_CHARS",
     "DataLoader",
+    "HFTokenizer",
     "TextDataset",
     "Vocab",
     "WindowLoader",
+    "directory_tokenizer",
     "read_text",
     "stdlib_corpus",
     "stdlib_root",
+    "tokenizer_from_dict",
 ]

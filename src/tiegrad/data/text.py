@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .loader import Batch, check_positive
+from .tokenizer import HFTokenizer
 from .vocab import Vocab
 
 SPLITS = ("train", "val")
@@ -52,9 +53,9 @@ def read_text(path: str | os.PathLike, kind: str = "char") -> str | bytes:
 class TextDataset:
     """An encoded text, split into train and validation tokens, served as windows.
 
-    ``vocab`` is ``"char"`` (built from the text), ``"byte"`` or a ``Vocab`` (e.g. the
-    one stored with a checkpoint). Each split must hold at least ``block_size + 1``
-    tokens; a shorter text is a ``ConfigError`` giving both numbers.
+    ``vocab`` is ``"char"`` (built from the text), ``"byte"``, a ``Vocab`` (e.g. the
+    one stored with a checkpoint) or an ``HFTokenizer``. Each split must hold at least
+    ``block_size + 1`` tokens; a shorter text is a ``ConfigError`` giving both numbers.
     """
 
     def __init__(
@@ -75,7 +76,8 @@ class TextDataset:
             self.vocab = Vocab("byte")
             ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64)
         else:
-            self.vocab = vocab if isinstance(vocab, Vocab) else Vocab.build(text, vocab)
+            known = isinstance(vocab, (Vocab, HFTokenizer))
+            self.vocab = vocab if known else Vocab.build(text, vocab)
             ids = self.vocab.encode(text)
         n_val = int(len(ids) * val_fraction)
         need = self.block_size + 1

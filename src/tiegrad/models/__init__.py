@@ -1,8 +1,9 @@
 """Reference models (issue 5), each rebuildable from its ``config``: ``type(m)(**m.config)``."""
 
+from .gpt2 import GPT2
 from .mlp_classifier import MLPClassifier
 from .shared_block_lm import SharedBlockLM
 from .siamese import SiameseEncoder
 from .tied_lm import TiedLM
 
-__all__ = ["MLPClassifier", "SharedBlockLM", "SiameseEncoder", "TiedLM"]
+__all__ = ["GPT2", "MLPClassifier", "SharedBlockLM", "SiameseEncoder", "TiedLM"]

@@ -15,7 +15,7 @@ from .conv import conv2d, max_pool2d
 from .dropout import dropout
 from .elementwise import exp, gelu, log, relu, sigmoid, sqrt, tanh
 from .embedding import embedding
-from .linear import linear
+from .linear import affine, linear
 from .loss import cross_entropy, mse_loss
 from .norm import layer_norm
 from .reduce import max, mean, sum
@@ -24,6 +24,7 @@ from .softmax import log_softmax, softmax
 
 __all__ = [
     "add",
+    "affine",
     "concat",
     "conv2d",
     "cross_entropy",

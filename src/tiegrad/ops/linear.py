@@ -1,4 +1,4 @@
-"""The affine layer ``x @ weight.T + bias`` with PyTorch's weight layout (out, in)."""
+"""Affine layers: ``linear`` (PyTorch's weight layout (out, in)) and ``affine`` ((in, out))."""
 
 from __future__ import annotations
 
@@ -17,19 +17,35 @@ def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
     passes the transposes to BLAS as views, sums the bias gradient as one
     vector-matrix product and skips the products of operands that need no gradient.
     """
+    return _affine("linear", x, weight, bias, out_in=True)
+
+
+def affine(x: Any, weight: Any, bias: Any = None) -> TensorRef:
+    """``x @ weight + bias`` for ``x`` of shape ``(..., in)``, ``weight`` ``(in, out)``.
+
+    The layout of Hugging Face's GPT-2 ``Conv1D`` (``torch.addmm(bias, x, weight)``);
+    otherwise as ``linear``: one node, the same in-place bias and VJP.
+    """
+    return _affine("affine", x, weight, bias, out_in=False)
+
+
+def _affine(op: str, x: Any, weight: Any, bias: Any, out_in: bool) -> TensorRef:
+    """``linear`` (``out_in``: weight (out, in)) or ``affine`` (weight (in, out))."""
     s = session_of(x, weight, bias)
     bk = s.backend
     xv, wv = value_of(s, x), value_of(s, weight)
     xs, ws = tuple(xv.shape), tuple(wv.shape)
-    if len(ws) != 2 or not xs or xs[-1] != ws[1]:
+    if len(ws) != 2 or not xs or xs[-1] != ws[1 if out_in else 0]:
+        layout = "(out, in)" if out_in else "(in, out)"
         raise ShapeError(
-            f"linear: input of shape {xs} does not fit weight of shape {ws} "
-            "(expected input (..., in) and weight (out, in))"
+            f"{op}: input of shape {xs} does not fit weight of shape {ws} "
+            f"(expected input (..., in) and weight {layout})"
         )
-    n_out, n_in = ws
-    refs, bv = affine_operands(s, "linear", x, xv, weight, wv, bias, n_out)
+    n_out, n_in = ws if out_in else ws[::-1]
+    refs, bv = affine_operands(s, op, x, xv, weight, wv, bias, n_out)
     x2 = bk.reshape(xv, (-1, n_in))
-    out2 = bk.matmul(x2, bk.transpose(wv, (1, 0)))
+    wt = bk.transpose(wv, (1, 0))
+    out2 = bk.matmul(x2, wt if out_in else wv)
     if bias is not None:
         if bv.dtype == out2.dtype:
             out2 = bk.add_(out2, bv)
@@ -41,8 +57,11 @@ def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
 
     def vjp(g):
         g2 = bk.reshape(g, (-1, n_out))
-        gx = bk.reshape(bk.matmul(g2, wv), xs) if want_x else None
-        gw = bk.matmul(bk.transpose(g2, (1, 0)), x2) if want_w else None
+        gx = bk.reshape(bk.matmul(g2, wv if out_in else wt), xs) if want_x else None
+        gw = None
+        if want_w:
+            gt = bk.transpose(g2, (1, 0))
+            gw = bk.matmul(gt, x2) if out_in else bk.matmul(bk.transpose(x2, (1, 0)), g2)
         if bias is None:
             return gx, gw
         return gx, gw, (sum_rows(bk, g2) if want_b else None)

@@ -30,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "vocab": "char",
     "corpus_chars": 2_000_000,
     "val_fraction": 0.1,
+    "init": "",
     # model (TiedLM)
     "d_model": 128,
     "n_layers": 2,
@@ -64,6 +65,7 @@ HELP: dict[str, str] = {
     "vocab": "token vocabulary: char or byte",
     "corpus_chars": "size cap of the standard-library corpus, in characters",
     "val_fraction": "fraction of the text (its end) held out for validation",
+    "init": "Hugging Face GPT-2 directory to fine-tune (empty: a new TiedLM)",
     "d_model": "model width",
     "n_layers": "transformer blocks",
     "n_heads": "attention heads (must divide d_model)",
@@ -89,7 +91,7 @@ HELP: dict[str, str] = {
     "progress": "show the progress bar",
 }
 
-_PATH_KEYS = ("text", "run")
+_PATH_KEYS = ("text", "init", "run")
 _CHOICES = {"vocab": ("char", "byte")}
 #: key -> (lowest allowed, whether the lowest is excluded, highest or None).
 _RANGES: dict[str, tuple[float, bool, float | None]] = {

@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..data import TextDataset, Vocab, read_text, stdlib_corpus
+from ..data import TextDataset, Vocab, directory_tokenizer, read_text, stdlib_corpus
+from ..errors import ConfigError
 
 MODEL_CLASS = "TiedLM"
 
@@ -67,11 +68,36 @@ def model_config(config: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     }
 
 
-def build_model(kwargs: dict[str, Any]) -> Any:
-    """A ``TiedLM`` from its constructor arguments."""
-    from ..models import TiedLM
+def build_model(kwargs: dict[str, Any], model_class: str = MODEL_CLASS) -> Any:
+    """A ``TiedLM`` (or the model named ``model_class``: ``GPT2``) from its constructor
+    arguments."""
+    from .. import models
 
-    return TiedLM(**kwargs)
+    if model_class not in ("TiedLM", "GPT2"):
+        raise ConfigError(f"unknown model class {model_class!r} (expected TiedLM or GPT2)")
+    return getattr(models, model_class)(**kwargs)
+
+
+def build_init(
+    config: dict[str, Any], source: TextSource, vocab: Any = None
+) -> tuple[Any, TextDataset]:
+    """The ``GPT2`` of ``config["init"]`` (a transformers directory) and the dataset of
+    ``source`` tokenised by the directory's tokenizer (``data.directory_tokenizer``) or
+    by ``vocab`` (the one a resumed run stored)."""
+    from ..models import GPT2
+
+    model = GPT2.from_pretrained(config["init"])
+    vocab = vocab if vocab is not None else directory_tokenizer(config["init"])
+    if vocab.size > model.vocab_size:
+        raise ConfigError(
+            f"--init {config['init']}: the tokenizer has {vocab.size} ids but the model's "
+            f"vocabulary {model.vocab_size}"
+        )
+    if config["seq_len"] > model.max_seq_len:
+        raise ConfigError(
+            f"--seq-len {config['seq_len']} exceeds the model's n_positions {model.max_seq_len}"
+        )
+    return model, build_dataset(config, source, vocab)
 
 
 def build_optimizer(config: dict[str, Any], model: Any) -> tuple[Any, Any]:

@@ -1,0 +1,124 @@
+"""``HFTokenizer``: a Hugging Face ``tokenizer.json`` (through ``tokenizers``) as a vocabulary.
+
+Like ``Vocab`` it is plain data: ``to_dict()`` holds the text of the directory's
+tokenizer files, so a checkpoint or run folder can encode, decode and export them
+with nothing else. ``tokenizers`` is imported only when one is built (the ``hf`` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from .vocab import Vocab
+
+#: The tokenizer files transformers writes next to a model, copied along on export.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` built from ``files["tokenizer.json"]``.
+
+    ``files`` maps file names of ``TOKENIZER_FILES`` to their text; the others are kept
+    only to be written back by ``save``. Encoding adds no special tokens.
+    """
+
+    kind = "hf"
+    unit = "token"
+
+    def __init__(self, files: dict[str, str]) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError(
+                "a tokenizer.json needs the 'tokenizers' package (pip install 'tiegrad[hf]')"
+            ) from None
+        if not isinstance(files, dict) or not isinstance(files.get("tokenizer.json"), str):
+            raise ConfigError("tokenizer: expected the text of a tokenizer.json")
+        unknown = sorted(set(files) - set(TOKENIZER_FILES))
+        if unknown or not all(isinstance(v, str) for v in files.values()):
+            raise ConfigError(f"tokenizer: unexpected files {unknown} or non-text contents")
+        try:
+            self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        except Exception as e:  # tokenizers raises its own Exception type
+            raise ConfigError(f"tokenizer.json cannot be read by tokenizers: {e}") from None
+        self.files = dict(files)
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike[str]) -> HFTokenizer | None:
+        """The tokenizer of a model directory, or None when it has no ``tokenizer.json``."""
+        folder = Path(directory)
+        if not (folder / "tokenizer.json").is_file():
+            return None
+        files = {}
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                try:
+                    files[name] = (folder / name).read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as e:
+                    raise ConfigError(f"{folder / name}: cannot be read: {e}") from None
+        return cls(files)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "files": dict(self.files)}
+
+    @property
+    def size(self) -> int:
+        """The number of token ids, added tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` as an int64 array (no special tokens added)."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode(self, ids: Any) -> str:
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.size):
+            raise ConfigError(
+                f"tokenizer: token ids must lie in [0, {self.size}), got [{arr.min()}, {arr.max()}]"
+            )
+        return self._tokenizer.decode(arr.tolist(), skip_special_tokens=False)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write the tokenizer files into ``directory``."""
+        for name, text in self.files.items():
+            (Path(directory) / name).write_text(text, encoding="utf-8")
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(size={self.size})"
+
+
+def directory_tokenizer(directory: str | os.PathLike[str]) -> HFTokenizer | Vocab:
+    """The tokenizer of a model directory; without a ``tokenizer.json``, the byte-level
+    ``Vocab`` (256 ids) with a warning."""
+    tokenizer = HFTokenizer.from_directory(directory)
+    if tokenizer is None:
+        warnings.warn(
+            f"{directory} has no tokenizer.json: using byte-level tokens (ids 0-255)",
+            stacklevel=2,
+        )
+        return Vocab("byte")
+    return tokenizer
+
+
+def tokenizer_from_dict(data: Any) -> HFTokenizer | Vocab:
+    """Rebuild a ``Vocab`` or an ``HFTokenizer`` from its ``to_dict()`` output."""
+    if isinstance(data, dict) and data.get("kind") == HFTokenizer.kind:
+        return HFTokenizer(data.get("files"))
+    return Vocab.from_dict(data)

@@ -1,0 +1,9 @@
+"""Models in and out: PyTorch modules (``from_torch``/``to_torch``) and Hugging Face GPT-2
+directories (``hf``, used by ``tiegrad.models.GPT2``), ties kept (C1, issue 18).
+
+Nothing here imports torch or transformers at import time.
+"""
+
+from .pytorch import from_torch, to_torch, torch_buffers
+
+__all__ = ["from_torch", "to_torch", "torch_buffers"]

@@ -1,0 +1,225 @@
+"""Hugging Face GPT-2 directories in and out, without torch or transformers.
+
+A directory of transformers' ``save_pretrained`` holds ``config.json`` (JSON, read with
+``json``) and either ``model.safetensors`` or shards listed by
+``model.safetensors.index.json`` (read with tiegrad's strict safetensors reader,
+``checkpoint.fileio``). Tensor names may carry the ``transformer.`` prefix or not (the
+hub's files have none); the causal-mask buffers old files hold (``h.N.attn.bias``,
+``h.N.attn.masked_bias``) are constants of the architecture and skipped, as
+transformers skips them.
+
+The tie (C1): a file without ``lm_head.weight`` (what transformers writes, and the
+hub's files) gets the head tied to ``transformer.wte.weight`` when
+``tie_word_embeddings`` is true; a file with both tensors ties them when their values
+are equal and is refused when they differ, unless ``tie_word_embeddings`` is false, in
+which case the two are loaded untied. Every tensor's presence, shape and dtype is
+checked before any value is written (C6); missing or unexpected names are one
+``CheckpointError`` listing them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..checkpoint.fileio import SafetensorsFile, read_safetensors, write_safetensors
+from ..errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from ..models.gpt2 import GPT2
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+PREFIX = "transformer."
+HEAD = "lm_head.weight"
+EMBEDDING = "transformer.wte.weight"
+_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+#: ``config.json`` keys that are ``GPT2`` constructor arguments.
+CONFIG_KEYS = (
+    "vocab_size",
+    "n_positions",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "activation_function",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "layer_norm_epsilon",
+    "initializer_range",
+    "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx",
+    "tie_word_embeddings",
+)
+#: ``config.json`` keys whose other values this architecture does not implement.
+_UNSUPPORTED = {"add_cross_attention": False}
+
+
+def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` of a GPT-2 directory as a dict (``model_type`` must be gpt2)."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no {CONFIG} (not a transformers model directory)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the model configuration: {e}") from None
+    if not isinstance(config, dict) or config.get("model_type", "gpt2") != "gpt2":
+        kind = config.get("model_type") if isinstance(config, dict) else type(config).__name__
+        raise CheckpointError(f"{path}: model_type {kind!r}, expected 'gpt2'")
+    for key, value in _UNSUPPORTED.items():
+        if config.get(key, value) != value:
+            raise ConfigError(f"{path}: {key}={config[key]!r} is not supported by tiegrad's GPT2")
+    return config
+
+
+def model_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``GPT2`` constructor arguments of a transformers GPT-2 configuration."""
+    return {k: config[k] for k in CONFIG_KEYS if k in config}
+
+
+def load_gpt2(directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2:
+    """A ``GPT2`` built from ``config.json`` with the directory's weights loaded."""
+    from ..models.gpt2 import GPT2
+
+    config = read_config(directory)
+    model = GPT2(**model_kwargs(config), dtype=dtype)
+    model.source_config = config
+    load_weights(model, directory)
+    return model
+
+
+def _tensor_files(directory: Path) -> list[SafetensorsFile]:
+    """The safetensors files of a directory: the single file or every shard of the index,
+    each name in the shard the index names for it."""
+    single, index = directory / WEIGHTS, directory / INDEX
+    if single.is_file():
+        return [read_safetensors(os.fspath(single))]
+    if not index.is_file():
+        raise CheckpointError(f"{directory}: neither {WEIGHTS} nor {INDEX}")
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) and v == os.path.basename(v) and v for v in weight_map.values()
+    ):
+        raise CheckpointError(f"{index}: weight_map must map names to file names in {directory}")
+    files = []
+    for shard in sorted(set(weight_map.values())):
+        file = read_safetensors(os.fspath(directory / shard))
+        strays = [n for n in file.tensors if weight_map.get(n) != shard]
+        listed = [n for n, s in weight_map.items() if s == shard and n not in file.tensors]
+        if strays or listed:
+            raise CheckpointError(
+                f"{directory / shard}: does not match {INDEX} (in the file but not listed "
+                f"for it: {strays[:5]}; listed but absent: {listed[:5]})"
+            )
+        files.append(file)
+    return files
+
+
+def read_tensors(directory: str | os.PathLike[str]) -> dict[str, tuple[SafetensorsFile, str]]:
+    """``{full name: (file, name in the file)}`` of a directory's tensors, names given the
+    ``transformer.`` prefix where they lack it; mask buffers left out."""
+    out: dict[str, tuple[SafetensorsFile, str]] = {}
+    for file in _tensor_files(Path(directory)):
+        for name in file.tensors:
+            if name.endswith(_BUFFERS):
+                continue
+            full = name if name.startswith(PREFIX) or name == HEAD else PREFIX + name
+            if full in out:
+                raise CheckpointError(
+                    f"{directory}: tensor {full!r} is stored twice ({out[full][1]!r} and {name!r})"
+                )
+            out[full] = (file, name)
+    return out
+
+
+def load_weights(model: GPT2, directory: str | os.PathLike[str]) -> None:
+    """Write the directory's tensors into ``model`` (see the module docstring).
+
+    Checked first: the names (each model path once; missing and unexpected ones are
+    listed), shapes, and the ``lm_head``/``wte`` tie against the model's
+    tie layout (``tied``). Values are cast to the model's dtype. On any error the
+    model is unchanged.
+    """
+    where = f"{directory}"
+    tensors = read_tensors(directory)
+    slots = dict(model.named_slots())
+    is_tied = tied(model)
+    needed = [p for p in slots if not (is_tied and p == HEAD)]
+    allowed = set(slots)
+    missing = [p for p in needed if p not in tensors]
+    unexpected = [n for n in tensors if n not in allowed]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: the weights do not match GPT2({model.extra_repr()}): "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    values: dict[str, np.ndarray] = {}
+    for path, (file, name) in tensors.items():
+        entry, param = file.tensors[name], slots[path]
+        if tuple(entry.shape) != param.shape:
+            raise CheckpointError(
+                f"{file.path}: tensor {name!r} has shape {tuple(entry.shape)}, "
+                f"{path!r} needs {param.shape}"
+            )
+        if not np.issubdtype(np.dtype(entry.dtype), np.floating):
+            raise CheckpointError(f"{file.path}: tensor {name!r} has dtype {entry.dtype}")
+        values[path] = file.array(name).astype(param.dtype, copy=False)
+    if is_tied and HEAD in values:
+        if not np.array_equal(values[HEAD], values[EMBEDDING]):
+            raise CheckpointError(
+                f"{where}: {HEAD!r} differs from {EMBEDDING!r} but the model ties them "
+                "(tie_word_embeddings is true); set it to false to load them untied"
+            )
+        del values[HEAD]
+    for path, value in values.items():
+        slots[path].storage.commit_host(np.ascontiguousarray(value))
+
+
+def tied(model: GPT2) -> bool:
+    """Whether ``lm_head.weight`` and ``transformer.wte.weight`` name one storage now."""
+    slots = dict(model.named_slots())
+    return slots[HEAD].storage is slots[EMBEDDING].storage
+
+
+def hf_config(model: GPT2) -> dict[str, Any]:
+    """The ``config.json`` of ``model``: the configuration it was loaded from (if any)
+    with its architecture keys, dtype and ``architectures`` set from the model."""
+    config = dict(getattr(model, "source_config", None) or {})
+    config.update({k: model.config[k] for k in CONFIG_KEYS})
+    config.update(
+        model_type="gpt2",
+        architectures=["GPT2LMHeadModel"],
+        dtype=model.config["dtype"],
+        tie_word_embeddings=tied(model),
+    )
+    config.pop("torch_dtype", None)
+    return config
+
+
+def save_gpt2(model: GPT2, directory: str | os.PathLike[str]) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (``format: pt`` metadata) into
+    ``directory`` (created if needed).
+
+    Each storage is written once under its first path; a tied ``lm_head.weight`` is
+    left out, as transformers writes it, and re-tied on load from
+    ``tie_word_embeddings``. Both files are written atomically.
+    """
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {p: param.storage.current_host_value() for p, param in model.named_parameters()}
+    write_safetensors(os.fspath(path / WEIGHTS), tensors, {"format": "pt"})
+    text = json.dumps(hf_config(model), indent=2, sort_keys=True) + "\n"
+    tmp = path / f".{CONFIG}.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path / CONFIG)

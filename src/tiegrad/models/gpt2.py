@@ -1,0 +1,255 @@
+"""``GPT2``: the architecture of Hugging Face's ``GPT2LMHeadModel``, with its parameter names.
+
+Paths are transformers' own (``transformer.wte.weight``, ``transformer.h.0.attn.c_attn.weight``,
+..., ``lm_head.weight``), in its ``named_parameters(remove_duplicate=False)`` order, so
+``freeze``, ``tie`` and checkpoints take the names a transformers user knows. Pre-LN
+blocks with learned positions; ``Conv1D`` weights are stored as transformers stores them,
+(in, out) (``ops.affine``); ``c_attn`` packs queries, keys and values; the MLP's
+activation is ``gelu_new`` (tanh GELU) by default; ``lm_head.weight`` is tied to
+``transformer.wte.weight`` (C1) unless ``tie_word_embeddings`` is false, so per-use
+freezing works as on ``TiedLM`` (C4, C5). ``from_pretrained``/``save_pretrained`` read
+and write the directory format of transformers' ``save_pretrained``
+(``tiegrad.interop.hf``), without torch or transformers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..errors import ConfigError, ShapeError
+from ..nn import init
+from ..nn._input import layer_input
+from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
+from ..nn.module import Module, ModuleList
+from ..nn.tying import tie
+from ..session import EagerSession, TensorRef
+from ._causal_lm import EMBED_STD, TiedCausalLM
+
+#: ``activation_function`` values of transformers' GPT-2 and the matching GELU form.
+ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+class Conv1D(Module):
+    """transformers' ``Conv1D``: ``x @ weight + bias`` with ``weight`` (in, out)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, std: float, rng: np.random.Generator, dtype: Any
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.weight = init.normal(rng, (self.in_features, self.out_features), std, dtype)
+        self.bias = init.constant((self.out_features,), 0.0, dtype)
+
+    def forward(self, session: EagerSession, x: Any) -> TensorRef:
+        x = layer_input(self, session, x, (..., self.in_features))
+        return ops.affine(x, session.use(self.weight), session.use(self.bias))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class GPT2Attention(Module):
+    """Causal self-attention: ``c_attn`` (d, 3 d) packs q, k, v; ``c_proj`` (d, d).
+
+    Scores are scaled by ``scale`` (``1/sqrt(head_dim)``, further divided by the layer
+    number with ``scale_attn_by_inverse_layer_idx``). Without attention dropout (or in
+    eval mode) one fused ``ops.self_attention`` node; with it, the probabilities go
+    through ``ops.dropout`` as in transformers' eager attention.
+    """
+
+    def __init__(
+        self, d: int, n_heads: int, scale: float, attn_pdrop: float, resid_pdrop: float,
+        proj_std: float, rng: np.random.Generator, dtype: Any,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.d, self.n_heads, self.scale, self.attn_pdrop = d, n_heads, scale, attn_pdrop
+        self.c_attn = Conv1D(d, 3 * d, EMBED_STD, rng, dtype)
+        self.c_proj = Conv1D(d, d, proj_std, rng, dtype)
+        self.resid_dropout = Dropout(resid_pdrop)
+
+    def forward(self, session: EagerSession, x: TensorRef) -> TensorRef:
+        qkv = self.c_attn(session, x)
+        if self.training and self.attn_pdrop > 0:
+            y = self._dropout_attention(session, qkv)
+        else:
+            y = ops.self_attention(qkv, self.n_heads, causal=True, scale=self.scale)
+        return self.resid_dropout(session, self.c_proj(session, y))
+
+    def _dropout_attention(self, session: EagerSession, qkv: TensorRef) -> TensorRef:
+        b, t, _ = qkv.shape
+        h, hd = self.n_heads, self.d // self.n_heads
+        heads = qkv.reshape(b, t, 3, h, hd).permute(2, 0, 3, 1, 4)
+        q, k, v = heads[0], heads[1], heads[2]
+        hidden = np.triu(np.full((t, t), -np.inf, dtype=qkv.dtype), 1)
+        scores = (q @ k.transpose(-2, -1)) * self.scale + session.constant(hidden)
+        p = ops.dropout(ops.softmax(scores), self.attn_pdrop, True)
+        return (p @ v).permute(0, 2, 1, 3).reshape(b, t, self.d)
+
+
+class GPT2MLP(Module):
+    """``c_fc`` (d, inner), the activation, ``c_proj`` (inner, d), dropout."""
+
+    def __init__(
+        self, d: int, inner: int, approximate: str, resid_pdrop: float, proj_std: float,
+        rng: np.random.Generator, dtype: Any,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.approximate = approximate
+        self.c_fc = Conv1D(d, inner, EMBED_STD, rng, dtype)
+        self.c_proj = Conv1D(inner, d, proj_std, rng, dtype)
+        self.dropout = Dropout(resid_pdrop)
+
+    def forward(self, session: EagerSession, x: TensorRef) -> TensorRef:
+        a = ops.gelu(self.c_fc(session, x), approximate=self.approximate)
+        return self.dropout(session, self.c_proj(session, a))
+
+
+class GPT2Block(Module):
+    """Pre-LN: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, attn: GPT2Attention, mlp: GPT2MLP, d: int, eps: float, dtype: Any) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(d, eps=eps, dtype=dtype)
+        self.attn = attn
+        self.ln_2 = LayerNorm(d, eps=eps, dtype=dtype)
+        self.mlp = mlp
+
+    def forward(self, session: EagerSession, x: TensorRef) -> TensorRef:
+        x = x + self.attn(session, self.ln_1(session, x))
+        return x + self.mlp(session, self.ln_2(session, x))
+
+
+class GPT2Body(Module):
+    """transformers' ``GPT2Model``: ``wte``, ``wpe``, dropout, the blocks ``h``, ``ln_f``."""
+
+    def forward(self, session: EagerSession, idx: Any) -> TensorRef:
+        t = idx.shape[1]
+        h = self.drop(session, self.wte(session, idx) + self.wpe(session, np.arange(t)))
+        for block in self.h:
+            h = block(session, h)
+        return self.ln_f(session, h)
+
+
+class GPT2(TiedCausalLM):
+    """GPT-2 language model; the constructor takes transformers' ``GPT2Config`` fields.
+
+    Defaults are the 124M ``gpt2`` model. Initialisation follows transformers'
+    ``_init_weights``: ``N(0, initializer_range**2)`` for embeddings and ``Conv1D``
+    weights, ``N(0, (initializer_range / sqrt(2 n_layer))**2)`` for the ``c_proj``
+    weights, zero biases, LayerNorm ones and zeros, all drawn from ``default_rng(seed)``.
+    ``model(session, ids)`` gives logits (B, T, vocab_size); ``loss`` and ``generate`` are
+    ``TiedLM``'s. ``config`` holds the constructor arguments: ``type(m)(**m.config)``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 50257,
+        n_positions: int = 1024,
+        n_embd: int = 768,
+        n_layer: int = 12,
+        n_head: int = 12,
+        n_inner: int | None = None,
+        activation_function: str = "gelu_new",
+        resid_pdrop: float = 0.1,
+        embd_pdrop: float = 0.1,
+        attn_pdrop: float = 0.1,
+        layer_norm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        scale_attn_weights: bool = True,
+        scale_attn_by_inverse_layer_idx: bool = False,
+        tie_word_embeddings: bool = True,
+        seed: int = 0,
+        dtype: Any = "float32",
+    ) -> None:
+        Module.__init__(self)
+        if activation_function not in ACTIVATIONS:
+            raise ConfigError(
+                f"GPT2: activation_function {activation_function!r} is not supported "
+                f"(supported: {', '.join(ACTIVATIONS)})"
+            )
+        if n_head < 1 or n_embd % n_head:
+            raise ConfigError(f"GPT2: n_head={n_head} must divide n_embd={n_embd}")
+        for name, p in (("resid", resid_pdrop), ("embd", embd_pdrop), ("attn", attn_pdrop)):
+            if not 0.0 <= p < 1.0:
+                raise ConfigError(f"GPT2: {name}_pdrop must lie in [0, 1), got {p}")
+        rng, dt = self._configure(
+            seed, dtype, vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd,
+            n_layer=n_layer, n_head=n_head, n_inner=n_inner,
+            activation_function=activation_function, resid_pdrop=resid_pdrop,
+            embd_pdrop=embd_pdrop, attn_pdrop=attn_pdrop, layer_norm_epsilon=layer_norm_epsilon,
+            initializer_range=initializer_range, scale_attn_weights=scale_attn_weights,
+            scale_attn_by_inverse_layer_idx=scale_attn_by_inverse_layer_idx,
+            tie_word_embeddings=tie_word_embeddings,
+        )  # fmt: skip
+        self.vocab_size, self.max_seq_len = int(vocab_size), int(n_positions)
+        d, std = int(n_embd), float(initializer_range)
+        inner = int(n_inner) if n_inner is not None else 4 * d
+        proj_std = std / math.sqrt(2 * n_layer)
+        body = GPT2Body()
+        body.wte = Embedding(vocab_size, d, rng=rng, dtype=dt)
+        body.wte.weight = init.normal(rng, (self.vocab_size, d), std, dt)
+        body.wpe = Embedding(n_positions, d, rng=rng, dtype=dt)
+        body.wpe.weight = init.normal(rng, (self.max_seq_len, d), std, dt)
+        body.drop = Dropout(embd_pdrop)
+        blocks = []
+        for i in range(int(n_layer)):
+            scale = 1.0 / math.sqrt(d // n_head) if scale_attn_weights else 1.0
+            if scale_attn_by_inverse_layer_idx:
+                scale /= i + 1
+            attn = GPT2Attention(
+                d, int(n_head), scale, float(attn_pdrop), float(resid_pdrop), proj_std, rng, dt
+            )
+            mlp = GPT2MLP(
+                d, inner, ACTIVATIONS[activation_function], float(resid_pdrop), proj_std, rng, dt
+            )
+            blocks.append(GPT2Block(attn, mlp, d, float(layer_norm_epsilon), dt))
+        body.h = ModuleList(blocks)
+        body.ln_f = LayerNorm(d, eps=float(layer_norm_epsilon), dtype=dt)
+        self.transformer = body
+        self.lm_head = Linear(d, vocab_size, bias=False, rng=rng, dtype=dt)
+        if tie_word_embeddings:
+            tie(self, "lm_head.weight", "transformer.wte.weight")
+        else:
+            self.lm_head.weight = init.normal(rng, (self.vocab_size, d), std, dt)
+
+    def forward(self, session: EagerSession, idx: Any) -> TensorRef:
+        """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= n_positions."""
+        if not isinstance(idx, TensorRef):
+            idx = np.asarray(idx)
+        shape = tuple(idx.shape)
+        if len(shape) != 2 or not 1 <= shape[1] <= self.max_seq_len:
+            raise ShapeError(
+                f"{self.label()}: input has shape {shape}, expected (B, T) with "
+                f"1 <= T <= n_positions = {self.max_seq_len}"
+            )
+        return self.lm_head(session, self.transformer(session, idx))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2:
+        """A model from a transformers ``save_pretrained`` directory (``interop.hf``).
+
+        Reads ``config.json`` and ``model.safetensors`` (or the sharded index) with no
+        torch or transformers import; see ``tiegrad.interop.hf.load_gpt2``.
+        """
+        from ..interop.hf import load_gpt2
+
+        return load_gpt2(directory, dtype)
+
+    def load_pretrained(self, directory: str | os.PathLike[str]) -> None:
+        """Load the weights of a transformers directory into this model; everything is
+        checked before anything is written (C6, ``tiegrad.interop.hf.load_weights``)."""
+        from ..interop.hf import load_weights
+
+        load_weights(self, directory)
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
+        """Write ``config.json`` and ``model.safetensors`` that transformers'
+        ``GPT2LMHeadModel.from_pretrained`` loads (``tiegrad.interop.hf.save_gpt2``)."""
+        from ..interop.hf import save_gpt2
+
+        save_gpt2(self, directory)
