@@ -175,7 +175,7 @@ def to_torch(params: dict[str, Param], module: Any, buffers: dict[str, Any] | No
             if g not in written:
                 written.add(g)
                 value = ours[path].storage.current_host_value()
-                t.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+                t.copy_(torch.tensor(value))
         for path, value in (buffers or {}).items():
             target = own_buffers[path]
             target.copy_(torch.as_tensor(np.array(value), dtype=target.dtype))
