@@ -286,3 +286,12 @@ def test_from_pretrained_imports_neither_torch_nor_transformers(saved):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_readme_section_runs_and_prints_what_it_shows(tmp_path, monkeypatch):
+    from readme_sections import run_example, section_text
+
+    monkeypatch.chdir(tmp_path)
+    printed, shown = run_example(section_text("## Fine-tune a Hugging Face GPT-2"), "readme_hf")
+    assert printed == shown
+    assert (tmp_path / "gpt2-tuned" / "model.safetensors").is_file()

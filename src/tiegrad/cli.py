@@ -332,7 +332,8 @@ def _print_config(config: dict[str, Any], text: str, dataset: Any, model: Any) -
     c = config
     print("tiegrad train: resolved configuration")
     print(
-        f"  data     {text}; vocab {c['vocab']} ({dataset.vocab_size} symbols); "
+        f"  data     {text}; vocab {dataset.vocab.kind if c['init'] else c['vocab']} "
+        f"({dataset.vocab_size} symbols); "
         f"train {len(dataset.train):,} / val {len(dataset.val):,} tokens"
     )
     if c["init"]:

@@ -161,7 +161,7 @@ def load_weights(model: GPT2, directory: str | os.PathLike[str]) -> None:
     unexpected = [n for n in tensors if n not in allowed]
     if missing or unexpected:
         raise CheckpointError(
-            f"{where}: the weights do not match GPT2({model.extra_repr()}): "
+            f"{where}: the weights do not match {model.label()}: "
             f"missing {missing}, unexpected {unexpected}"
         )
     values: dict[str, np.ndarray] = {}

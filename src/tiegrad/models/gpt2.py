@@ -217,6 +217,11 @@ class GPT2(TiedCausalLM):
         else:
             self.lm_head.weight = init.normal(rng, (self.vocab_size, d), std, dt)
 
+    def extra_repr(self) -> str:
+        keys = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+        tied = "" if self.config["tie_word_embeddings"] else ", untied"
+        return ", ".join(f"{k}={self.config[k]}" for k in keys) + tied
+
     def forward(self, session: EagerSession, idx: Any) -> TensorRef:
         """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= n_positions."""
         if not isinstance(idx, TensorRef):
