@@ -27,6 +27,7 @@ PAIRS = {
     "W3": {("tiegrad", "torch")},
     "W4": {("tiegrad", "torch"), ("tiegrad", "torch fused")},
     "W5": {("tiegrad", "torch")},
+    "G1": {("tiegrad", "torch")},
 }
 
 
@@ -37,7 +38,7 @@ def quick_report():
 
 def test_quick_run_produces_every_row(quick_report):
     by_id = {w["id"]: w for w in quick_report["workloads"]}
-    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5"]
+    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1"]
     for wid, pairs in PAIRS.items():
         rows = by_id[wid]["rows"]
         got = {(r["tiegrad"], r["torch"]) for r in rows}

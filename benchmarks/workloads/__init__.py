@@ -3,11 +3,21 @@
 A workload module has ``ID``, ``TITLE``, ``STEPS`` (warm-up and timed steps of a full
 run), ``make_data()`` (NumPy batches and initial weights, shared by every side) and
 ``build(data, sides=None)`` returning a ``runner.Built``; optionally
-``extras(stats)`` for figures of its own (W5's GEMM bound).
+``extras(stats)`` for figures of its own (W5's GEMM bound). G1 (issue 18) needs transformers.
 """
 
-from . import w1_tied_lm, w2_small_mlp, w3_shared_reuse, w4_optimizer, w5_matmul
+from . import g1_gpt2, w1_tied_lm, w2_small_mlp, w3_shared_reuse, w4_optimizer, w5_matmul
 
-WORKLOADS = {m.ID: m for m in (w1_tied_lm, w2_small_mlp, w3_shared_reuse, w4_optimizer, w5_matmul)}
+WORKLOADS = {
+    m.ID: m
+    for m in (
+        w1_tied_lm,
+        w2_small_mlp,
+        w3_shared_reuse,
+        w4_optimizer,
+        w5_matmul,
+        g1_gpt2,
+    )
+}
 
 __all__ = ["WORKLOADS"]
