@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -108,6 +109,14 @@ def test_export_loads_in_transformers_with_the_tokenizer(exported):
     with torch.no_grad():
         theirs = hf.eval()(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(ours(EagerSession(), ids).numpy(), theirs, rtol=0, atol=1e-5)
+
+
+def test_resume_continues_with_the_stored_tokenizer(exported, tmp_path):
+    root, _, _ = exported
+    shutil.copytree(root / "run", tmp_path / "run")
+    proc = cli("resume", "run", "--steps", "22", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "done: 22 steps" in proc.stdout and "nats/token" in proc.stdout
 
 
 def test_without_tokenizer_json_bytes_with_a_warning(tmp_path):

@@ -295,3 +295,51 @@ def test_readme_section_runs_and_prints_what_it_shows(tmp_path, monkeypatch):
     printed, shown = run_example(section_text("## Fine-tune a Hugging Face GPT-2"), "readme_hf")
     assert printed == shown
     assert (tmp_path / "gpt2-tuned" / "model.safetensors").is_file()
+
+
+def test_greedy_generate_follows_transformers(saved):
+    hf, folder = saved
+    model = GPT2.from_pretrained(folder)
+    prompt = ids((2, 5), seed=8)
+    ours = model.generate(prompt, 6, temperature=0)
+    theirs = prompt
+    for _ in range(6):
+        nxt = hf_logits(hf, theirs)[:, -1].argmax(-1)[:, None]
+        theirs = np.concatenate([theirs, nxt], axis=1)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_a_model_built_here_saves_for_transformers(tmp_path):
+    model = GPT2(**TINY, **NO_DROPOUT, n_inner=48, seed=4)
+    rebuilt = type(model)(**model.config)
+    np.testing.assert_array_equal(
+        rebuilt.get_parameter("transformer.h.1.mlp.c_fc.weight").value,
+        model.get_parameter("transformer.h.1.mlp.c_fc.weight").value,
+    )
+    model.save_pretrained(tmp_path)
+    hf, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert all(not v for v in info.values()), info
+    x = ids()
+    np.testing.assert_allclose(hf_logits(hf.eval(), x), logits(model, x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("n_layer", "2", "n_layer must be an int >= 1"),
+        ("attn_pdrop", 1.0, r"attn_pdrop must be a number in \[0, 1\)"),
+        ("activation_function", "swish", "activation_function 'swish' is not supported"),
+        ("add_cross_attention", True, "add_cross_attention=True is not supported"),
+        ("model_type", "llama", "model_type 'llama', expected 'gpt2'"),
+    ],
+)
+def test_bad_config_is_named(saved, tmp_path, key, value, message):
+    from tiegrad import ConfigError, TiegradError
+
+    _, folder = saved
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, **{key: value})))
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(TiegradError, match=message) as info:
+        GPT2.from_pretrained(tmp_path)
+    assert isinstance(info.value, (ConfigError, CheckpointError))

@@ -269,8 +269,15 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
     if resume and run.read_config().get("text_sha256") not in (None, source.sha256):
         print("warning: the training text differs from the one this run started with")
     text = os.path.abspath(config["text"]) if config["text"] else ""
+    init = os.path.abspath(config["init"]) if config["init"] else ""
     run.write_config(
-        dict(config, text=text, vocab_table=dataset.vocab.to_dict(), text_sha256=source.sha256)
+        dict(
+            config,
+            text=text,
+            init=init,
+            vocab_table=dataset.vocab.to_dict(),
+            text_sha256=source.sha256,
+        )
     )
     result = trainer.fit()
     _print_summary(result, run, unit)

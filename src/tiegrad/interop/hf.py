@@ -90,7 +90,10 @@ def load_gpt2(directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2
     from ..models.gpt2 import GPT2
 
     config = read_config(directory)
-    model = GPT2(**model_kwargs(config), dtype=dtype)
+    try:
+        model = GPT2(**model_kwargs(config), dtype=dtype)
+    except ConfigError as e:
+        raise ConfigError(f"{Path(directory) / CONFIG}: {e}") from None
     model.source_config = config
     load_weights(model, directory)
     return model

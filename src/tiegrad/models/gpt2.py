@@ -34,6 +34,42 @@ from ._causal_lm import EMBED_STD, TiedCausalLM
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
+_SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+_PROBABILITIES = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+_FLAGS = ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "tie_word_embeddings")
+
+
+def _check_arguments(args: dict[str, Any]) -> None:
+    """``ConfigError`` naming the first ``GPT2`` argument of the wrong type or range."""
+
+    def bad(name: str, expected: str) -> ConfigError:
+        return ConfigError(f"GPT2: {name} must be {expected}, got {args[name]!r}")
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    def is_real(x: Any) -> bool:
+        return isinstance(x, (int, float, np.floating)) and not isinstance(x, bool)
+
+    for name in _SIZES:
+        if not (is_int(args[name]) and args[name] >= 1):
+            raise bad(name, "an int >= 1")
+    if args["n_inner"] is not None and not (is_int(args["n_inner"]) and args["n_inner"] >= 1):
+        raise bad("n_inner", "None or an int >= 1")
+    for name in _PROBABILITIES:
+        if not (is_real(args[name]) and 0.0 <= args[name] < 1.0):
+            raise bad(name, "a number in [0, 1)")
+    if not (is_real(args["layer_norm_epsilon"]) and args["layer_norm_epsilon"] > 0):
+        raise bad("layer_norm_epsilon", "a number > 0")
+    if not (is_real(args["initializer_range"]) and math.isfinite(args["initializer_range"])):
+        raise bad("initializer_range", "a finite number")
+    if args["initializer_range"] < 0:
+        raise bad("initializer_range", "a number >= 0")
+    for name in _FLAGS:
+        if not isinstance(args[name], bool):
+            raise bad(name, "a bool")
+
+
 class Conv1D(Module):
     """transformers' ``Conv1D``: ``x @ weight + bias`` with ``weight`` (in, out)."""
 
@@ -127,6 +163,12 @@ class GPT2Block(Module):
 class GPT2Body(Module):
     """transformers' ``GPT2Model``: ``wte``, ``wpe``, dropout, the blocks ``h``, ``ln_f``."""
 
+    def __init__(
+        self, wte: Embedding, wpe: Embedding, drop: Dropout, h: ModuleList, ln_f: LayerNorm
+    ) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop, self.h, self.ln_f = wte, wpe, drop, h, ln_f
+
     def forward(self, session: EagerSession, idx: Any) -> TensorRef:
         t = idx.shape[1]
         h = self.drop(session, self.wte(session, idx) + self.wpe(session, np.arange(t)))
@@ -166,17 +208,15 @@ class GPT2(TiedCausalLM):
         seed: int = 0,
         dtype: Any = "float32",
     ) -> None:
-        Module.__init__(self)
+        super().__init__()
+        _check_arguments(locals())
         if activation_function not in ACTIVATIONS:
             raise ConfigError(
                 f"GPT2: activation_function {activation_function!r} is not supported "
                 f"(supported: {', '.join(ACTIVATIONS)})"
             )
-        if n_head < 1 or n_embd % n_head:
+        if n_embd % n_head:
             raise ConfigError(f"GPT2: n_head={n_head} must divide n_embd={n_embd}")
-        for name, p in (("resid", resid_pdrop), ("embd", embd_pdrop), ("attn", attn_pdrop)):
-            if not 0.0 <= p < 1.0:
-                raise ConfigError(f"GPT2: {name}_pdrop must lie in [0, 1), got {p}")
         rng, dt = self._configure(
             seed, dtype, vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd,
             n_layer=n_layer, n_head=n_head, n_inner=n_inner,
@@ -190,13 +230,11 @@ class GPT2(TiedCausalLM):
         d, std = int(n_embd), float(initializer_range)
         inner = int(n_inner) if n_inner is not None else 4 * d
         proj_std = std / math.sqrt(2 * n_layer)
-        body = GPT2Body()
-        body.wte = Embedding(vocab_size, d, rng=rng, dtype=dt)
-        body.wte.weight = init.normal(rng, (self.vocab_size, d), std, dt)
-        body.wpe = Embedding(n_positions, d, rng=rng, dtype=dt)
-        body.wpe.weight = init.normal(rng, (self.max_seq_len, d), std, dt)
-        body.drop = Dropout(embd_pdrop)
-        blocks = []
+        wte = Embedding(vocab_size, d, rng=rng, dtype=dt)
+        wte.weight = init.normal(rng, (self.vocab_size, d), std, dt)
+        wpe = Embedding(n_positions, d, rng=rng, dtype=dt)
+        wpe.weight = init.normal(rng, (self.max_seq_len, d), std, dt)
+        blocks = ModuleList()
         for i in range(int(n_layer)):
             scale = 1.0 / math.sqrt(d // n_head) if scale_attn_weights else 1.0
             if scale_attn_by_inverse_layer_idx:
@@ -208,9 +246,8 @@ class GPT2(TiedCausalLM):
                 d, inner, ACTIVATIONS[activation_function], float(resid_pdrop), proj_std, rng, dt
             )
             blocks.append(GPT2Block(attn, mlp, d, float(layer_norm_epsilon), dt))
-        body.h = ModuleList(blocks)
-        body.ln_f = LayerNorm(d, eps=float(layer_norm_epsilon), dtype=dt)
-        self.transformer = body
+        ln_f = LayerNorm(d, eps=float(layer_norm_epsilon), dtype=dt)
+        self.transformer = GPT2Body(wte, wpe, Dropout(embd_pdrop), blocks, ln_f)
         self.lm_head = Linear(d, vocab_size, bias=False, rng=rng, dtype=dt)
         if tie_word_embeddings:
             tie(self, "lm_head.weight", "transformer.wte.weight")
