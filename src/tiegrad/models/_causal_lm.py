@@ -59,8 +59,8 @@ class TiedCausalLM(ConfiguredModel):
     def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
         raise NotImplementedError
 
-    def forward(self, session: EagerSession, idx: Any) -> TensorRef:
-        """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= max_seq_len."""
+    def _token_ids(self, idx: Any) -> Any:
+        """``idx`` (a ref, else as an array), checked to be (B, T) with 1 <= T <= max_seq_len."""
         if not isinstance(idx, TensorRef):
             idx = np.asarray(idx)
         shape = tuple(idx.shape)
@@ -69,7 +69,12 @@ class TiedCausalLM(ConfiguredModel):
                 f"{self.label()}: input has shape {shape}, expected (B, T) with "
                 f"1 <= T <= max_seq_len = {self.max_seq_len}"
             )
-        h = self.embed(session, idx) + self.pos_embed(session, np.arange(shape[1]))
+        return idx
+
+    def forward(self, session: EagerSession, idx: Any) -> TensorRef:
+        """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= max_seq_len."""
+        idx = self._token_ids(idx)
+        h = self.embed(session, idx) + self.pos_embed(session, np.arange(idx.shape[1]))
         h = self._body(session, self.drop(session, h))
         return self.lm_head(session, self.ln_f(session, h))
 

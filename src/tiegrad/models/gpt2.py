@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import ConfigError, ShapeError
+from ..errors import ConfigError
 from ..nn import init
 from ..nn._input import layer_input
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
@@ -260,16 +260,9 @@ class GPT2(TiedCausalLM):
         return ", ".join(f"{k}={self.config[k]}" for k in keys) + tied
 
     def forward(self, session: EagerSession, idx: Any) -> TensorRef:
-        """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= n_positions."""
-        if not isinstance(idx, TensorRef):
-            idx = np.asarray(idx)
-        shape = tuple(idx.shape)
-        if len(shape) != 2 or not 1 <= shape[1] <= self.max_seq_len:
-            raise ShapeError(
-                f"{self.label()}: input has shape {shape}, expected (B, T) with "
-                f"1 <= T <= n_positions = {self.max_seq_len}"
-            )
-        return self.lm_head(session, self.transformer(session, idx))
+        """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= n_positions
+        (``max_seq_len``)."""
+        return self.lm_head(session, self.transformer(session, self._token_ids(idx)))
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2:
