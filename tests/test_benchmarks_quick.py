@@ -83,7 +83,8 @@ def test_w5_reports_the_gemm_bound(quick_report):
 def test_table_has_a_row_per_pair(quick_report):
     table = runner.format_table(quick_report)
     n_rows = sum(len(w["rows"]) for w in quick_report["workloads"])
-    body = [line for line in table.splitlines() if line.startswith("| W")]
+    ids = tuple(f"| {w['id']} " for w in quick_report["workloads"])
+    body = [line for line in table.splitlines() if line.startswith(ids)]
     assert len(body) == n_rows
     assert "quick smoke run" in table
 
