@@ -12,12 +12,17 @@ the host path's contract and arithmetic:
   host becomes stale until a sync (C7).
 - The summed gradient of a storage used several times is an owned temporary,
   released whether the step succeeds or raises (C8).
-- The optimizer's own rule (``adam_rule``, ``sgd_rule``...) runs with ``xp=torch`` once
-  per run of slots sharing hyperparameters and step count, over flat tensors: the
-  run's parameters and gradients gathered into one tensor each and its state, which
-  is contiguous by canonical slot (DESIGN: optimizers). One vectorized kernel per
-  operation covers every storage, and the operations are the host's, each correctly
-  rounded, so a device step reproduces the host step bit for bit on equal gradients.
+- The optimizer's own rule (``adam_rule``, ``sgd_rule``...) runs once per run of slots
+  sharing hyperparameters and step count, with ``xp`` the ``ForeachOps`` of
+  ``tiegrad.optim.foreach``: each operation is one PyTorch ``foreach`` call over the
+  run's parameters, gradients and state (DESIGN: optimizers), nothing gathered or
+  scattered. The operations are the host's, each correctly rounded, so a device step
+  computes the host's update; torch's fused optimizer kernels are not used, since they
+  fold the bias corrections differently (another rounding, not the same update).
+- Each parameter is updated in place in its mirror when no live device tape holds it,
+  in a copy otherwise (copy-on-write, C2), as the host path does with host arrays.
+- The device is synchronised once per step, for the finiteness verdict of every
+  gradient together (one flag brought to the host, C6); nothing else waits for it.
 
 Optimizer state mirrors the host ``FlatState`` the way a parameter mirrors its host
 value (C7): ``DeviceState`` holds one device buffer per host buffer, keyed by the same
@@ -40,6 +45,7 @@ from ..backend import NUMPY, Backend, backend_of, dtype_name
 from ..errors import DeviceError, DTypeError, MissingGradientError, ShapeError
 from ..params.device import check_device_gradients, with_checked_device_sums
 from ..session import Gradients, latest_gradients
+from .foreach import ForeachOps, TensorList
 from .plan import StepPlan
 from .state import FlatState, SlotSpec
 
@@ -47,34 +53,23 @@ from .state import FlatState, SlotSpec
 class DeviceState:
     """Optimizer state mirrored on one device: a device copy of each flat host buffer.
 
-    ``views[slot, name]`` is the device tensor of one state entry. ``host_current`` is
+    ``views[slot, name]`` is the device tensor of one state entry; ``ops`` runs the
+    optimizer rules over lists of them (``tiegrad.optim.foreach``). ``host_current`` is
     False while the device state is newer than the host ``FlatState``.
     """
 
     def __init__(self, state: FlatState, backend: Backend) -> None:
         self.backend = backend
         self.host_current = True
+        self.ops = ForeachOps(backend.xp)
         self.views: dict[tuple[int, str], Any] = {}
-        self.spans: dict[tuple[int, str], tuple[Any, int, int]] = {}
-        self.work: dict[tuple[Any, ...], list[Any]] = {}
         pairs: dict[int, tuple[np.ndarray, Any]] = {}
         for (slot, name), (buf, start, stop) in state.layout().items():
             if id(buf) not in pairs:
                 pairs[id(buf)] = (buf, backend.upload(buf))
             dev = pairs[id(buf)][1]
-            self.spans[slot, name] = (dev, start, stop)
             self.views[slot, name] = dev[start:stop].view(state.tensors(slot)[name].shape)
         self.pairs = list(pairs.values())
-
-    def span(self, slots: Sequence[int], name: str) -> Any:
-        """The flat device view of ``name`` over ``slots`` if they are contiguous, else None."""
-        dev, start, stop = self.spans[slots[0], name]
-        for slot in slots[1:]:
-            nxt, lo, hi = self.spans[slot, name]
-            if nxt is not dev or lo != stop:
-                return None
-            stop = hi
-        return dev[start:stop]
 
     def sync(self) -> None:
         """Download a newer device state into the host buffers (the mirror is kept)."""
@@ -173,83 +168,68 @@ def _check_gradient(opt: Any, slot: int, g: Any, bk: Backend | None) -> Backend:
 
 
 def _step(opt: Any, bk: Backend, plan: StepPlan, grads: Mapping[int, Any]) -> None:
-    xp = bk.xp
     hps = opt._checked_groups(opt.param_groups, plan)
     specs = opt._state_specs(plan, hps)
     order = sorted(specs)
     for i in order:
         opt.params[i].storage.device_value(bk)  # every mirror readable (C7) before any write
-    runs: dict[tuple[Any, ...], list[int]] = {}
-    for i in order:
-        runs.setdefault((opt._slot_group[i], opt._state.step(i) + 1, specs[i][1]), []).append(i)
-    flat = {key: _flat(xp, [grads[i] for i in run]) for key, run in runs.items()}
-    for key, run in runs.items():
-        if not _finite(xp, flat[key]):
-            opt._refuse_nonfinite(next(i for i in run if not _finite(xp, grads[i])))
-            return
+    bad = _first_nonfinite(bk.xp, order, grads)
+    if bad is not None:
+        opt._refuse_nonfinite(bad)
+        return
+    steps = {i: opt._state.step(i) + 1 for i in order}
     plan.program = None  # the host program's state buffers may be replaced here
     ds, created = _device_state(opt, bk, specs, hps)
-    for key, run in runs.items():
-        gi, step, _ = key
-        parts: dict[frozenset[str], list[int]] = {}
-        for i in run:
-            parts.setdefault(frozenset(n for n in specs[i][2] if (i, n) in created), []).append(i)
-        for fresh, part in parts.items():
-            g = flat[key] if len(part) == len(run) else _flat(xp, [grads[i] for i in part])
-            c = opt._coefficients(hps[gi], step, fresh)
-            _update(opt, ds, part, g, specs[part[0]][2], c)
-            opt._state.set_steps(part, step)
-    if ds.spans:
+    runs: dict[tuple[Any, ...], list[int]] = {}
+    for i in order:
+        names = specs[i][2]
+        fresh = frozenset(n for n in names if (i, n) in created)
+        runs.setdefault((opt._slot_group[i], steps[i], names, fresh), []).append(i)
+    ops = ds.ops
+    for (gi, step, names, fresh), run in runs.items():
+        c = opt._coefficients(hps[gi], step, fresh)
+        _update(opt, ds, run, ops.tensors([grads[i] for i in run]), names, c)
+        opt._state.set_steps(run, step)
+    if ds.views:
         ds.host_current = False
     opt.step_count += 1
 
 
-def _finite(xp: Any, g: Any) -> bool:
-    """Whether ``g`` holds only finite values: one BLAS dot, exact on overflow (as the host)."""
-    f = g.reshape(-1)
-    return math.isfinite(float(xp.dot(f, f))) or bool(xp.isfinite(f).all())
+def _first_nonfinite(xp: Any, order: list[int], grads: Mapping[int, Any]) -> int | None:
+    """The first slot of ``order`` whose gradient holds NaN or infinity, or None (C6).
 
-
-def _flat(xp: Any, tensors: list[Any]) -> Any:
-    """A new 1-D tensor holding ``tensors`` one after another."""
-    return xp.cat([t.reshape(-1) for t in tensors])
+    One verdict for the whole step, one synchronisation: the sum of the gradients'
+    norms is finite unless some entry is not (or the norms overflow, when each
+    gradient is checked entry by entry, as the host does).
+    """
+    norms = xp._foreach_norm([grads[i] for i in order])
+    if not norms or math.isfinite(float(xp.stack(norms).sum())):
+        return None
+    return next((i for i in order if not bool(xp.isfinite(grads[i]).all())), None)
 
 
 def _update(
-    opt: Any, ds: DeviceState, run: list[int], g: Any, names: tuple[str, ...], c: Any
+    opt: Any, ds: DeviceState, run: list[int], g: TensorList, names: tuple[str, ...], c: Any
 ) -> None:
-    """One rule call over the flat values of ``run``; the results become the new mirrors.
+    """One rule call over the slots of ``run`` through foreach kernels (see the module).
 
-    The parameters are gathered into a new flat tensor (the current mirrors, C3), so no
-    array a tape holds is written (C2); each storage then gets a view of it as its
-    mirror (C7). State spans that are contiguous in the device buffers are updated in
-    place, others through a gathered copy written back.
+    Each parameter starts from its current mirror (C3) and is written in place unless a
+    live device tape holds it (then a copy, C2); the results become the mirrors (C7). A
+    gradient that shares memory with its parameter (a list the caller built) is
+    copied first, since the rule reads it after writing the parameter.
     """
-    xp = ds.backend.xp
+    bk, ops = ds.backend, ds.ops
     storages = [opt.params[i].storage for i in run]
-    p = _flat(xp, [st.mirror for st in storages])
-    state, scattered = {}, []
-    for name in names:
-        span = ds.span(run, name)
-        if span is None:
-            views = [ds.views[i, name] for i in run]
-            span = _flat(xp, views)
-            scattered.append((views, span))
-        state[name] = span
-    work = ds.work.get((p.dtype, p.numel()))
-    if work is None:
-        work = ds.work[p.dtype, p.numel()] = [p.new_empty(p.shape) for _ in range(opt.work_buffers)]
-    type(opt).rule(xp, p, g, state, work, c)
-    for views, span in scattered:
-        start = 0
-        for v in views:
-            v.view(-1).copy_(span[start : start + v.numel()])
-            start += v.numel()
-    start = 0
-    for st in storages:
-        n = math.prod(st.shape)
-        st.commit_device(p[start : start + n].view(st.shape))
-        start += n
+    params = [st.device_for_update(bk) for st in storages]
+    grads = g.tensors
+    for k, (p, gk) in enumerate(zip(params, grads)):
+        if p.untyped_storage().data_ptr() == gk.untyped_storage().data_ptr():
+            grads[k] = gk.clone()
+    state = {name: ops.tensors([ds.views[i, name] for i in run]) for name in names}
+    work = [ops.scratch() for _ in range(opt.work_buffers)]
+    type(opt).rule(ops, ops.tensors(params), g, state, work, c)
+    for st, p in zip(storages, params):
+        st.commit_device(p)
 
 
 def _device_state(
