@@ -313,3 +313,20 @@ def test_index_checks_and_the_mean_count_hold_for_host_arrays_lists_and_device_t
         with pytest.raises(IndexRangeError, match=r"targets must lie in \[0, 3\)"):
             bad = t + 3 if not isinstance(t, list) else [v + 3 for v in t]
             ops.cross_entropy(s.leaf(logits), bad)
+
+
+def test_relu_vjp_on_device_is_the_host_product_bit_for_bit():
+    """``g * (out > 0)`` with NaN, infinities and signed zeros in the cotangent and every
+    ReLU output (``>= 0`` or NaN, either zero)."""
+    bk = device_backend(DEVICE)
+    cotangents = [np.nan, np.inf, -np.inf, 0.0, -0.0, 2.5, -3.0]
+    outputs = [np.nan, np.inf, 0.0, -0.0, 2.5]
+    g, out = (a.reshape(-1) for a in np.meshgrid(cotangents, outputs))
+    with np.errstate(invalid="ignore"):
+        for dtype in (np.float32, np.float64):
+            want = NUMPY.relu_vjp(g.astype(dtype), out.astype(dtype))
+            got = bk.relu_vjp(bk.asarray(g.astype(dtype)), bk.asarray(out.astype(dtype)))
+            bits = f"u{want.itemsize}"
+            np.testing.assert_array_equal(bk.to_numpy(got).view(bits), want.view(bits))
+        wide = bk.relu_vjp(bk.asarray(g), bk.asarray(out.astype(np.float32)))
+        np.testing.assert_array_equal(bk.to_numpy(wide), g * (out > 0))

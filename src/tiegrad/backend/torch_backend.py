@@ -214,6 +214,17 @@ class TorchBackend(Backend):
             return g * torch.ops.aten.gelu_backward(torch.ones_like(saved), saved)
         return torch.ops.aten.gelu_backward(g, saved)
 
+    def relu_vjp(self, g: Array, out: Array) -> Array:
+        """``g * sign(out)``: the bits of ``g * (out > 0)`` for a ReLU output ``out``.
+
+        ``sign`` is 1 where ``out > 0`` and +0 at +-0 and NaN (never negative here), so
+        the product is the host's, NaN and -0 included; on torch's CPU a float-by-bool
+        product and the comparison behind it cost several times the two kernels.
+        """
+        if g.dtype != out.dtype:  # a wider cotangent: the generic product promotes
+            return super().relu_vjp(g, out)
+        return g * torch.sign(out)
+
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
     ) -> tuple[Array, Array, Array] | None:
