@@ -294,3 +294,29 @@ def test_device_step_after_reset_uses_the_recordings_groups():  # C2, C4
     opt.step(grads)
     np.testing.assert_array_equal(p.value_synced(), np.full(3, -1.0, np.float32))
     assert p.storage.uploads == 1
+
+
+def test_device_step_writes_a_mirror_in_place_only_when_no_tape_holds_it():  # C2, C7
+    p = Param(np.array([1.0, 2.0], np.float32))
+    opt = SGD([p], lr=0.5, momentum=0.9)
+    s = EagerSession(device=DEVICE)
+    leaf = s.use(p)
+    grads = s.backward((leaf * 1.0).sum())
+    opt.step(grads)  # the tape is live: the leaf's snapshot is not written
+    assert BK.to_numpy(leaf.value).tolist() == [1.0, 2.0]
+    assert BK.to_numpy(p.storage.mirror).tolist() == [0.5, 1.5]
+    s.reset()
+    mirror = p.storage.mirror
+    opt.step(grads)  # nothing holds the mirror now: updated in place
+    assert p.storage.mirror is mirror
+    np.testing.assert_allclose(BK.to_numpy(mirror), [1.0 - 0.5 - 0.95, 2.0 - 0.5 - 0.95])
+
+
+def test_device_step_reads_a_gradient_that_is_its_parameters_mirror_before_writing():  # C3
+    p = Param(np.array([1.0, 2.0], np.float32))
+    opt = AdamW([p], lr=0.1, weight_decay=0.5, eps=1.0)
+    want = Param(np.array([1.0, 2.0], np.float32))
+    AdamW([want], lr=0.1, weight_decay=0.5, eps=1.0).step([np.array([1.0, 2.0], np.float32)])
+    p.to(DEVICE)
+    opt.step([p.storage.mirror])  # AdamW decays p before it reads g
+    np.testing.assert_allclose(p.value_synced(), want.value, rtol=1e-6)
