@@ -250,3 +250,23 @@ def test_device_sgd_updates_a_storage_less_handle_through_set():  # C1, C3
     s.sgd_step(0.5)
     assert isinstance(h.value, np.ndarray)
     assert h.value.tolist() == [-0.5, 0.5]  # both groups wrote through set, in order
+
+
+def test_numpy_of_a_device_use_is_a_copy_whose_writes_change_nothing():  # C7, issue 16 item 6
+    p = Param([1.0, 2.0])
+    host = EagerSession()
+    with pytest.raises(ValueError, match="read-only"):
+        host.use(p).numpy()[0] = 5.0  # the host refuses: its array is the read-only value
+    s = EagerSession(device=DEVICE)
+    ref = s.use(p)
+    out = ref * 2.0
+    for r in (ref, out):
+        view = r.numpy()
+        view[...] = 99.0
+        assert r.numpy().tolist() != [99.0, 99.0]
+    assert _np(p.storage.mirror).tolist() == [1.0, 2.0] and p.storage.host_current
+    assert out.numpy().tolist() == [2.0, 4.0]
+    s.backward(out.sum())
+    s.sgd_step(0.5)
+    assert _np(p.storage.mirror).tolist() == [0.0, 1.0]
+    assert p.value_synced().tolist() == [0.0, 1.0]

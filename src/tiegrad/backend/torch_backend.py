@@ -136,8 +136,14 @@ class TorchBackend(Backend):
         return self._tensor(x).clone()
 
     def to_numpy(self, x: Array) -> Any:
+        """A fresh NumPy copy of a tensor, never a view of it, on torch's CPU as on a GPU.
+
+        Writing to the result changes nothing on the device: ``TensorRef.numpy()`` of a
+        parameter use cannot alter a mirror behind the storage's back (C7), which the
+        host refuses by handing out its read-only array.
+        """
         if isinstance(x, torch.Tensor):
-            return x.detach().cpu().numpy()
+            return self.download(x)
         return np.asarray(x)
 
     def is_array(self, x: Any) -> bool:
