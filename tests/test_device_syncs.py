@@ -1,12 +1,12 @@
 """A device training step waits for the device only where a value must reach the host.
 
-``SyncRecorder`` (a ``torch.overrides.TorchFunctionMode``) records every tensor call
-that brings a value to the host (``item``, ``float()``, ``bool()``, ``int()``,
-``tolist``, ``cpu``): on a GPU each is a synchronisation with the device. ``numpy`` is
-left out: it takes only CPU tensors, so a device value reaches it through ``cpu``.
-Recording, backward and reset make none; an optimizer step makes exactly one, its
-finiteness verdict over every gradient (C6), whatever the number of parameter groups;
-reading the loss for logging makes one.
+``SyncRecorder`` records every tensor call that brings a value to the host (``item``,
+``float()``, ``bool()``, ``int()``, ``tolist``, ``cpu``; a ``torch.overrides``
+function mode) and every ``download`` of the device backend: on a GPU each is a
+synchronisation with the device. ``numpy`` is left out: it takes only CPU tensors, so a
+device value reaches it through one of the others. Recording, backward and reset make
+none; an optimizer step makes exactly one, its finiteness verdict over every gradient
+(C6), whatever the number of parameter groups; reading the loss for logging makes one.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tiegrad import EagerSession
+from tiegrad.backend import device_backend
 from tiegrad.models import MLPClassifier, TiedLM
 from tiegrad.optim import SGD, AdamW
 
@@ -29,11 +30,26 @@ TO_HOST = frozenset({"item", "__float__", "__int__", "__bool__", "__index__", "t
 
 
 class SyncRecorder(TorchFunctionMode):
-    """Records the name of every tensor call that brings a value to the host."""
+    """Records the name of every call that brings a device value to the host."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []
+        self.backend = device_backend(DEVICE)
+
+    def __enter__(self) -> SyncRecorder:
+        download = type(self.backend).download
+
+        def recorded(x: Any) -> np.ndarray:
+            self.calls.append("download")
+            return download(self.backend, x)
+
+        self.backend.download = recorded
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.backend.download  # the class's method again
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
@@ -58,7 +74,7 @@ def _steps(model: Any, opt: Any, batches: list[tuple[np.ndarray, np.ndarray]]) -
             s.reset()
         assert rec.calls == []
         assert _syncs(opt.step, grads) == ["__float__"]
-        assert _syncs(loss.item) == ["cpu"]
+        assert _syncs(loss.item) == ["download"]
     assert opt.step_count == len(batches)
 
 
