@@ -113,6 +113,20 @@ CASES = {
         lambda z: ops.cross_entropy(z, TARGETS, label_smoothing=0.1),
         [_r(2, 3, 4)],
     ),
+    "cross_entropy:fused": (  # no smoothing: the backend's log-softmax and NLL kernels
+        lambda z: ops.concat(
+            [
+                ops.reshape(ops.cross_entropy(z, TARGETS), (1,)),
+                ops.reshape(ops.cross_entropy(z, TARGETS, reduction="sum"), (1,)),
+                ops.reshape(ops.cross_entropy(z, TARGETS, reduction="none"), (6,)),
+            ]
+        ),
+        [_r(2, 3, 4)],
+    ),
+    "cross_entropy:all-ignored": (
+        lambda z: ops.cross_entropy(z, np.full((2, 3), -100)),
+        [_r(2, 3, 4)],
+    ),
     "mse_loss": (lambda a, b: ops.mse_loss(a, b, reduction="sum"), [_r(3, 2), _r(3, 2, seed=4)]),
     "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b), [_r(2, 3, 6), _r(6), _r(6)]),
     "layer_norm:plain": (lambda x: ops.layer_norm(x, eps=0.1), [_r(4, 5) * 3]),

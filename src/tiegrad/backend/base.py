@@ -204,6 +204,18 @@ class Backend:
         """
         return None
 
+    def cross_entropy_rows(
+        self, logits: Array, targets: Array, ignore_index: int, label_smoothing: float, want: bool
+    ) -> tuple[Array, Any] | None:
+        """Per-row cross-entropy of 2-D ``logits`` against 1-D integer ``targets`` by the
+        backend's own fused kernel: ``(loss, vjp)`` with ``vjp(g) -> gradient of logits``
+        for row cotangents ``g`` (None when ``want`` is false), or None without one.
+
+        As ``ops.cross_entropy`` with ``reduction="none"``: a row whose target is
+        ``ignore_index`` has loss and gradient 0; targets are already range-checked.
+        """
+        return None
+
     def fused_attention(
         self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
     ) -> tuple[Array, Any] | None:

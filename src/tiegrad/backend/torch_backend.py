@@ -278,6 +278,28 @@ class TorchBackend(Backend):
             )
         return pair
 
+    def cross_entropy_rows(
+        self, logits: Array, targets: Array, ignore_index: int, label_smoothing: float, want: bool
+    ) -> tuple[Array, Any] | None:
+        """torch's log-softmax and negative log-likelihood kernels, forward and backward
+        (what ``F.cross_entropy`` runs), without smoothing and in float32 or float64."""
+        if label_smoothing or logits.dtype not in _LAYER_NORM_DTYPES:
+            return None  # the generic path
+        targets = targets.to(torch.int64)
+        logp = torch.log_softmax(logits, -1)
+        loss = F.nll_loss(logp, targets, reduction="none", ignore_index=ignore_index)
+        if not want:
+            return loss, None
+        aten = torch.ops.aten
+        total = self._unit_statistics(1, None, logits.dtype)[1][0]  # unused with no reduction
+
+        def vjp(g: Array) -> Array:
+            g = g.to(logp.dtype)  # a wider cotangent: the kernels take one dtype
+            glogp = aten.nll_loss_backward(g, logp, targets, None, 0, ignore_index, total)
+            return aten._log_softmax_backward_data(glogp, logp, -1, logp.dtype)
+
+        return loss, vjp
+
     def fused_attention(
         self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
     ) -> tuple[Array, Any] | None:

@@ -59,6 +59,13 @@ def cross_entropy(
     host_safe, host_count = host_targets(targets, ignore_index)
     extra = f" or equal {ignore_index=}"
     check_index_range(s, "cross_entropy", "targets", t_safe, c, extra, host=host_safe)
+    want = needs_grad(s, logits)
+    rows = math.prod(shape[:-1])
+    fused = bk.cross_entropy_rows(
+        bk.reshape(lv, (rows, c)), bk.reshape(t, (rows,)), ignore_index, label_smoothing, want
+    )
+    if fused is not None:
+        return _fused_cross_entropy(s, logits, fused, valid, host_count, reduction)
     shifted, probs, den = shifted_exp(bk, lv)
     log_den = bk.reshape(bk.log(den), shape[:-1])
     tgt = bk.expand_dims(t_safe, -1)
@@ -69,21 +76,11 @@ def cross_entropy(
     del shifted
     vmask = bk.astype(valid, lv.dtype)
     per = per * vmask
-    if reduction != "mean":
-        count = 1.0
-    else:
-        count = float(bk.sum(vmask) if host_count is None else host_count)
-    if reduction == "none":
-        out = per
-    elif reduction == "sum":
-        out = bk.sum(per)
-    else:
-        out = bk.sum(per) * (1.0 / count) if count else bk.sum(per)
-    want = needs_grad(s, logits)
+    count = _count(bk, reduction, vmask, host_count)
+    out = _reduce(bk, per, reduction, count)
     if want:
         probs *= 1.0 / den  # the softmax, kept for the VJP
     del den
-    rows = math.prod(shape[:-1])
     hit = 1.0 - label_smoothing
 
     def vjp(g):  # runs only when ``want``: the tape keeps no VJP of a node without grad
@@ -95,6 +92,41 @@ def cross_entropy(
         index = (bk.arange(rows, t.dtype), bk.reshape(t_safe, (rows,)))
         bk.accumulate_at(bk.reshape(grad, (rows, c)), index, bk.reshape(w, (rows,)) * -hit)
         return (grad,)
+
+    return s._record(out, (logits.id,), vjp)
+
+
+def _count(bk: Any, reduction: str, mask: Any, host_count: int | None) -> float:
+    """The divisor of a mean: the positions not ignored (counted on the host when the
+    targets are a NumPy array, else from the device ``mask``); 1.0 for other reductions."""
+    if reduction != "mean":
+        return 1.0
+    return float(bk.sum(mask) if host_count is None else host_count)
+
+
+def _reduce(bk: Any, per: Any, reduction: str, count: float) -> Any:
+    """The per-position losses reduced: as they are, summed, or summed over ``count``."""
+    if reduction == "none":
+        return per
+    if reduction == "sum" or not count:
+        return bk.sum(per)
+    return bk.sum(per) * (1.0 / count)
+
+
+def _fused_cross_entropy(
+    s: Any, logits: TensorRef, fused: tuple[Any, Any], valid: Any, host_count: Any, reduction: str
+) -> TensorRef:
+    """``cross_entropy`` from the backend's fused rows (``Backend.cross_entropy_rows``)."""
+    bk = s.backend
+    rows_loss, rows_vjp = fused
+    shape = tuple(logits.value.shape)
+    count = _count(bk, reduction, valid, host_count)
+    out = _reduce(bk, bk.reshape(rows_loss, shape[:-1]), reduction, count)
+    rows = math.prod(shape[:-1])
+
+    def vjp(g):  # runs only when ``rows_vjp`` exists: the op wanted the gradient
+        w = g if reduction == "none" else bk.broadcast_to(g / (count or 1.0), shape[:-1])
+        return (bk.reshape(rows_vjp(bk.reshape(w, (rows,))), shape),)
 
     return s._record(out, (logits.id,), vjp)
 
