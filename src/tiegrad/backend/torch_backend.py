@@ -80,6 +80,8 @@ class TorchBackend(Backend):
 
     def _on_device(self, x: torch.Tensor) -> bool:
         d, want = x.device, self.torch_device
+        if d == want:  # the common case, one comparison ("mps" has no index: below)
+            return True
         return d.type == want.type and (want.index is None or d.index == want.index)
 
     def _tensor(self, x: Any) -> torch.Tensor:
