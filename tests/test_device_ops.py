@@ -109,6 +109,7 @@ CASES = {
     "dropout": (lambda a: ops.dropout(a, 0.4), [_r(6, 5)]),
     "embedding": (lambda w: ops.embedding(w, np.array([[3, 0], [3, 3]])), [_r(4, 3)]),
     "linear": (lambda x, w, b: ops.linear(x, w, b), [_r(2, 3, 4), _r(5, 4), _r(5)]),
+    "affine": (lambda x, w, b: ops.affine(x, w, b), [_r(2, 3, 4), _r(4, 5), _r(5)]),
     "cross_entropy": (
         lambda z: ops.cross_entropy(z, TARGETS, label_smoothing=0.1),
         [_r(2, 3, 4)],
