@@ -422,11 +422,11 @@ def test_c2_each_session_keeps_its_snapshot_across_writes_resets_and_steps():  #
     p.set_value(np.full(SHAPE, 5.0, F32))
     ParamList([p]).set_values([np.full(SHAPE, 6.0, F32)])
     assert np.all(leaf_b.value == 1)
-    grads_b = b.backward((leaf_b * leaf_b).sum())  # follows b's snapshot, not the storage
+    grads_b = b.backward((leaf_b * leaf_b).sum(), retain_graph=True)  # follows b's snapshot, not the storage
     np.testing.assert_array_equal(grads_b[leaf_b], np.full(SHAPE, 2.0, F32))
     later = b.use(p)
     assert np.all(later.value == 6)
-    opt.step(b.backward((later * leaf_b).sum()))  # grads: leaf_b's value 1 and later's 6
+    opt.step(b.backward((later * leaf_b).sum(), retain_graph=True))  # grads: leaf_b's value 1 and later's 6
     expected_groups = [(leaf_b.id, (leaf_b.id, later.id))]
     assert [(g.id, g.leaves) for g in b.parameter_groups()] == expected_groups
     assert np.all(leaf_b.value == 1) and np.all(later.value == 6)
@@ -718,7 +718,7 @@ def test_issue2_tensor_ref_operators_and_methods():
     total = parts[0].sum()
     for part in parts[1:]:
         total = total + part.sum()
-    grads = s.backward(total)
+    grads = s.backward(total, retain_graph=True)
     v = x.value.astype(np.float64)
     expected = 1 + 1 + 1 - 1 + 3 + 3 + 0.5 - 2 / v**2 - 1 + 2 * v + 2 + 1 + 0.5
     expected[0] += 1  # x[0]

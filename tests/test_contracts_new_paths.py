@@ -63,7 +63,7 @@ def test_c2_fused_paths_keep_leaves_and_gradients_when_the_parameters_are_writte
     s = EagerSession(device=device)
     leaves, loss = _loss(s, ps)
     snapshots = [_np(r.value).copy() for r in leaves]
-    grads = s.backward(loss)
+    grads = s.backward(loss, retain_graph=True)
     first = [_np(grads[r]).copy() for r in leaves]
     s.sgd_step(0.5, grads)
     Adam(ParamList(ps), lr=0.1).step(grads)

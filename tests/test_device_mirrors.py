@@ -148,7 +148,7 @@ def test_device_update_never_writes_into_a_leaf_snapshot():  # C2, C7
     p = Param([1.0, 2.0])
     s = EagerSession(device=DEVICE)
     leaf = s.use(p)
-    s.backward((leaf * 1.0).sum())
+    s.backward((leaf * 1.0).sum(), retain_graph=True)
     s.sgd_step(1.0)
     assert _np(leaf.value).tolist() == [1.0, 2.0]
     assert p.storage.mirror is not leaf.value

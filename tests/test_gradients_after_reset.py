@@ -31,7 +31,7 @@ def test_step_before_reset_copies_and_keeps_the_snapshot():
     opt = SGD(tg.ParamList([w]), lr=0.5)
     s = tg.EagerSession()
     a = s.use(w)
-    grads = s.backward((a * a).sum())
+    grads = s.backward((a * a).sum(), retain_graph=True)
     opt.step(grads)
     np.testing.assert_array_equal(a.value, [1.0, 2.0])  # C2: the leaf keeps its snapshot
     np.testing.assert_allclose(w.value, [0.0, 0.0])

@@ -157,7 +157,7 @@ def test_a_pinned_value_is_copied_and_an_unpinned_one_updated_in_place():  # C2
     opt = Adam(ParamList([p]), lr=0.1)
     s = EagerSession()
     ref = s.use(p)
-    opt.step(s.backward(T.sum(ref)))
+    opt.step(s.backward(T.sum(ref), retain_graph=True))
     assert p.value is not ref.value and ref.value.tolist() == [1.0, 1.0]
     s.reset()
     before = p.value

@@ -204,7 +204,7 @@ def test_session_sgd_step_matches_brute_force_over_random_use_orders(case):  # C
     loss = terms[0]
     for t in terms[1:]:
         loss = loss + t
-    grads = s.backward(loss)
+    grads = s.backward(loss, retain_graph=True)
     current = {}
     for u, r, w in zip(uses, refs, weights):
         if not r.requires_grad:

@@ -159,7 +159,7 @@ def test_each_leaf_keeps_its_snapshot_and_gradients_follow_it():  # C2
     p.set_value(np.array([5.0, 7.0], np.float32))
     x1 = s.use(p)
     loss = (x0 * x0).sum() + (x1 * x1 * x1).sum()
-    grads = s.backward(loss)
+    grads = s.backward(loss, retain_graph=True)
     np.testing.assert_array_equal(x0.value, [1.0, 2.0])
     np.testing.assert_array_equal(x1.value, [5.0, 7.0])
     np.testing.assert_array_equal(grads[x0], [2.0, 4.0])  # 2 * snapshot 0

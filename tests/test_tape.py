@@ -75,7 +75,7 @@ def test_retain_limits_the_result_and_can_keep_intermediates():
     y = s.leaf(np.array([3.0, 4.0]))
     mid = T.mul(x, y)
     out = T.sum(T.mul(mid, 2.0))
-    g = s.backward(out, retain=[mid, y.id])
+    g = s.backward(out, retain=[mid, y.id], retain_graph=True)
     assert sorted(g) == sorted([mid.id, y.id])
     np.testing.assert_array_equal(g[mid], [2.0, 2.0])
     np.testing.assert_array_equal(g[y], [2.0, 4.0])
@@ -119,11 +119,50 @@ def test_backward_can_run_twice_and_reports_latest_gradients():
     s = EagerSession()
     x = s.leaf(np.ones(2))
     out = T.sum(T.mul(x, 5.0))
-    g1 = s.backward(out)
+    g1 = s.backward(out, retain_graph=True)
     g2 = s.backward(out, seed=2.0)
     np.testing.assert_array_equal(g1[x], [5.0, 5.0])
     np.testing.assert_array_equal(g2[x], [10.0, 10.0])
     assert s.last_gradients is g2
+
+
+def test_backward_releases_the_tape_unless_retain_graph_keeps_it():
+    """Like PyTorch's retain_graph=False: the tape is freed, the refs keep their values
+    and index the result, and a new op or backward on them says how to keep the tape."""
+    s = EagerSession()
+    x = s.leaf(np.array([1.0, 2.0]))
+    out = T.sum(T.mul(x, x))
+    g = s.backward(out)
+    assert len(s) == 0
+    assert out.item() == 5.0
+    np.testing.assert_array_equal(g[x], [2.0, 4.0])
+    np.testing.assert_array_equal(s.grad(g, x), [2.0, 4.0])
+    with pytest.raises(TapeError, match="retain_graph=True"):
+        s.backward(out)
+    with pytest.raises(TapeError, match="retain_graph=True"):
+        T.mul(x, 2.0)
+    y = s.leaf(np.array([3.0]))
+    kept = s.backward(T.sum(y * y), retain_graph=True)
+    assert len(s) > 0 and kept[y].tolist() == [6.0]
+    with pytest.raises(TapeError, match="not recorded by the tape"):
+        s.grad(g, y)
+
+
+def test_a_kept_tape_that_spans_a_parameter_update_warns_once():
+    """A loop that keeps its tape across steps grows it every step: it is told what to do."""
+    from tiegrad import Param
+    from tiegrad.optim import SGD
+
+    p = Param(np.ones(2))
+    opt = SGD([p], lr=0.1)
+    s = EagerSession()
+    with pytest.warns(RuntimeWarning, match=r"session.reset\(\) after each step") as seen:
+        for _ in range(3):
+            opt.step(s.backward(T.sum(s.use(p) * 2.0), retain_graph=True))
+    assert len(seen) == 1
+    for _ in range(3):  # the default releases the tape: nothing grows, nothing is said
+        opt.step(s.backward(T.sum(s.use(p) * 2.0)))
+        assert len(s) == 0
 
 
 def test_gradients_is_a_read_only_mapping_keyed_by_id_or_ref():

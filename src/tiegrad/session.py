@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -167,7 +168,9 @@ class EagerSession:
     ``device=None`` (or ``"cpu"``) records on the NumPy host backend. ``seed`` seeds
     the session's generator ``rng``, the only source of randomness of its ops
     (dropout). ``backward`` returns gradients by node id and also keeps them as
-    ``last_gradients`` for ``optimizer.step()``.
+    ``last_gradients`` for ``optimizer.step()``; like PyTorch's
+    ``retain_graph=False`` it then releases the tape (``backward(..., retain_graph=True)``
+    keeps it), so a loop of ``opt.step(session.backward(loss))`` holds flat memory.
 
     A session is single-threaded: the thread that records its first node after
     construction or ``reset`` owns the recording, and recording or ``backward`` from
@@ -183,6 +186,7 @@ class EagerSession:
         self.grad_enabled = True
         self.last_gradients: Gradients | None = None
         self._generation = 0
+        self._growth_warned = False
         self._clear()
 
     def _clear(self) -> None:
@@ -197,6 +201,11 @@ class EagerSession:
         self._params: dict[int, Any] = {}
         self._storages: dict[int, Any] = {}
         self._owner: int | None = None  # the thread recording since the last reset
+        # storage id -> the value its first use on this tape snapshotted; set when a
+        # backward keeps the tape, to notice a tape that spans optimizer steps.
+        self._first_values: dict[int, Any] = {}
+        self._retained_backward = False
+        self._released: Gradients | None = None
 
     def _claim(self) -> None:
         """Make the calling thread the owner of the recording, or refuse a second thread."""
@@ -301,11 +310,29 @@ class EagerSession:
                     f"use: the getter of {param!r} returned shape {tuple(value.shape)}, "
                     f"expected {tuple(param.shape)}"
                 )
+        self._released = None
         ref = self._leaf(value, bool(param.requires_grad))
         self._params[ref.id] = param
         if storage is not None:
             self._storages[ref.id] = storage
+            first = self._first_values.setdefault(id(storage), value)
+            if first is not value and self._retained_backward:
+                self._warn_growth(param)
         return ref
+
+    def _warn_growth(self, param: Any) -> None:
+        """Warn once per session: a kept tape now spans a parameter update (a step)."""
+        if self._growth_warned:
+            return
+        self._growth_warned = True
+        warnings.warn(
+            f"EagerSession: this tape was kept by backward(..., retain_graph=True) and now "
+            f"records {param!r} again after it was updated: the tape grows every step and "
+            "holds every step's values. Call session.reset() after each step, or drop "
+            "retain_graph=True so that backward releases the tape.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def reset(self) -> None:
         """Clear the tape and registrations; refs recorded so far become stale.
@@ -339,7 +366,10 @@ class EagerSession:
                 )
             raise TapeError(f"ref {ref.id} belongs to another session")
         if ref._gen != self._generation:
-            raise TapeError(f"ref {ref.id} is stale: its session was reset after it was recorded")
+            raise TapeError(
+                f"ref {ref.id} is stale: its session was reset, or backward released its "
+                "tape, after it was recorded (backward(..., retain_graph=True) keeps the tape)"
+            )
         return ref.id
 
     def _resolve_id(self, key: TensorRef | int) -> int:
@@ -371,11 +401,16 @@ class EagerSession:
         return v
 
     def parameter_registrations(self) -> dict[int, Any]:
-        """Leaf id -> registered parameter, for every ``use`` since the last reset."""
+        """Leaf id -> registered parameter, for every ``use`` since the last reset (those
+        of the tape ``backward`` released, until the next ``use``)."""
+        if self._released is not None:
+            return dict(self._released._params)
         return dict(self._params)
 
     def storage_registrations(self) -> dict[int, Any]:
         """Leaf id -> storage descriptor, for every ``use`` of a handle with a storage."""
+        if self._released is not None:
+            return dict(self._released._storages)
         return dict(self._storages)
 
     # -- backward --------------------------------------------------------------------
@@ -384,8 +419,15 @@ class EagerSession:
         out: TensorRef,
         seed: Any = None,
         retain: Iterable[TensorRef | int] | None = None,
+        *,
+        retain_graph: bool = False,
     ) -> Gradients:
         """Sparse reverse sweep from ``out``; returns a read-only map id -> gradient.
+
+        The tape is then released (``reset``), as PyTorch frees the graph: refs
+        recorded so far keep their values (``loss.item()``) and remain keys of the
+        result, but new ops on them raise ``TapeError``. ``retain_graph=True`` keeps
+        the tape for another backward or further recording.
 
         A node's VJP runs only if it received a cotangent; each cotangent is dropped
         once propagated unless its id is retained. ``retain`` defaults to every leaf
@@ -455,11 +497,20 @@ class EagerSession:
         )
         self.last_gradients = grads
         _latest.session = weakref.ref(self)
+        if retain_graph:
+            self._retained_backward = True
+        else:
+            self.reset()
+            self._released = grads
         return grads
 
     def grad(self, grads: Mapping[int, Array], ref: TensorRef) -> Array:
-        """The gradient of ``ref`` in ``grads`` (checked to be present)."""
-        i = self.check(ref)
+        """The gradient of ``ref`` in ``grads`` (checked to be present); ``ref`` may come
+        from the tape that ``backward`` released when it returned ``grads``."""
+        if isinstance(grads, Gradients) and isinstance(ref, TensorRef) and ref.session is self:
+            i = grads._key(ref)
+        else:
+            i = self.check(ref)
         if i not in grads:
             raise TapeError(
                 f"no gradient for node {i}: it was not retained or does not require grad"
@@ -471,8 +522,11 @@ class EagerSession:
         """Uses recorded as trainable grouped by storage identity, in order of first use (C4).
 
         As ``Gradients.parameter_groups``: a use recorded under ``no_grad`` or through a
-        frozen handle is in no group.
+        frozen handle is in no group. After ``backward`` released the tape, the groups of
+        the released tape, until the next ``use``.
         """
+        if self._released is not None:
+            return self._released.parameter_groups()
         from .params.groups import group_parameter_registrations
 
         return group_parameter_registrations(
