@@ -1,13 +1,19 @@
-"""Training: the ``Trainer`` loop, run folders, metrics, progress and plots."""
+"""Training: the ``Trainer`` loop, its callbacks, run folders, metrics, progress and plots."""
 
+from .callbacks import Callback, LossPlot, MetricsLogger, TensorBoardLogger, TextSample
 from .metrics import MetricsWriter, read_metrics
 from .plot import plot_losses
 from .rundir import RunDir
 from .trainer import Trainer, TrainResult
 
 __all__ = [
+    "Callback",
+    "LossPlot",
+    "MetricsLogger",
     "MetricsWriter",
     "RunDir",
+    "TensorBoardLogger",
+    "TextSample",
     "TrainResult",
     "Trainer",
     "plot_losses",

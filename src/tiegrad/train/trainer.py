@@ -15,8 +15,12 @@ model seeds its own initialization. A checkpoint stores both generators' states,
 the data position (epoch, batches consumed) and the counters, so a resumed run
 continues exactly where the checkpoint was taken.
 
-Ctrl-C (SIGINT) during ``fit`` finishes the current step, writes a checkpoint and
-returns a result with ``status == "interrupted"``; a second Ctrl-C aborts at once.
+Ctrl-C (SIGINT) or SIGTERM (what schedulers, containers and ``kill`` send) during
+``fit`` finishes the current step, writes a checkpoint and returns a result with
+``status == "interrupted"`` and ``signal`` set; a second signal aborts at once.
+
+What the loop reports goes through callbacks (``tiegrad.train.callbacks``): the
+metrics files, TensorBoard, samples and the loss plot are callbacks like the user's.
 """
 
 from __future__ import annotations
@@ -37,8 +41,7 @@ from ..data.loader import Batch, BatchSource, check_positive
 from ..errors import CheckpointError, ConfigError
 from ..optim.clip import clip_grad_norm
 from ..session import EagerSession, TensorRef
-from .metrics import MetricsWriter, read_metrics
-from .plot import plot_losses
+from .callbacks import Callback, FileCallback, LossPlot, MetricsLogger, perplexity
 from .progress import Progress
 from .rundir import RunDir
 
@@ -57,6 +60,14 @@ class TrainResult:
     val_loss: float | None = None
     best_val_loss: float | None = None
     resumed_from: int | None = None
+    #: seconds and steps of this ``fit`` alone (``elapsed`` counts the run's total).
+    process_elapsed: float = 0.0
+    process_steps: int = 0
+    #: the steps ``train_loss`` and ``val_loss`` come from.
+    train_loss_step: int | None = None
+    val_loss_step: int | None = None
+    #: the signal that interrupted the run (``signal.SIGINT`` or ``SIGTERM``), if any.
+    signal: int | None = None
     checkpoint: Path | None = None
     best_checkpoint: Path | None = None
     metrics: Path | None = None
@@ -120,27 +131,38 @@ def _accumulate(total: list[Any], new: list[Any], first: bool) -> list[Any]:
     return total
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _Interrupt:
-    """SIGINT handling during ``fit``: the first Ctrl-C sets a flag, the second aborts."""
+    """SIGINT and SIGTERM during ``fit``: the first sets a flag (the loop finishes its step
+    and checkpoints), a second aborts (``KeyboardInterrupt``). The handlers are installed
+    only for the duration of ``fit`` and only on the main thread."""
 
     def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
     def __enter__(self) -> _Interrupt:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
+        if self.signal is not None:
             raise KeyboardInterrupt
-        self.requested = True
-        print("\ninterrupt: finishing the current step, then saving a checkpoint", file=sys.stderr)
+        self.signal = signum
+        name = signal.Signals(signum).name
+        print(f"\n{name}: finishing the current step, then saving a checkpoint", file=sys.stderr)
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 class Trainer:
@@ -193,6 +215,7 @@ class Trainer:
         extra: dict[str, Any] | None = None,
         resume_hint: str | None = None,
         out: TextIO | None = None,
+        callbacks: Sequence[Callback] = (),
     ) -> None:
         if train_data is None or not isinstance(train_data, BatchSource):
             raise ConfigError(
@@ -226,6 +249,14 @@ class Trainer:
             raise ConfigError(f"Trainer: min_delta must be a number >= 0, got {min_delta!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ConfigError(f"Trainer: seed must be an integer >= 0, got {seed!r}")
+        callbacks = list(callbacks)
+        for i, cb in enumerate(callbacks):
+            if not isinstance(cb, Callback):
+                raise ConfigError(
+                    f"Trainer: callbacks[{i}] is a {type(cb).__name__}, expected a "
+                    "tiegrad.train.Callback (override on_step_end, on_eval, on_checkpoint "
+                    "or on_train_end)"
+                )
         if loss_fn is None:
             if not callable(getattr(model, "loss", None)):
                 raise ConfigError("Trainer: the model has no loss(); pass loss_fn")
@@ -246,6 +277,9 @@ class Trainer:
         self.extra = dict(extra or {})
         self.resume_hint = resume_hint
         self.out = out if out is not None else sys.stdout
+        self.callbacks = callbacks
+        self.resumed_from: int | None = None
+        self._progress: Progress | None = None
         data_seed, session_seed = derive_seeds(seed)
         self.data_rng = np.random.default_rng(data_seed)
         self.session = EagerSession(device=device, seed=session_seed)
@@ -385,6 +419,8 @@ class Trainer:
             extra=extra,
             rng=self.session,
         )
+        for cb in self._active:
+            cb.on_checkpoint(self, Path(path))
         return Path(path)
 
     def load_checkpoint(self, path: str | Path) -> None:
@@ -414,31 +450,53 @@ class Trainer:
         self._restore_data_position()
 
     # -- the loop ------------------------------------------------------------------------
-    def _say(self, progress: Progress, text: str) -> None:
-        progress.message(text, self.out)
+    _active: Sequence[Callback] = ()
+
+    def say(self, text: str) -> None:
+        """Print a line to the trainer's output, above the progress bar when one is shown."""
+        if self._progress is not None:
+            self._progress.message(text, self.out)
+        else:
+            print(text, file=self.out)
+
+    def _builtin_callbacks(self) -> tuple[list[Callback], list[Callback]]:
+        """The callbacks before and after the user's: metrics first, the plot last."""
+        if self.run is None:
+            return [], []
+        after: list[Callback] = []
+        if self.plot_enabled:
+            unit = "token" if getattr(self.train_data, "unit", "") == "tokens" else "sample"
+            unit = self.extra.get("loss_unit", unit)
+            after.append(LossPlot(self.run.metrics_path, self.run.plot_path, unit))
+        return [MetricsLogger(self.run.path, self.log_every)], after
 
     def fit(self) -> TrainResult:
-        """Run until ``max_steps``, early stopping or Ctrl-C; see the class docstring."""
+        """Run until ``max_steps``, early stopping, Ctrl-C or SIGTERM; see the class docstring."""
         self._t0 = time.perf_counter()
-        resumed_from = None
+        latest = None
         if self.run is not None:
             self.run.create()
             latest = self.run.latest() if self.resume else None
             if latest is not None:
                 self.load_checkpoint(latest)
-                resumed_from = self.step
+                self.resumed_from = self.step
                 self._t0 = time.perf_counter()
+        first_step = self.step
+        before, after = self._builtin_callbacks()
+        self._active = [*before, *self.callbacks, *after]
         unit = getattr(self.train_data, "unit", "samples")
-        metrics = MetricsWriter(self.run.path, resumed_from) if self.run is not None else None
         progress = Progress(self.max_steps, self.step, unit, self.progress_enabled)
-        if resumed_from is not None:
-            self._say(progress, f"resumed from step {resumed_from} ({latest})")
+        self._progress = progress
+        if self.resumed_from is not None:
+            self.say(f"resumed from step {self.resumed_from} ({latest})")
         status = "completed"
-        train_loss = val_loss = None
-        last_saved = resumed_from
+        last: dict[str, Any] = {"train": None, "val": None}
+        last_saved = self.resumed_from
         rate: float | None = None
         self._set_mode(True)
         try:
+            for cb in self._active:
+                cb.on_train_begin(self)
             with _Interrupt() as interrupt:
                 while self.step < self.max_steps:
                     lr = self.current_lr()
@@ -447,31 +505,28 @@ class Trainer:
                     step_rate = items / max(time.perf_counter() - started, 1e-9)
                     rate = step_rate if rate is None else 0.9 * rate + 0.1 * step_rate
                     progress.update(train_loss, lr, rate)
-                    if metrics is not None and (
-                        self.step % self.log_every == 0 or self.step == self.max_steps
-                    ):
-                        metrics.write(
-                            {
-                                "step": self.step,
-                                "train_loss": train_loss,
-                                "lr": lr,
-                                "grad_norm": norm,
-                                "throughput": round(step_rate, 1),
-                                "elapsed": round(self._elapsed(), 3),
-                            }
-                        )
+                    last["train"] = (train_loss, self.step)
+                    logs = {
+                        "step": self.step,
+                        "train_loss": train_loss,
+                        "lr": lr,
+                        "grad_norm": norm,
+                        "throughput": step_rate,
+                        "elapsed": self._elapsed(),
+                    }
+                    for cb in self._active:
+                        cb.on_step_end(self, logs)
                     stop = False
                     if self.eval_every is not None and self.step % self.eval_every == 0:
-                        val_loss = self._eval_and_track(progress, metrics, train_loss)
+                        self._eval_and_track(train_loss, last)
                         stop = self.patience is not None and self.bad_evals >= self.patience
                     if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:
                         last_saved = self._save_periodic()
                     if stop:
                         status = "early_stopped"
-                        self._say(
-                            progress,
+                        self.say(
                             f"early stop at step {self.step}: no improvement in "
-                            f"{self.patience} evaluations",
+                            f"{self.patience} evaluations"
                         )
                         break
                     if interrupt.requested:
@@ -482,14 +537,21 @@ class Trainer:
                     and self.val_data is not None
                     and (self.eval_every is None or self.step % self.eval_every != 0)
                 ):
-                    val_loss = self._eval_and_track(progress, metrics, train_loss)
+                    self._eval_and_track(None if last["train"] is None else last["train"][0], last)
                 if last_saved != self.step:
                     self._save_periodic()
         finally:
             progress.close()
-            if metrics is not None:
-                metrics.close()
-        return self._finish(status, train_loss, val_loss, resumed_from)
+            self._progress = None
+            for cb in self._active:
+                if isinstance(cb, FileCallback):
+                    cb.close()
+        result = self._finish(status, last, first_step, interrupt.signal)
+        for cb in self._active:
+            cb.on_train_end(self, result)
+        self._active = ()
+        self._report(result)
+        return result
 
     def _elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self._t0)
@@ -503,12 +565,10 @@ class Trainer:
         self.run.prune(self.keep_last)
         return self.step
 
-    def _eval_and_track(
-        self, progress: Progress, metrics: MetricsWriter | None, train_loss: float | None
-    ) -> float | None:
+    def _eval_and_track(self, train_loss: float | None, last: dict[str, Any]) -> None:
         val = self.evaluate()
         if val is None:
-            return None
+            return
         improved = self.best_val is None or val < self.best_val - self.min_delta
         if improved:
             self.best_val = val
@@ -517,48 +577,53 @@ class Trainer:
                 self.save_checkpoint(self.run.best_path)
         else:
             self.bad_evals += 1
-        if metrics is not None:
-            metrics.write(
-                {"step": self.step, "val_loss": val, "elapsed": round(self._elapsed(), 3)}
-            )
+        last["val"] = (val, self.step)
+        ppl = perplexity(val)
+        logs = {
+            "step": self.step,
+            "val_loss": val,
+            "val_ppl": ppl,
+            "best": improved,
+            "elapsed": self._elapsed(),
+        }
+        for cb in self._active:
+            cb.on_eval(self, logs)
         mark = " (best)" if improved else ""
         tl = "" if train_loss is None else f"train {train_loss:.4f}  "
-        self._say(progress, f"step {self.step:>6}  {tl}val {val:.4f}{mark}")
-        return val
+        self.say(f"step {self.step:>6}  {tl}val {val:.4f}  ppl {ppl:.2f}{mark}")
 
     def _finish(
-        self, status: str, train_loss: float | None, val_loss: float | None, resumed: int | None
+        self, status: str, last: dict[str, Any], first_step: int, signum: int | None
     ) -> TrainResult:
+        train = last["train"] or (None, None)
+        val = last["val"] or (None, None)
         result = TrainResult(
             step=self.step,
             status=status,
             elapsed=self._elapsed(),
-            train_loss=train_loss,
-            val_loss=val_loss,
+            train_loss=train[0],
+            val_loss=val[0],
             best_val_loss=self.best_val,
-            resumed_from=resumed,
+            resumed_from=self.resumed_from,
+            process_elapsed=time.perf_counter() - self._t0,
+            process_steps=self.step - first_step,
+            train_loss_step=train[1],
+            val_loss_step=val[1],
+            signal=signum,
         )
         if self.run is not None:
             result.checkpoint = self.run.latest()
             result.best_checkpoint = self.run.best_path if self.run.best_path.is_file() else None
-            result.metrics = self.run.metrics_path
-            result.metrics_csv = self.run.csv_path
-            if self.plot_enabled:
-                unit = "token" if getattr(self.train_data, "unit", "") == "tokens" else "sample"
-                result.plot = plot_losses(
-                    read_metrics(self.run.metrics_path),
-                    self.run.plot_path,
-                    unit=self.extra.get("loss_unit", unit),
-                    notify=lambda m: print(m, file=self.out),
-                )
-        if status == "interrupted":
+        return result
+
+    def _report(self, result: TrainResult) -> None:
+        if result.status == "interrupted":
             hint = self.resume_hint or (
                 f"Trainer(..., run_dir={str(self.run.path)!r}, resume=True).fit()"
                 if self.run is not None
                 else "(no run folder: nothing was saved)"
             )
             where = f" checkpoint {result.checkpoint};" if result.checkpoint else ""
-            print(f"interrupted at step {self.step};{where} resume with: {hint}", file=self.out)
-        if val_loss is not None and not math.isfinite(val_loss):
-            print(f"warning: the final validation loss is {val_loss}", file=self.out)
-        return result
+            print(f"interrupted at step {result.step};{where} resume with: {hint}", file=self.out)
+        if result.val_loss is not None and not math.isfinite(result.val_loss):
+            print(f"warning: the final validation loss is {result.val_loss}", file=self.out)
