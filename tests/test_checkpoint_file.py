@@ -219,7 +219,7 @@ def test_tied_model_file_is_unique_storage_bytes_plus_five_percent(tmp_path):
 def test_inspect_lists_slots_ties_frozen_flags_and_bytes(saved):
     text = tiegrad.inspect(saved)
     assert str(saved) in text and f"{os.path.getsize(saved):,} bytes" in text
-    assert "4 slots, 2 storages, 2 tied slots, 1 frozen slots" in text
+    assert "4 slots, 2 storages, 2 tied slots, 1 frozen slot" in text
     assert "tie: frozen.embed = embed.weight = head.weight" in text
     assert "= slot 0 (tied)" in text and "frozen" in text and "5x3" in text
     assert "optimizer: none" in text and '"note": "hello"' in text

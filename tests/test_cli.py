@@ -171,7 +171,7 @@ def test_bad_sample_and_inspect_arguments(trained, tmp_path):
     root, _ = trained
     assert_one_line_error(tiegrad_cli("sample", "--run", "nowhere", cwd=root), "no checkpoint")
     assert_one_line_error(
-        tiegrad_cli("sample", "--run", "run", "--temperature", "0", cwd=root), "--temperature"
+        tiegrad_cli("sample", "--run", "run", "--temperature", "-1", cwd=root), "--temperature"
     )
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")

@@ -422,11 +422,13 @@ def test_c2_each_session_keeps_its_snapshot_across_writes_resets_and_steps():  #
     p.set_value(np.full(SHAPE, 5.0, F32))
     ParamList([p]).set_values([np.full(SHAPE, 6.0, F32)])
     assert np.all(leaf_b.value == 1)
-    grads_b = b.backward((leaf_b * leaf_b).sum(), retain_graph=True)  # follows b's snapshot, not the storage
+    # follows b's snapshot, not the storage
+    grads_b = b.backward((leaf_b * leaf_b).sum(), retain_graph=True)
     np.testing.assert_array_equal(grads_b[leaf_b], np.full(SHAPE, 2.0, F32))
     later = b.use(p)
     assert np.all(later.value == 6)
-    opt.step(b.backward((later * leaf_b).sum(), retain_graph=True))  # grads: leaf_b's value 1 and later's 6
+    # grads: leaf_b's value 1 and later's 6
+    opt.step(b.backward((later * leaf_b).sum(), retain_graph=True))
     expected_groups = [(leaf_b.id, (leaf_b.id, later.id))]
     assert [(g.id, g.leaves) for g in b.parameter_groups()] == expected_groups
     assert np.all(leaf_b.value == 1) and np.all(later.value == 6)

@@ -5,15 +5,22 @@ on the running interpreter's standard-library source (no download). It prints th
 resolved configuration first and a summary at the end. Bad input (a missing or
 empty text file, an unknown config key, a value out of range, a run folder holding
 another model's checkpoint, a damaged checkpoint) is one line on stderr,
-``tiegrad: error: ...``, and exit code 2; Ctrl-C during training writes a
-checkpoint and exits with code 130 after printing how to resume.
+``tiegrad: error: ...``, and exit code 2; Ctrl-C (SIGINT) or SIGTERM during training
+writes a checkpoint and exits with code 130 (143 for SIGTERM) after printing how to
+resume.
+
+A new run without ``--run`` gets ``runs/<date-time>``, and ``runs/latest`` points to
+the newest run (a symbolic link where the platform has them); ``tiegrad sample`` and
+``tiegrad resume`` without a run folder take that newest run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +30,9 @@ from .errors import ConfigError, TiegradError
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+RUNS = "runs"
+LATEST = "latest"
 
 #: flag -> config key, for the flags that override a configuration key.
 FLAGS: dict[str, str] = {
@@ -43,10 +53,13 @@ FLAGS: dict[str, str] = {
     "--lr": "lr",
     "--min-lr": "min_lr",
     "--warmup-steps": "warmup_steps",
+    "--warmup-ratio": "warmup_ratio",
     "--weight-decay": "weight_decay",
     "--clip-norm": "clip_norm",
     "--eval-every": "eval_every",
     "--eval-batches": "eval_batches",
+    "--sample-every": "sample_every",
+    "--log": "log",
     "--checkpoint-every": "checkpoint_every",
     "--keep-last": "keep_last",
     "--patience": "patience",
@@ -56,7 +69,13 @@ FLAGS: dict[str, str] = {
 }
 
 
-_METAVARS = {"text": "FILE", "init": "DIR", "run": "DIR", "vocab": "{char,byte}"}
+_METAVARS = {
+    "text": "FILE",
+    "init": "DIR",
+    "run": "DIR",
+    "vocab": "{char,byte}",
+    "log": "{tensorboard}",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,12 +91,14 @@ def _fail(message: str) -> NoReturn:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     from .train.config import DEFAULTS, HELP
 
     parser = _Parser(
         prog="tiegrad",
         description="Train and sample tied-weight language models with tiegrad.",
     )
+    parser.add_argument("--version", action="version", version=f"tiegrad {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     train = sub.add_parser(
@@ -88,32 +109,46 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
     for flag, key in FLAGS.items():
         kind = type(DEFAULTS[key])
-        shown = DEFAULTS[key] if DEFAULTS[key] != "" else "-"
+        # an empty default is described by the help text itself ("empty: ...")
+        shown = "" if DEFAULTS[key] == "" else f" (default: {DEFAULTS[key]})"
         train.add_argument(
             flag,
             dest=key,
             type=kind,
             default=None,
             metavar=_METAVARS.get(key, flag[2:].upper().replace("-", "_")),
-            help=f"{HELP[key]} (default: {shown})",
+            help=f"{HELP[key]}{shown}",
         )
     _add_no_progress(train)
 
     sample = sub.add_parser("sample", help="generate text from a run's best checkpoint")
-    sample.add_argument("--run", metavar="DIR", help="run folder (its best checkpoint)")
+    sample.add_argument(
+        "--run", metavar="DIR", help=f"run folder, its best checkpoint (default: {RUNS}/{LATEST})"
+    )
     sample.add_argument("--checkpoint", metavar="FILE", help="a checkpoint file instead")
     sample.add_argument("--prompt", default="", help="text to continue (default: none)")
-    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate (200)")
-    sample.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
-    sample.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
-    sample.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    sample.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 is greedy (default: 0.8)",
+    )
+    sample.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely (default: all)"
+    )
+    sample.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint file")
     inspect.add_argument("file", metavar="FILE", help="a .safetensors checkpoint")
 
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
-    resume.add_argument("run", metavar="DIR", help="run folder")
-    resume.add_argument("--steps", type=int, default=None, help="new total step count")
+    resume.add_argument(
+        "run", metavar="DIR", nargs="?", default=None, help=f"run folder (default: {RUNS}/{LATEST})"
+    )
+    resume.add_argument(
+        "--steps", type=int, default=None, help="new total step count (default: the run's)"
+    )
     _add_no_progress(resume)
     _add_export(sub)
     return parser
@@ -142,7 +177,9 @@ def _add_no_progress(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, 2 bad input, 130 interrupted)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unknown_arguments(parser, args.command, unknown)
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
@@ -164,6 +201,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _unknown_arguments(
+    parser: argparse.ArgumentParser, command: str | None, unknown: list[str]
+) -> NoReturn:
+    """One line naming the unknown arguments, the closest option and the right help."""
+    sub = _subparser(parser, command)
+    target = sub or parser
+    options = [o for action in target._actions for o in action.option_strings]
+    flag = next((a.split("=", 1)[0] for a in unknown if a.startswith("-")), None)
+    close = difflib.get_close_matches(flag, options, n=1) if flag else []
+    hint = f"; did you mean {close[0]}?" if close else ""
+    _fail(f"unrecognized arguments: {' '.join(unknown)}{hint} (see '{target.prog} --help')")
+
+
+def _subparser(
+    parser: argparse.ArgumentParser, command: str | None
+) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return None
+
+
 def _one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
@@ -183,16 +242,29 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from .train.config import check_config
+    from .train.config import DEFAULTS, check_config
     from .train.rundir import RunDir
 
-    run = RunDir(args.run)
+    folder = args.run if args.run is not None else _newest_run()
+    run = RunDir(folder)
     config = run.read_config()
-    if run.latest() is None:
-        raise ConfigError(f"run folder {args.run!r} has no checkpoint to resume from")
-    config["run"] = args.run
-    if args.steps is not None:
-        config["steps"] = args.steps
+    found = run.step_checkpoints()
+    if not found:
+        raise ConfigError(f"run folder {folder!r} has no checkpoint to resume from")
+    reached = found[-1][0]
+    if args.steps is not None and args.steps < reached:
+        raise ConfigError(
+            f"--steps {args.steps} is below the step run {folder!r} already reached "
+            f"({reached}); give a total above {reached} to extend it"
+        )
+    steps = args.steps if args.steps is not None else config.get("steps", reached)
+    if steps <= reached:
+        print(
+            f"run {folder} is finished: it reached step {reached} of {steps}; extend it "
+            f"with 'tiegrad resume {_quote(folder)} --steps {2 * reached}' (a new total)"
+        )
+        return 0
+    config = {**DEFAULTS, **config, "run": folder, "steps": steps}
     if args.progress is not None:
         config["progress"] = args.progress
     config.pop("text_sha256", None)
@@ -203,12 +275,49 @@ def _resume(args: argparse.Namespace) -> int:
 
 def _fresh_run_folder() -> str:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = os.path.join("runs", stamp)
+    base = os.path.join(RUNS, stamp)
     path, n = base, 1
     while os.path.exists(path):
         n += 1
         path = f"{base}-{n}"
     return path
+
+
+def _point_latest(folder: str) -> None:
+    """Make ``runs/latest`` name ``folder`` when it lies in ``runs/`` (best effort: a
+    platform or file system without symbolic links keeps the newest-run lookup)."""
+    runs = os.path.abspath(RUNS)
+    target = os.path.abspath(folder)
+    if os.path.dirname(target) != runs:
+        return
+    link = os.path.join(RUNS, LATEST)
+    tmp = os.path.join(RUNS, f".{LATEST}.{os.getpid()}")
+    try:
+        if os.path.lexists(link) and not os.path.islink(link):
+            return  # a real folder named "latest" is a run of the user's: left alone
+        os.symlink(os.path.basename(target), tmp)
+        os.replace(tmp, link)
+    except OSError:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _newest_run() -> str:
+    """``runs/latest``, else the run folder in ``runs/`` whose config was written last."""
+    link = os.path.join(RUNS, LATEST)
+    if os.path.isfile(os.path.join(link, "config.json")):
+        return link
+    runs = []
+    if os.path.isdir(RUNS):
+        for name in os.listdir(RUNS):
+            config = os.path.join(RUNS, name, "config.json")
+            if os.path.isfile(config):
+                runs.append((os.path.getmtime(config), os.path.join(RUNS, name)))
+    if not runs:
+        raise ConfigError(
+            f"no run folder in {RUNS}/: train one with 'tiegrad train', or give a run folder"
+        )
+    return max(runs)[1]
 
 
 def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
@@ -243,6 +352,7 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
     }
     if config["init"]:
         extra["hf_config"] = model.source_config
+    callbacks = _job_callbacks(config, run, model, dataset.vocab)
     trainer = Trainer(
         model,
         optimizer,
@@ -264,8 +374,9 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
         progress=config["progress"],
         extra=extra,
         resume_hint=f"tiegrad resume {_quote(str(run.path))}",
+        callbacks=callbacks,
     )
-    _print_config(config, source.description, dataset, model)
+    _print_config(config, source.description, dataset, model, "resume" if resume else "train")
     if resume and run.read_config().get("text_sha256") not in (None, source.sha256):
         print("warning: the training text differs from the one this run started with")
     text = os.path.abspath(config["text"]) if config["text"] else ""
@@ -279,9 +390,33 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
             text_sha256=source.sha256,
         )
     )
+    _point_latest(str(run.path))
     result = trainer.fit()
     _print_summary(result, run, unit)
-    return EXIT_INTERRUPTED if result.status == "interrupted" else 0
+    if result.status != "interrupted":
+        return 0
+    return EXIT_TERMINATED if result.signal == signal.SIGTERM else EXIT_INTERRUPTED
+
+
+def _job_callbacks(config: dict[str, Any], run: Any, model: Any, vocab: Any) -> list[Any]:
+    """TensorBoard (``--log tensorboard``) and text samples (``--sample-every``)."""
+    import numpy as np
+
+    from .train.callbacks import TensorBoardLogger, TextSample
+
+    callbacks: list[Any] = []
+    if config["log"] == "tensorboard":
+        callbacks.append(TensorBoardLogger(run.path / "tensorboard"))
+    if config["sample_every"]:
+        prompt = vocab.encode("\n")[None, :]
+
+        def generate(step: int) -> str:
+            rng = np.random.default_rng(step)
+            out = model.generate(prompt, 80, temperature=0.8, rng=rng)
+            return vocab.decode(np.asarray(out)[0][1:])
+
+        callbacks.append(TextSample(generate, config["sample_every"]))
+    return callbacks
 
 
 def _check_fresh_run_folder(run: Any, kwargs: dict[str, Any]) -> None:
@@ -332,12 +467,14 @@ def _quote(path: str) -> str:
     return path if all(c.isalnum() or c in "/._-" for c in path) else repr(path)
 
 
-def _print_config(config: dict[str, Any], text: str, dataset: Any, model: Any) -> None:
-    from .train.config import DEFAULTS
+def _print_config(
+    config: dict[str, Any], text: str, dataset: Any, model: Any, command: str
+) -> None:
+    from .train.config import DEFAULTS, warmup_steps
 
     unique = model.num_parameters()
     c = config
-    print("tiegrad train: resolved configuration")
+    print(f"tiegrad {command}: resolved configuration")
     print(
         f"  data     {text}; vocab {dataset.vocab.kind if c['init'] else c['vocab']} "
         f"({dataset.vocab_size} symbols); "
@@ -353,7 +490,7 @@ def _print_config(config: dict[str, Any], text: str, dataset: Any, model: Any) -
         )
     print(
         f"  optim    AdamW lr={c['lr']:g} min_lr={c['min_lr']:g} "
-        f"warmup={min(c['warmup_steps'], c['steps'])} "
+        f"warmup={warmup_steps(c)} "
         f"weight_decay={c['weight_decay']:g} clip_norm={c['clip_norm']:g}"
     )
     print(
@@ -370,13 +507,27 @@ def _print_config(config: dict[str, Any], text: str, dataset: Any, model: Any) -
     sys.stdout.flush()
 
 
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(seconds, 60)
+    return f"{int(minutes)}m{seconds:04.1f}s"
+
+
 def _print_summary(result: Any, run: Any, unit: str) -> None:
-    minutes, seconds = divmod(result.elapsed, 60)
     verb = {"completed": "done", "early_stopped": "stopped early", "interrupted": "interrupted"}
-    print(f"{verb[result.status]}: {result.step} steps in {int(minutes)}m{seconds:04.1f}s")
+    line = f"{verb[result.status]}: {result.step} steps in {_clock(result.elapsed)}"
+    if result.resumed_from is not None:
+        line += (
+            f" in all (this process: {result.process_steps} steps from step "
+            f"{result.resumed_from} in {_clock(result.process_elapsed)})"
+        )
+    print(line)
+    if result.status == "interrupted" and result.train_loss is not None:
+        loss, step = result.train_loss, result.train_loss_step
+        print(f"last train loss: {loss:.4f} nats/{unit} (step {step})")
     if result.val_loss is not None:
         best = "" if result.best_val_loss is None else f" (best {result.best_val_loss:.4f})"
-        print(f"final validation loss: {result.val_loss:.4f} nats/{unit}{best}")
+        at = f" at step {result.val_loss_step}" if result.val_loss_step != result.step else ""
+        print(f"final validation loss: {result.val_loss:.4f} nats/{unit}{at}{best}")
     print(f"checkpoint: {result.checkpoint}")
     if result.best_checkpoint is not None:
         print(f"best:       {result.best_checkpoint}")
@@ -385,6 +536,8 @@ def _print_summary(result: Any, run: Any, unit: str) -> None:
         print(f"plot:       {result.plot}")
     if result.status != "interrupted":
         print(f"sample:     tiegrad sample --run {_quote(str(run.path))}")
+    if (run.path / "tensorboard").is_dir():
+        print(f"tensorboard: tensorboard --logdir {_quote(str(run.path / 'tensorboard'))}")
 
 
 # -- sample / inspect ----------------------------------------------------------------------
@@ -398,21 +551,21 @@ def _sample(args: argparse.Namespace) -> int:
 
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
-    if not args.temperature > 0:
-        raise ConfigError(f"--temperature must be > 0, got {args.temperature}")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k must be >= 1, got {args.top_k}")
-    if (args.run is None) == (args.checkpoint is None):
-        raise ConfigError("sample: give exactly one of --run DIR and --checkpoint FILE")
+    if args.run is not None and args.checkpoint is not None:
+        raise ConfigError("sample: give one of --run DIR and --checkpoint FILE, not both")
     if args.checkpoint is not None:
         path = Path(args.checkpoint)
         if not path.is_file():
             raise ConfigError(f"checkpoint {args.checkpoint!r} does not exist")
     else:
-        run = RunDir(args.run)
-        found = run.best_or_latest()
+        folder = args.run if args.run is not None else _newest_run()
+        found = RunDir(folder).best_or_latest()
         if found is None:
-            raise ConfigError(f"run folder {args.run!r} holds no checkpoint")
+            raise ConfigError(f"run folder {folder!r} holds no checkpoint")
         path = found
     extra = _checkpoint_extra(path)
     kwargs = _model_config(extra)

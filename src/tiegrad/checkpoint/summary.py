@@ -27,7 +27,15 @@ def inspect(path: str | os.PathLike[str]) -> str:
     frozen = sum(not s.requires_grad for s in slots)
     lines = [
         f"checkpoint {path}: tiegrad format {schema.version}, {file.size:,} bytes",
-        f"{len(slots)} slots, {len(storages)} storages, {tied} tied slots, {frozen} frozen slots",
+        ", ".join(
+            f"{n} {what}{'' if n == 1 else 's'}"
+            for n, what in (
+                (len(slots), "slot"),
+                (len(storages), "storage"),
+                (tied, "tied slot"),
+                (frozen, "frozen slot"),
+            )
+        ),
     ]
     rows = [("slot", "path", "shape", "dtype", "trainable", "canonical", "stored in")]
     for i, s in enumerate(slots):

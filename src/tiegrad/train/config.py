@@ -44,12 +44,15 @@ DEFAULTS: dict[str, Any] = {
     "grad_accum": 1,
     "lr": 3e-3,
     "min_lr": 3e-4,
-    "warmup_steps": 50,
+    "warmup_steps": -1,
+    "warmup_ratio": 0.05,
     "weight_decay": 0.01,
     "clip_norm": 1.0,
     # evaluation, checkpoints, run
     "eval_every": 100,
     "eval_batches": 8,
+    "sample_every": 100,
+    "log": "",
     "checkpoint_every": 250,
     "keep_last": 3,
     "patience": 0,
@@ -77,11 +80,14 @@ HELP: dict[str, str] = {
     "grad_accum": "batches accumulated into one step",
     "lr": "peak learning rate (AdamW)",
     "min_lr": "learning rate at the end of the cosine decay",
-    "warmup_steps": "linear warmup steps (at most the step count)",
+    "warmup_steps": "linear warmup steps (at most the step count); -1: warmup_ratio of the steps",
+    "warmup_ratio": "linear warmup as a fraction of the steps, when warmup_steps is -1",
     "weight_decay": "AdamW weight decay",
     "clip_norm": "global gradient-norm clip; 0 turns clipping off",
     "eval_every": "evaluate on the validation split every N steps",
     "eval_batches": "validation batches per evaluation",
+    "sample_every": "print a text sample every N steps; 0 prints none",
+    "log": "extra log writers: tensorboard (event files in RUN/tensorboard); empty: none",
     "checkpoint_every": "write a checkpoint every N steps",
     "keep_last": "periodic checkpoints kept (the best is kept as well)",
     "patience": "stop after N evaluations without improvement; 0 never stops early",
@@ -92,7 +98,7 @@ HELP: dict[str, str] = {
 }
 
 _PATH_KEYS = ("text", "init", "run")
-_CHOICES = {"vocab": ("char", "byte")}
+_CHOICES = {"vocab": ("char", "byte"), "log": ("", "tensorboard")}
 #: key -> (lowest allowed, whether the lowest is excluded, highest or None).
 _RANGES: dict[str, tuple[float, bool, float | None]] = {
     "corpus_chars": (1, False, None),
@@ -108,7 +114,9 @@ _RANGES: dict[str, tuple[float, bool, float | None]] = {
     "grad_accum": (1, False, None),
     "lr": (0.0, True, None),
     "min_lr": (0.0, False, None),
-    "warmup_steps": (0, False, None),
+    "warmup_steps": (-1, False, None),
+    "warmup_ratio": (0.0, False, 1.0),
+    "sample_every": (0, False, None),
     "weight_decay": (0.0, False, None),
     "clip_norm": (0.0, False, None),
     "eval_every": (1, False, None),
@@ -144,10 +152,8 @@ def check_value(key: str, value: Any, where: str = "", label: str | None = None)
     else:
         ok = isinstance(value, str)
     if not ok:
-        raise ConfigError(
-            f"{name}: expected {'a finite ' if kind is float else 'a '}"
-            f"{kind.__name__}, got {value!r}"
-        )
+        article = {float: "a finite", int: "an"}.get(kind, "a")
+        raise ConfigError(f"{name}: expected {article} {kind.__name__}, got {value!r}")
     if key in _CHOICES and value not in _CHOICES[key]:
         raise ConfigError(f"{name}: expected one of {_CHOICES[key]}, got {value!r}")
     if key in _RANGES:
@@ -175,6 +181,16 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if out["min_lr"] > out["lr"]:
         raise ConfigError(f"config: min_lr ({out['min_lr']}) exceeds lr ({out['lr']})")
     return out
+
+
+def warmup_steps(config: Mapping[str, Any]) -> int:
+    """The warmup length of a run: ``warmup_steps``, or with -1 ``warmup_ratio`` of the
+    steps (rounded), at most the step count."""
+    steps = config["steps"]
+    n = config["warmup_steps"]
+    if n < 0:
+        n = round(config["warmup_ratio"] * steps)
+    return min(n, steps)
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..data import TextDataset, Vocab, directory_tokenizer, read_text, stdlib_corpus
 from ..errors import ConfigError
+from .config import warmup_steps
 
 MODEL_CLASS = "TiedLM"
 
@@ -108,7 +109,7 @@ def build_optimizer(config: dict[str, Any], model: Any) -> tuple[Any, Any]:
     optimizer = AdamW(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
     schedule = CosineWarmup(
         optimizer,
-        warmup_steps=min(config["warmup_steps"], config["steps"]),
+        warmup_steps=warmup_steps(config),
         total_steps=config["steps"],
         min_lr=config["min_lr"],
     )

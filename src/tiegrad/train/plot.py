@@ -34,7 +34,10 @@ def plot_losses(
     except ImportError:
         if not _notified[0]:
             _notified[0] = True
-            notify("matplotlib is not installed: no loss plot (pip install 'tiegrad[plot]')")
+            notify(
+                "matplotlib is not installed: no loss plot (pip install matplotlib, the "
+                "'plot' extra)"
+            )
         return None
     train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
