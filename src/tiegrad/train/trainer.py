@@ -573,8 +573,6 @@ class Trainer:
         if improved:
             self.best_val = val
             self.bad_evals = 0
-            if self.run is not None:
-                self.save_checkpoint(self.run.best_path)
         else:
             self.bad_evals += 1
         last["val"] = (val, self.step)
@@ -588,6 +586,8 @@ class Trainer:
         }
         for cb in self._active:
             cb.on_eval(self, logs)
+        if improved and self.run is not None:
+            self.save_checkpoint(self.run.best_path)
         mark = " (best)" if improved else ""
         tl = "" if train_loss is None else f"train {train_loss:.4f}  "
         self.say(f"step {self.step:>6}  {tl}val {val:.4f}  ppl {ppl:.2f}{mark}")
