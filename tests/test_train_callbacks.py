@@ -82,7 +82,9 @@ def test_text_sample_prints_at_its_steps(capsys):
 
 def test_tensorboard_events_are_readable_by_tensorboard(tmp_path):
     pytest.importorskip("tensorboardX")
-    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
     log_dir = tmp_path / "tb"
     trainer, _, _ = text_job(
         tmp_path / "run", max_steps=4, eval_every=2, callbacks=[TensorBoardLogger(log_dir)]

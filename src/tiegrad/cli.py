@@ -175,7 +175,16 @@ def _add_no_progress(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0, 2 bad input, 130 interrupted)."""
+    """Run the command line; returns the exit code (0, 2 bad input, 130 interrupted,
+    143 terminated). Ctrl-C at any point (the imports included) exits quietly with 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("tiegrad: aborted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -196,9 +205,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(_one_line(e))
     except OSError as e:
         _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
-    except KeyboardInterrupt:
-        print("tiegrad: aborted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 def _unknown_arguments(
@@ -286,9 +292,9 @@ def _fresh_run_folder() -> str:
 def _point_latest(folder: str) -> None:
     """Make ``runs/latest`` name ``folder`` when it lies in ``runs/`` (best effort: a
     platform or file system without symbolic links keeps the newest-run lookup)."""
-    runs = os.path.abspath(RUNS)
-    target = os.path.abspath(folder)
-    if os.path.dirname(target) != runs:
+    runs = os.path.realpath(RUNS)
+    target = os.path.realpath(folder)
+    if os.path.dirname(target) != runs or os.path.basename(target) == LATEST:
         return
     link = os.path.join(RUNS, LATEST)
     tmp = os.path.join(RUNS, f".{LATEST}.{os.getpid()}")

@@ -61,7 +61,9 @@ class RunDir:
         return self.checkpoints / "best.safetensors"
 
     def create(self) -> None:
-        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        """Create the folder and its ``checkpoints``; failing is a ``ConfigError`` naming
+        the folder and the reason."""
+        _mkdir(self.checkpoints, self.path)
 
     def step_path(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:07d}.safetensors"
@@ -97,7 +99,7 @@ class RunDir:
     # -- configuration ------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:
         """Write ``config.json`` atomically."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        _mkdir(self.path, self.path)
         tmp = self.config_path.with_name("config.json.tmp")
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         os.replace(tmp, self.config_path)
@@ -113,3 +115,12 @@ class RunDir:
         if not isinstance(data, dict):
             raise ConfigError(f"{str(self.config_path)!r} does not hold a JSON object")
         return data
+
+
+def _mkdir(folder: Path, run: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"run folder {str(run)!r} cannot be created: {e.strerror or e} ({e.filename})"
+        ) from None
