@@ -74,7 +74,7 @@ def test_text_sample_prints_at_its_steps(capsys):
         texts.append(step)
         return f"text {step}"
 
-    trainer, _, _ = text_job(max_steps=4, callbacks=[TextSample(generate, 2)])
+    trainer, _, _ = text_job(max_steps=4, eval_every=1, callbacks=[TextSample(generate, 2)])
     trainer.fit()
     assert texts == [2, 4]
     assert "sample at step 4: 'text 4'" in capsys.readouterr().out

@@ -117,7 +117,8 @@ class LossPlot(Callback):
 
 
 class TextSample(Callback):
-    """Prints a text sample of a language model every ``every`` steps.
+    """Prints a text sample of a language model after each evaluation whose step is a
+    multiple of ``every`` (with ``every`` equal to the evaluation interval: at each one).
 
     ``generate(step) -> str`` makes the text (e.g. ``model.generate`` and a decoder);
     the model is put in evaluation mode around the call.
@@ -127,7 +128,7 @@ class TextSample(Callback):
         self.generate = generate
         self.every = every
 
-    def on_step_end(self, trainer: Any, logs: dict[str, Any]) -> None:
+    def on_eval(self, trainer: Any, logs: dict[str, Any]) -> None:
         if logs["step"] % self.every:
             return
         trainer._set_mode(False)

@@ -86,7 +86,7 @@ HELP: dict[str, str] = {
     "clip_norm": "global gradient-norm clip; 0 turns clipping off",
     "eval_every": "evaluate on the validation split every N steps",
     "eval_batches": "validation batches per evaluation",
-    "sample_every": "print a text sample every N steps; 0 prints none",
+    "sample_every": "print a text sample at the evaluations every N steps; 0 prints none",
     "log": "extra log writers: tensorboard (event files in RUN/tensorboard); empty: none",
     "checkpoint_every": "write a checkpoint every N steps",
     "keep_last": "periodic checkpoints kept (the best is kept as well)",

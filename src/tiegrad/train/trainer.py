@@ -584,13 +584,13 @@ class Trainer:
             "best": improved,
             "elapsed": self._elapsed(),
         }
+        mark = " (best)" if improved else ""
+        tl = "" if train_loss is None else f"train {train_loss:.4f}  "
+        self.say(f"step {self.step:>6}  {tl}val {val:.4f}  ppl {ppl:.2f}{mark}")
         for cb in self._active:
             cb.on_eval(self, logs)
         if improved and self.run is not None:
             self.save_checkpoint(self.run.best_path)
-        mark = " (best)" if improved else ""
-        tl = "" if train_loss is None else f"train {train_loss:.4f}  "
-        self.say(f"step {self.step:>6}  {tl}val {val:.4f}  ppl {ppl:.2f}{mark}")
 
     def _finish(
         self, status: str, last: dict[str, Any], first_step: int, signum: int | None
