@@ -183,6 +183,9 @@ class Trainer:
     the plot there; ``resume=True`` continues from its latest checkpoint when there is
     one, and an existing checkpoint with ``resume=False`` is a ``ConfigError`` (a run
     is never silently overwritten). ``extra`` is stored in every checkpoint.
+    ``callbacks`` (``tiegrad.train.Callback`` instances) are called in list order at each
+    step, evaluation, checkpoint and at the end, between the built-in metrics writer and
+    the loss plot.
 
     Bad settings raise ``ConfigError`` in the constructor, before anything runs.
     """
