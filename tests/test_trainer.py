@@ -241,6 +241,26 @@ def test_sigint_finishes_the_step_and_checkpoints(tmp_path, capsys):
     assert tiegrad.load(result.checkpoint, TiedLM(**model.config)).extra["trainer"]["step"] == 3
     assert "resume with: run it again" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert result.signal == signal.SIGINT
+
+
+def test_sigterm_finishes_the_step_and_checkpoints_like_ctrl_c(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    calls = []
+    trainer, model, opt = text_job(tmp_path, max_steps=50)
+    loss_fn = trainer.loss_fn
+
+    def terminating_loss(session, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return loss_fn(session, batch)
+
+    trainer.loss_fn = terminating_loss
+    result = trainer.fit()
+    assert result.status == "interrupted" and result.signal == signal.SIGTERM
+    assert result.step == 2 and result.checkpoint == RunDir(tmp_path).step_path(2)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 # -- settings ----------------------------------------------------------------------------
