@@ -301,7 +301,7 @@ def test_device_step_writes_a_mirror_in_place_only_when_no_tape_holds_it():  # C
     opt = SGD([p], lr=0.5, momentum=0.9)
     s = EagerSession(device=DEVICE)
     leaf = s.use(p)
-    grads = s.backward((leaf * 1.0).sum())
+    grads = s.backward((leaf * 1.0).sum(), retain_graph=True)
     opt.step(grads)  # the tape is live: the leaf's snapshot is not written
     assert BK.to_numpy(leaf.value).tolist() == [1.0, 2.0]
     assert BK.to_numpy(p.storage.mirror).tolist() == [0.5, 1.5]
