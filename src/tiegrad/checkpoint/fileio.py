@@ -15,6 +15,7 @@ import json
 import math
 import os
 import secrets
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,12 @@ from ..errors import CheckpointError
 
 #: The largest JSON header read (the limit safetensors itself applies).
 MAX_HEADER_BYTES = 100_000_000
+#: Header bytes allowed beyond the data's length: a header is never much larger than
+#: the tensors it describes, so parsing costs what reading the file costs.
+HEADER_ALLOWANCE = 1 << 22
+#: Tensors or slots allowed whatever the data, and the data bytes that pay for each more.
+ENTRY_ALLOWANCE = 4096
+BYTES_PER_ENTRY = 64
 
 _WRITE_CHUNK = 1 << 22
 
@@ -79,6 +86,11 @@ class SafetensorsFile:
     metadata: dict[str, str]
     tensors: dict[str, TensorEntry]
     _data: memoryview
+
+    @property
+    def data_bytes(self) -> int:
+        """The length of the tensor data (the file less its header)."""
+        return len(self._data)
 
     def array(self, name: str) -> np.ndarray:
         """A fresh, writable, native-endian copy of tensor ``name``."""
@@ -159,33 +171,71 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
+def checkpoint_path(path: Any) -> str:
+    """``path`` as a string (``os.fspath``); anything else is a ``CheckpointError``."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise CheckpointError(
+            f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}"
+        ) from None
+
+
+def entry_limit(data_len: int) -> int:
+    """The most tensors a header, or slots a schema, may describe for ``data_len`` bytes
+    of tensor data: ``ENTRY_ALLOWANCE`` plus one per ``BYTES_PER_ENTRY`` bytes."""
+    return ENTRY_ALLOWANCE + data_len // BYTES_PER_ENTRY
+
+
 def read_safetensors(path: str) -> SafetensorsFile:
     """Read and validate a safetensors file; any defect is a ``CheckpointError``.
 
-    Checks: the 8-byte length fits the file and the header limit; the header is UTF-8
-    JSON object without duplicate keys; ``__metadata__`` maps strings to strings; every
-    tensor has exactly ``dtype``, ``shape`` and ``data_offsets`` with a known dtype, a
-    shape of non-negative integers and a byte range whose length is the shape's; the
-    ranges tile the data exactly (no overlap, no hole, no trailing bytes).
+    Checks: the path is a regular file (a FIFO, a device or a folder is refused before
+    reading); the 8-byte length fits the file and at most ``HEADER_ALLOWANCE`` plus the
+    data's length (and ``MAX_HEADER_BYTES``), so the work done is bounded by the file's
+    size; the header is UTF-8 JSON object without duplicate keys or lone surrogates,
+    describing at most ``entry_limit`` tensors; ``__metadata__`` maps strings to
+    strings; every tensor has exactly ``dtype``, ``shape`` and ``data_offsets`` with a
+    known dtype, a shape of non-negative integers and a byte range whose length is the
+    shape's; the ranges tile the data exactly (no overlap, no hole, no trailing bytes).
     """
-    try:
-        with open(path, "rb") as f:
-            blob = f.read()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read: {e}") from e
     where = f"checkpoint {path}"
-    if len(blob) < 8:
-        raise CheckpointError(f"{where}: {len(blob)} bytes, too short for a safetensors header")
-    n = int.from_bytes(blob[:8], "little")
-    if n > len(blob) - 8:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read: {e}") from e
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{where}: not a regular file")
+        size = info.st_size
+        if size < 8:
+            raise CheckpointError(f"{where}: {size} bytes, too short for a safetensors header")
+        try:
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:
+                raise CheckpointError(
+                    f"{where}: header length {n} is larger than the {size - 8} bytes after it "
+                    f"(truncated or damaged file)"
+                )
+            limit = min(MAX_HEADER_BYTES, HEADER_ALLOWANCE + size - 8 - n)
+            if n > limit:
+                raise CheckpointError(
+                    f"{where}: header length {n} exceeds {limit} (a header may take "
+                    f"{HEADER_ALLOWANCE} bytes plus one per data byte, at most {MAX_HEADER_BYTES})"
+                )
+            blob = f.read()
+        except OSError as e:
+            raise CheckpointError(f"{where}: cannot read: {e}") from e
+    if len(blob) != size - 8:
+        raise CheckpointError(f"{where}: the file changed size while it was read")
+    header = parse_json(blob[:n], f"{where}: the header")
+    data = memoryview(blob)[n:]
+    if len(header) > entry_limit(len(data)) + 1:
         raise CheckpointError(
-            f"{where}: header length {n} is larger than the {len(blob) - 8} bytes after it "
-            f"(truncated or damaged file)"
+            f"{where}: the header describes {len(header) - 1} tensors, more than the "
+            f"{entry_limit(len(data))} allowed for {len(data)} data bytes"
         )
-    if n > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{where}: header length {n} exceeds {MAX_HEADER_BYTES}")
-    header = _parse_json(blob[8 : 8 + n], where)
-    data = memoryview(blob)[8 + n :]
     metadata: dict[str, str] = {}
     entries: dict[str, TensorEntry] = {}
     for name, spec in header.items():
@@ -194,28 +244,39 @@ def read_safetensors(path: str) -> SafetensorsFile:
         else:
             entries[name] = _entry(name, spec, len(data), where)
     _check_tiling(entries, len(data), where)
-    return SafetensorsFile(path, len(blob), metadata, entries, data)
+    return SafetensorsFile(path, size, metadata, entries, data)
 
 
-def _parse_json(raw: bytes, where: str) -> dict[str, Any]:
+def parse_json(raw: bytes | str, what: str) -> dict[str, Any]:
+    """A JSON object from ``raw`` (UTF-8 bytes or text), or a ``CheckpointError`` naming
+    ``what``: invalid JSON, a repeated key, a lone surrogate (``"\\ud800"``, which no
+    UTF-8 text holds) or another value than an object."""
+
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in pairs:
             if k in out:
-                raise CheckpointError(f"{where}: the header repeats the key {k!r}")
+                raise CheckpointError(f"{what} repeats the key {_shown(k)}")
             out[k] = v
         return out
 
     try:
-        text = raw.decode("utf-8")
-        header = json.loads(text, object_pairs_hook=no_duplicates)
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        doc = json.loads(text, object_pairs_hook=no_duplicates)
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{what} holds a lone surrogate (not valid Unicode)") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{where}: the header is not valid UTF-8 JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(
-            f"{where}: the header is a JSON {type(header).__name__}, not an object"
-        )
-    return header
+        raise CheckpointError(f"{what} is not valid UTF-8 JSON: {_shown(str(e))}") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{what} is a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
+def _shown(text: str, width: int = 60) -> str:
+    """``repr(text)`` cut to ``width`` characters (error messages stay short)."""
+    r = repr(text)
+    return r if len(r) <= width else r[: width - 3] + "..."
 
 
 def _metadata(spec: Any, where: str) -> dict[str, str]:

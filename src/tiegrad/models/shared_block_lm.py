@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..nn.attention import TransformerBlock
+from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
 
@@ -43,6 +44,12 @@ class SharedBlockLM(TiedCausalLM):
             dropout=dropout,
             mlp_ratio=mlp_ratio,
         )
+
+    ARGS = {**TiedCausalLM.ARGS, "n_repeats": size}
+
+    @classmethod
+    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
+        return 1
 
     def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
         self.n_repeats = int(self.config["n_repeats"])

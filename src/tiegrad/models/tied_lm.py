@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..nn.attention import TransformerBlock
 from ..nn.module import ModuleList
+from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
 
@@ -48,6 +49,12 @@ class TiedLM(TiedCausalLM):
             dropout=dropout,
             mlp_ratio=mlp_ratio,
         )
+
+    ARGS = {**TiedCausalLM.ARGS, "n_layers": size}
+
+    @classmethod
+    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
+        return config["n_layers"]
 
     def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
         self.blocks = ModuleList(new_block() for _ in range(self.config["n_layers"]))

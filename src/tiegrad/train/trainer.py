@@ -227,6 +227,11 @@ class Trainer:
             )
         if len(train_data) < 1:
             raise ConfigError("Trainer: train_data yields no batch")
+        if val_data is not None and not isinstance(val_data, (BatchSource, list, tuple)):
+            raise ConfigError(
+                "Trainer: val_data must be None, a batch source or a list of batches, got "
+                f"{type(val_data).__name__}"
+            )
         if (max_steps is None) == (epochs is None):
             raise ConfigError("Trainer: give exactly one of max_steps and epochs")
         self.grad_accum = check_positive("Trainer: grad_accum", grad_accum)
