@@ -11,11 +11,14 @@ in the file is ever executed (no pickle).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import stat
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +38,12 @@ ENTRY_ALLOWANCE = 4096
 BYTES_PER_ENTRY = 64
 
 _WRITE_CHUNK = 1 << 22
+#: Bytes of a temporary name's stem: the suffix ``.<pid>.<8 hex>.tmp`` needs at most 24
+#: more, within the 255 bytes of a file name.
+_STEM_BYTES = 230
+#: When this process started (in the clock of file times): older temporaries of a
+#: target are left by earlier writers.
+_PROCESS_START = time.time()
 
 #: safetensors dtype codes and the NumPy dtypes they hold (always little-endian).
 _DTYPES: dict[str, np.dtype] = {
@@ -115,9 +124,9 @@ def write_safetensors(
     a failure deletes the temporary file. OS errors become ``CheckpointError``.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(
-        folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    )
+    stem = _temporary_stem(os.path.basename(path))
+    _remove_stale_temporaries(folder, stem)
+    tmp = os.path.join(folder, f"{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     except OSError as e:
@@ -149,6 +158,56 @@ def write_safetensors(
 def _contiguous(arr: np.ndarray) -> np.ndarray:
     """``arr`` C-contiguous with its own shape (``np.ascontiguousarray`` makes a 0-d array 1-d)."""
     return np.ascontiguousarray(arr).reshape(arr.shape)
+
+
+def _temporary_stem(name: str) -> str:
+    """``.<name>``, the start of the target's temporary names; a name too long to take
+    the suffix within 255 bytes keeps its first bytes and a digest of all of it."""
+    if len(name.encode("utf-8", "surrogateescape")) <= _STEM_BYTES:
+        return f".{name}"
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest()
+    head = name.encode("utf-8", "surrogateescape")[: _STEM_BYTES - 17]
+    return f".{head.decode('utf-8', 'ignore')}~{digest}"
+
+
+def _remove_stale_temporaries(folder: str, stem: str) -> None:
+    """Delete the temporaries of this target that killed writers left behind.
+
+    A temporary is stale when it was last written before this process started and
+    the process named in it is not running (a live writer's file is never touched).
+    Files that vanish or cannot be removed meanwhile are left alone.
+    """
+    pattern = re.compile(re.escape(stem) + r"\.(\d{1,10})\.[0-9a-f]{8}\.tmp")
+    try:
+        found = [(e, pattern.fullmatch(e.name)) for e in os.scandir(folder)]
+    except OSError:
+        return
+    for entry, match in found:
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            stale = entry.stat(follow_symlinks=False).st_mtime < _PROCESS_START
+            if stale and entry.is_file(follow_symlinks=False) and not _running(pid):
+                os.unlink(entry.path)
+        except OSError:
+            continue
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (another process's, not ours: ours is running
+    now, but its temporaries from before it started belong to a dead namesake)."""
+    if pid == os.getpid():
+        return False
+    if os.name == "nt":  # os.kill would terminate it: assume it runs
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True
+    return True
 
 
 def _fsync_folder(folder: str) -> None:

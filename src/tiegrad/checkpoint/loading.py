@@ -110,7 +110,7 @@ def load(
                 _check_finite(value, f"{where}: slot {t.path!r}")
             writes[t.storage] = (plist[t.storage].storage, value)
     if check_extra is not None:
-        _call_loader(check_extra, schema.extra, "check_extra", where)
+        check_extra(schema.extra)
 
     if optimizer is not None:
         before = copy.deepcopy(optimizer.state_dict()) if schedule is not None else None

@@ -102,14 +102,14 @@ def size(owner: str, name: str, value: Any) -> int:
     return count(owner, name, value, minimum=1)
 
 
-#: Seeds lie in [0, SEED_LIMIT): a signed 64-bit integer (TOML's range, a C ``int64``).
-SEED_LIMIT = 2**63
+#: Integers of configurations are below INT64_LIMIT (TOML's range, a C ``int64``).
+INT64_LIMIT = 2**63
 
 
 def seed(owner: str, name: str, value: Any) -> int:
-    """A seed: an integer in [0, ``SEED_LIMIT``)."""
+    """A seed: an integer in [0, ``INT64_LIMIT``)."""
     x = count(owner, name, value)
-    if x >= SEED_LIMIT:
+    if x >= INT64_LIMIT:
         raise HyperparameterError(
             f"{owner}: {name} must be < 2**63, got an integer of {x.bit_length()} bits"
         )
