@@ -263,11 +263,11 @@ def read_safetensors(path: str) -> SafetensorsFile:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise CheckpointError(f"{where}: cannot read: {e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{where}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{where}: not a regular file")
-        size = info.st_size
+        size = os.fstat(fd).st_size
         if size < 8:
             raise CheckpointError(f"{where}: {size} bytes, too short for a safetensors header")
         try:
@@ -290,9 +290,10 @@ def read_safetensors(path: str) -> SafetensorsFile:
         raise CheckpointError(f"{where}: the file changed size while it was read")
     header = parse_json(blob[:n], f"{where}: the header")
     data = memoryview(blob)[n:]
-    if len(header) > entry_limit(len(data)) + 1:
+    count = len(header) - ("__metadata__" in header)
+    if count > entry_limit(len(data)):
         raise CheckpointError(
-            f"{where}: the header describes {len(header) - 1} tensors, more than the "
+            f"{where}: the header describes {count} tensors, more than the "
             f"{entry_limit(len(data))} allowed for {len(data)} data bytes"
         )
     metadata: dict[str, str] = {}
