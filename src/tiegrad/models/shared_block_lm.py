@@ -20,6 +20,12 @@ class SharedBlockLM(TiedCausalLM):
     the block once (C9). ``config`` holds the constructor arguments.
     """
 
+    ARGS = {**TiedCausalLM.ARGS, "n_repeats": size}
+
+    @classmethod
+    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
+        return 1
+
     def __init__(
         self,
         vocab_size: int,
@@ -44,12 +50,6 @@ class SharedBlockLM(TiedCausalLM):
             dropout=dropout,
             mlp_ratio=mlp_ratio,
         )
-
-    ARGS = {**TiedCausalLM.ARGS, "n_repeats": size}
-
-    @classmethod
-    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
-        return 1
 
     def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
         self.n_repeats = int(self.config["n_repeats"])

@@ -25,6 +25,12 @@ class TiedLM(TiedCausalLM):
     value (layers draw in construction order from ``default_rng(seed)``).
     """
 
+    ARGS = {**TiedCausalLM.ARGS, "n_layers": size}
+
+    @classmethod
+    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
+        return config["n_layers"]
+
     def __init__(
         self,
         vocab_size: int,
@@ -49,12 +55,6 @@ class TiedLM(TiedCausalLM):
             dropout=dropout,
             mlp_ratio=mlp_ratio,
         )
-
-    ARGS = {**TiedCausalLM.ARGS, "n_layers": size}
-
-    @classmethod
-    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
-        return config["n_layers"]
 
     def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
         self.blocks = ModuleList(new_block() for _ in range(self.config["n_layers"]))
