@@ -17,8 +17,7 @@ import time
 
 import numpy as np
 import pytest
-import safetensors.numpy
-from safetensors import safe_open
+from test_checkpoint_file import read_doc, write_doc
 
 import tiegrad
 from tiegrad import CheckpointError, Param, ParamList, TiegradError
@@ -44,16 +43,6 @@ from tiegrad.train.config import resolve
 TEXT = "".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(40))
 VOCAB = Vocab.build(TEXT)
 SMALL = dict(vocab_size=VOCAB.size, d_model=8, n_layers=1, n_heads=2, max_seq_len=6)
-
-
-def read_doc(path) -> tuple[dict, dict]:
-    with safe_open(str(path), "np") as f:
-        meta = f.metadata()
-    return safetensors.numpy.load_file(str(path)), json.loads(meta["tiegrad"])
-
-
-def write_doc(path, tensors: dict, doc: dict) -> None:
-    safetensors.numpy.save_file(tensors, str(path), metadata={"tiegrad": json.dumps(doc)})
 
 
 def header_file(path, header: dict, data: bytes = b"") -> None:
@@ -518,3 +507,47 @@ def test_config_integers_are_64_bit(tmp_path):
     with pytest.raises(tiegrad.ConfigError, match="--seed: expected a 64-bit integer"):
         resolve(None, {"seed": 2**70}, {"seed": "--seed"})
     assert resolve(None, {"seed": 2**63 - 1})["seed"] == 2**63 - 1
+
+
+# -- a seeded fuzz of the schema: 30 random values at random places --------------------------
+ODD_VALUES = [None, -1, 0, 10**30, 2**63, "x", "", [], {}, "\ud800", 1e308, True, [1, [2]], "\x1b"]
+
+
+def _places(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _places(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:3]):
+            yield from _places(v, (*prefix, i))
+
+
+def test_random_schema_values_give_checkpoint_errors_or_load_unchanged(tmp_path):
+    path, plist, opt = adam_file(tmp_path)
+    tensors, doc = read_doc(path)
+    places = [p for p in _places(doc) if p]
+    rng = np.random.default_rng(2)
+    outcomes = set()
+    for k in range(30):
+        edited = json.loads(json.dumps(doc))
+        place = places[rng.integers(len(places))]
+        holder = edited
+        for step in place[:-1]:
+            holder = holder[step]
+        holder[place[-1]] = ODD_VALUES[k % len(ODD_VALUES)]
+        write_doc(path, tensors, edited)
+        fresh, target = stepped(AdamW)
+        before, state = values(fresh), repr(target.state_dict())
+        try:
+            tiegrad.load(path, fresh, optimizer=target, rng=np.random.default_rng(1))
+            outcomes.add("loaded")
+        except CheckpointError:
+            assert (values(fresh), repr(target.state_dict())) == (before, state), place
+            outcomes.add("refused")
+        try:
+            text = tiegrad.inspect(path)
+        except CheckpointError:
+            continue
+        assert all(c.isprintable() or c == "\n" for c in text), place
+    assert outcomes == {"loaded", "refused"}
