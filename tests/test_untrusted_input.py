@@ -24,7 +24,7 @@ from tiegrad import CheckpointError, Param, ParamList, TiegradError
 from tiegrad.checkpoint import fileio
 from tiegrad.cli import main
 from tiegrad.data import TextDataset, Vocab
-from tiegrad.models import MLPClassifier, SharedBlockLM, SiameseEncoder, TiedLM
+from tiegrad.models import GPT2, MLPClassifier, SharedBlockLM, SiameseEncoder, TiedLM
 from tiegrad.nn import (
     MLP,
     Conv2d,
@@ -121,6 +121,19 @@ def test_sample_accepts_a_matching_config(tmp_path, capsys):
         (TiedLM, SMALL),
         (TiedLM, dict(vocab_size=11, d_model=12, n_layers=3, n_heads=3, mlp_ratio=3)),
         (SharedBlockLM, dict(vocab_size=7, d_model=8, n_heads=2, n_repeats=5, max_seq_len=9)),
+        (GPT2, dict(vocab_size=13, n_positions=9, n_embd=8, n_layer=2, n_head=2)),
+        (
+            GPT2,
+            dict(
+                vocab_size=13,
+                n_positions=9,
+                n_embd=8,
+                n_layer=1,
+                n_head=4,
+                n_inner=5,
+                tie_word_embeddings=False,
+            ),
+        ),
     ],
 )
 def test_layout_size_is_the_built_model(cls, kwargs):

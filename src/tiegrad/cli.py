@@ -586,9 +586,9 @@ def _sample(args: argparse.Namespace) -> int:
         raise ConfigError(f"{path}: not a checkpoint of 'tiegrad train' (no model or vocab)")
     vocab = tokenizer_from_dict(extra["vocab"])
     model_class = extra["model"].get("class", "TiedLM")
-    if model_class == "TiedLM":
-        kwargs = _sample_model_config(path, schema, kwargs, vocab.size)
-    model = build_model(dict(kwargs), model_class)
+    model = build_model(
+        _sample_model_config(path, schema, kwargs, vocab.size, model_class), model_class
+    )
     load(path, model)
     model.eval()
     prompt = args.prompt or "\n"
@@ -600,10 +600,12 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sample_model_config(path: Path, schema: Any, kwargs: Any, vocab_size: int) -> dict[str, Any]:
+def _sample_model_config(
+    path: Path, schema: Any, kwargs: Any, vocab_size: int, model_class: str
+) -> dict[str, Any]:
     """The file's model configuration, checked completely before anything is built (C6).
 
-    ``TiedLM.check_config`` checks its keys, types and ranges; then the slot count,
+    The model class's ``check_config`` checks its keys, types and ranges; then the slot count,
     parameter count and bytes it implies must be the file's own (so a configuration
     cannot make ``tiegrad sample`` allocate more than the file holds), and its
     ``vocab_size`` the stored vocabulary's. Any mismatch is a ``CheckpointError``.
@@ -612,15 +614,18 @@ def _sample_model_config(path: Path, schema: Any, kwargs: Any, vocab_size: int) 
 
     import numpy as np
 
+    from . import models
     from .checkpoint.schema import nbytes
-    from .models import TiedLM
 
     where = f"checkpoint {path}"
+    if model_class not in ("TiedLM", "GPT2"):
+        raise CheckpointError(f"{where}: unknown model class {model_class!r:.80}")
+    cls = getattr(models, model_class)
     try:
-        config = TiedLM.check_config(kwargs)
+        config = cls.check_config(kwargs)
     except TiegradError as e:
         raise CheckpointError(f"{where}: invalid model configuration: {e}") from None
-    slots, elements = TiedLM.layout_size(config)
+    slots, elements = cls.layout_size(config)
     implied = (slots, elements, elements * np.dtype(config["dtype"]).itemsize)
     stored = [s for i, s in enumerate(schema.slots) if s.storage == i]
     held = (len(schema.slots), sum(math.prod(s.shape) for s in stored), sum(map(nbytes, stored)))
@@ -630,7 +635,9 @@ def _sample_model_config(path: Path, schema: Any, kwargs: Any, vocab_size: int) 
             f"parameters ({implied[2]:,} bytes); the file holds {held[0]} slots and "
             f"{held[1]:,} parameters ({held[2]:,} bytes)"
         )
-    if config["vocab_size"] != vocab_size:
+    if config["vocab_size"] < vocab_size or (
+        model_class == "TiedLM" and config["vocab_size"] != vocab_size
+    ):
         raise CheckpointError(
             f"{where}: the model's vocab_size is {config['vocab_size']}, the stored "
             f"vocabulary has {vocab_size} symbols"
