@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import ConfigError, TiegradError
+from .errors import CheckpointError, ConfigError, TiegradError
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -443,11 +443,15 @@ def _check_fresh_run_folder(run: Any, kwargs: dict[str, Any]) -> None:
     )
 
 
-def _checkpoint_extra(path: Path) -> Any:
+def _checkpoint_schema(path: Path) -> Any:
     from .checkpoint import Schema
     from .checkpoint.fileio import read_safetensors
 
-    return Schema.parse(read_safetensors(os.fspath(path))).extra
+    return Schema.parse(read_safetensors(os.fspath(path)))
+
+
+def _checkpoint_extra(path: Path) -> Any:
+    return _checkpoint_schema(path).extra
 
 
 def _checkpoint_model(path: Path) -> Any:
@@ -552,6 +556,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     from .checkpoint import load
     from .data import tokenizer_from_dict
+    from .train.config import check_value
     from .train.job import build_model
     from .train.rundir import RunDir
 
@@ -561,6 +566,7 @@ def _sample(args: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k must be >= 1, got {args.top_k}")
+    check_value("seed", args.seed, label="--seed")
     if args.run is not None and args.checkpoint is not None:
         raise ConfigError("sample: give one of --run DIR and --checkpoint FILE, not both")
     if args.checkpoint is not None:
@@ -573,12 +579,16 @@ def _sample(args: argparse.Namespace) -> int:
         if found is None:
             raise ConfigError(f"run folder {folder!r} holds no checkpoint")
         path = found
-    extra = _checkpoint_extra(path)
+    schema = _checkpoint_schema(path)
+    extra = schema.extra
     kwargs = _model_config(extra)
     if kwargs is None or not isinstance(extra.get("vocab"), dict):
         raise ConfigError(f"{path}: not a checkpoint of 'tiegrad train' (no model or vocab)")
     vocab = tokenizer_from_dict(extra["vocab"])
-    model = build_model(dict(kwargs), extra["model"].get("class", "TiedLM"))
+    model_class = extra["model"].get("class", "TiedLM")
+    model = build_model(
+        _sample_model_config(path, schema, kwargs, vocab.size, model_class), model_class
+    )
     load(path, model)
     model.eval()
     prompt = args.prompt or "\n"
@@ -588,6 +598,51 @@ def _sample(args: argparse.Namespace) -> int:
     text = vocab.decode(np.asarray(out)[0])
     print(text if args.prompt else text[1:])
     return 0
+
+
+def _sample_model_config(
+    path: Path, schema: Any, kwargs: Any, vocab_size: int, model_class: str
+) -> dict[str, Any]:
+    """The file's model configuration, checked completely before anything is built (C6).
+
+    The model class's ``check_config`` checks its keys, types and ranges; then the slot count,
+    parameter count and bytes it implies must be the file's own (so a configuration
+    cannot make ``tiegrad sample`` allocate more than the file holds), and its
+    ``vocab_size`` the stored vocabulary's. Any mismatch is a ``CheckpointError``.
+    """
+    import math
+
+    import numpy as np
+
+    from . import models
+    from .checkpoint.schema import nbytes
+
+    where = f"checkpoint {path}"
+    if model_class not in ("TiedLM", "GPT2"):
+        raise CheckpointError(f"{where}: unknown model class {model_class!r:.80}")
+    cls = getattr(models, model_class)
+    try:
+        config = cls.check_config(kwargs)
+    except TiegradError as e:
+        raise CheckpointError(f"{where}: invalid model configuration: {e}") from None
+    slots, elements = cls.layout_size(config)
+    implied = (slots, elements, elements * np.dtype(config["dtype"]).itemsize)
+    stored = [s for i, s in enumerate(schema.slots) if s.storage == i]
+    held = (len(schema.slots), sum(math.prod(s.shape) for s in stored), sum(map(nbytes, stored)))
+    if implied != held:
+        raise CheckpointError(
+            f"{where}: the model configuration implies {implied[0]} slots and {implied[1]:,} "
+            f"parameters ({implied[2]:,} bytes); the file holds {held[0]} slots and "
+            f"{held[1]:,} parameters ({held[2]:,} bytes)"
+        )
+    if config["vocab_size"] < vocab_size or (
+        model_class == "TiedLM" and config["vocab_size"] != vocab_size
+    ):
+        raise CheckpointError(
+            f"{where}: the model's vocab_size is {config['vocab_size']}, the stored "
+            f"vocabulary has {vocab_size} symbols"
+        )
+    return config
 
 
 def _inspect(args: argparse.Namespace) -> int:

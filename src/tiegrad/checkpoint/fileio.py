@@ -11,10 +11,14 @@ in the file is ever executed (no pickle).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import secrets
+import stat
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +30,20 @@ from ..errors import CheckpointError
 
 #: The largest JSON header read (the limit safetensors itself applies).
 MAX_HEADER_BYTES = 100_000_000
+#: Header bytes allowed beyond the data's length: a header is never much larger than
+#: the tensors it describes, so parsing costs what reading the file costs.
+HEADER_ALLOWANCE = 1 << 22
+#: Tensors or slots allowed whatever the data, and the data bytes that pay for each more.
+ENTRY_ALLOWANCE = 4096
+BYTES_PER_ENTRY = 64
 
 _WRITE_CHUNK = 1 << 22
+#: Bytes of a temporary name's stem: the suffix ``.<pid>.<8 hex>.tmp`` needs at most 24
+#: more, within the 255 bytes of a file name.
+_STEM_BYTES = 230
+#: When this process started (in the clock of file times): older temporaries of a
+#: target are left by earlier writers.
+_PROCESS_START = time.time()
 
 #: safetensors dtype codes and the NumPy dtypes they hold (always little-endian).
 _DTYPES: dict[str, np.dtype] = {
@@ -80,6 +96,11 @@ class SafetensorsFile:
     tensors: dict[str, TensorEntry]
     _data: memoryview
 
+    @property
+    def data_bytes(self) -> int:
+        """The length of the tensor data (the file less its header)."""
+        return len(self._data)
+
     def array(self, name: str) -> np.ndarray:
         """A fresh, writable, native-endian copy of tensor ``name``."""
         e = self.tensors[name]
@@ -103,9 +124,9 @@ def write_safetensors(
     a failure deletes the temporary file. OS errors become ``CheckpointError``.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(
-        folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    )
+    stem = _temporary_stem(os.path.basename(path))
+    _remove_stale_temporaries(folder, stem)
+    tmp = os.path.join(folder, f"{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     except OSError as e:
@@ -139,6 +160,56 @@ def _contiguous(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(arr.shape)
 
 
+def _temporary_stem(name: str) -> str:
+    """``.<name>``, the start of the target's temporary names; a name too long to take
+    the suffix within 255 bytes keeps its first bytes and a digest of all of it."""
+    if len(name.encode("utf-8", "surrogateescape")) <= _STEM_BYTES:
+        return f".{name}"
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest()
+    head = name.encode("utf-8", "surrogateescape")[: _STEM_BYTES - 17]
+    return f".{head.decode('utf-8', 'ignore')}~{digest}"
+
+
+def _remove_stale_temporaries(folder: str, stem: str) -> None:
+    """Delete the temporaries of this target that killed writers left behind.
+
+    A temporary is stale when it was last written before this process started and
+    the process named in it is not running (a live writer's file is never touched).
+    Files that vanish or cannot be removed meanwhile are left alone.
+    """
+    pattern = re.compile(re.escape(stem) + r"\.(\d{1,10})\.[0-9a-f]{8}\.tmp")
+    try:
+        found = [(e, pattern.fullmatch(e.name)) for e in os.scandir(folder)]
+    except OSError:
+        return
+    for entry, match in found:
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            stale = entry.stat(follow_symlinks=False).st_mtime < _PROCESS_START
+            if stale and entry.is_file(follow_symlinks=False) and not _running(pid):
+                os.unlink(entry.path)
+        except OSError:
+            continue
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (another process's, not ours: ours is running
+    now, but its temporaries from before it started belong to a dead namesake)."""
+    if pid == os.getpid():
+        return False
+    if os.name == "nt":  # os.kill would terminate it: assume it runs
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True
+    return True
+
+
 def _fsync_folder(folder: str) -> None:
     """Make the rename durable where the platform and file system allow it.
 
@@ -159,33 +230,72 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
+def checkpoint_path(path: Any) -> str:
+    """``path`` as a string (``os.fspath``); anything else is a ``CheckpointError``."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise CheckpointError(
+            f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}"
+        ) from None
+
+
+def entry_limit(data_len: int) -> int:
+    """The most tensors a header, or slots a schema, may describe for ``data_len`` bytes
+    of tensor data: ``ENTRY_ALLOWANCE`` plus one per ``BYTES_PER_ENTRY`` bytes."""
+    return ENTRY_ALLOWANCE + data_len // BYTES_PER_ENTRY
+
+
 def read_safetensors(path: str) -> SafetensorsFile:
     """Read and validate a safetensors file; any defect is a ``CheckpointError``.
 
-    Checks: the 8-byte length fits the file and the header limit; the header is UTF-8
-    JSON object without duplicate keys; ``__metadata__`` maps strings to strings; every
-    tensor has exactly ``dtype``, ``shape`` and ``data_offsets`` with a known dtype, a
-    shape of non-negative integers and a byte range whose length is the shape's; the
-    ranges tile the data exactly (no overlap, no hole, no trailing bytes).
+    Checks: the path is a regular file (a FIFO, a device or a folder is refused before
+    reading); the 8-byte length fits the file and at most ``HEADER_ALLOWANCE`` plus the
+    data's length (and ``MAX_HEADER_BYTES``), so the work done is bounded by the file's
+    size; the header is UTF-8 JSON object without duplicate keys or lone surrogates,
+    describing at most ``entry_limit`` tensors; ``__metadata__`` maps strings to
+    strings; every tensor has exactly ``dtype``, ``shape`` and ``data_offsets`` with a
+    known dtype, a shape of non-negative integers and a byte range whose length is the
+    shape's; the ranges tile the data exactly (no overlap, no hole, no trailing bytes).
     """
-    try:
-        with open(path, "rb") as f:
-            blob = f.read()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read: {e}") from e
     where = f"checkpoint {path}"
-    if len(blob) < 8:
-        raise CheckpointError(f"{where}: {len(blob)} bytes, too short for a safetensors header")
-    n = int.from_bytes(blob[:8], "little")
-    if n > len(blob) - 8:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read: {e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{where}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise CheckpointError(f"{where}: {size} bytes, too short for a safetensors header")
+        try:
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:
+                raise CheckpointError(
+                    f"{where}: header length {n} is larger than the {size - 8} bytes after it "
+                    f"(truncated or damaged file)"
+                )
+            limit = min(MAX_HEADER_BYTES, HEADER_ALLOWANCE + size - 8 - n)
+            if n > limit:
+                raise CheckpointError(
+                    f"{where}: header length {n} exceeds {limit} (a header may take "
+                    f"{HEADER_ALLOWANCE} bytes plus one per data byte, at most {MAX_HEADER_BYTES})"
+                )
+            blob = f.read()
+        except OSError as e:
+            raise CheckpointError(f"{where}: cannot read: {e}") from e
+    if len(blob) != size - 8:
+        raise CheckpointError(f"{where}: the file changed size while it was read")
+    header = parse_json(blob[:n], f"{where}: the header")
+    data = memoryview(blob)[n:]
+    count = len(header) - ("__metadata__" in header)
+    if count > entry_limit(len(data)):
         raise CheckpointError(
-            f"{where}: header length {n} is larger than the {len(blob) - 8} bytes after it "
-            f"(truncated or damaged file)"
+            f"{where}: the header describes {count} tensors, more than the "
+            f"{entry_limit(len(data))} allowed for {len(data)} data bytes"
         )
-    if n > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{where}: header length {n} exceeds {MAX_HEADER_BYTES}")
-    header = _parse_json(blob[8 : 8 + n], where)
-    data = memoryview(blob)[8 + n :]
     metadata: dict[str, str] = {}
     entries: dict[str, TensorEntry] = {}
     for name, spec in header.items():
@@ -194,28 +304,39 @@ def read_safetensors(path: str) -> SafetensorsFile:
         else:
             entries[name] = _entry(name, spec, len(data), where)
     _check_tiling(entries, len(data), where)
-    return SafetensorsFile(path, len(blob), metadata, entries, data)
+    return SafetensorsFile(path, size, metadata, entries, data)
 
 
-def _parse_json(raw: bytes, where: str) -> dict[str, Any]:
+def parse_json(raw: bytes | str, what: str) -> dict[str, Any]:
+    """A JSON object from ``raw`` (UTF-8 bytes or text), or a ``CheckpointError`` naming
+    ``what``: invalid JSON, a repeated key, a lone surrogate (``"\\ud800"``, which no
+    UTF-8 text holds) or another value than an object."""
+
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in pairs:
             if k in out:
-                raise CheckpointError(f"{where}: the header repeats the key {k!r}")
+                raise CheckpointError(f"{what} repeats the key {_shown(k)}")
             out[k] = v
         return out
 
     try:
-        text = raw.decode("utf-8")
-        header = json.loads(text, object_pairs_hook=no_duplicates)
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        doc = json.loads(text, object_pairs_hook=no_duplicates)
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{what} holds a lone surrogate (not valid Unicode)") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{where}: the header is not valid UTF-8 JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(
-            f"{where}: the header is a JSON {type(header).__name__}, not an object"
-        )
-    return header
+        raise CheckpointError(f"{what} is not valid UTF-8 JSON: {_shown(str(e))}") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{what} is a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
+def _shown(text: str, width: int = 60) -> str:
+    """``repr(text)`` cut to ``width`` characters (error messages stay short)."""
+    r = repr(text)
+    return r if len(r) <= width else r[: width - 3] + "..."
 
 
 def _metadata(spec: Any, where: str) -> dict[str, str]:

@@ -12,8 +12,8 @@ import numpy as np
 
 from ..errors import CheckpointError, TiegradError
 from ..params import ParameterStorage
-from .fileio import SafetensorsFile, _is_int, read_safetensors
-from .saving import as_param_list, check_optimizer_params, generator_of
+from .fileio import SafetensorsFile, _is_int, checkpoint_path, read_safetensors
+from .saving import as_param_list, check_methods, check_optimizer_params, generator_of
 from .schema import OptimizerRecord, Schema, SlotRecord, layout_table, slot_records
 
 
@@ -44,6 +44,9 @@ def load(
     schedule: Any = None,
     strict: bool = True,
     rng: Any = None,
+    *,
+    allow_nonfinite: bool = False,
+    check_extra: Callable[[Any], None] | None = None,
 ) -> LoadResult:
     """Restore ``model`` (and optionally ``optimizer``, ``schedule``, ``rng``) from ``path``.
 
@@ -64,10 +67,18 @@ def load(
     and ties among them must agree; trainability may differ) and reports the rest in
     ``missing`` and ``unexpected``; an optimizer is then loaded only if every slot
     matches exactly. ``rng`` is a numpy Generator or a session with ``.rng``.
+
+    Values are checked too: a parameter holding NaN or infinity is refused unless
+    ``allow_nonfinite``; the optimizer refuses state that no step can produce (see
+    ``tiegrad.optim.state_values``). ``check_extra(extra)``, when given, is called
+    with the file's ``extra`` after every other check and before any write; it raises
+    (a ``TiegradError``) to refuse the file, which then changes nothing.
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     where = f"checkpoint {path}"
     plist = as_param_list(model, where)
+    check_methods(optimizer, "optimizer", ("state_dict", "load_state_dict"), where)
+    check_methods(schedule, "schedule", ("load_state_dict",), where)
     file = read_safetensors(path)
     schema = Schema.parse(file)
     target = slot_records(plist)
@@ -94,7 +105,12 @@ def load(
     writes: dict[int, tuple[ParameterStorage, np.ndarray]] = {}
     for f, t in pairs:
         if t.storage not in writes:
-            writes[t.storage] = (plist[t.storage].storage, file.array(f.tensor))
+            value = file.array(f.tensor)
+            if not allow_nonfinite:
+                _check_finite(value, f"{where}: slot {t.path!r}")
+            writes[t.storage] = (plist[t.storage].storage, value)
+    if check_extra is not None:
+        check_extra(schema.extra)
 
     if optimizer is not None:
         before = copy.deepcopy(optimizer.state_dict()) if schedule is not None else None
@@ -254,6 +270,15 @@ def _check_rng_state(state: dict[str, Any] | None, gen: np.random.Generator, whe
             f"{where}: the RNG state does not fit a {type(gen.bit_generator).__name__} "
             f"generator: {e}"
         ) from None
+
+
+def _check_finite(value: np.ndarray, what: str) -> None:
+    bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+    if bad:
+        raise CheckpointError(
+            f"{what}: {bad} of {value.size} values are NaN or infinite (pass "
+            f"allow_nonfinite=True to load them)"
+        )
 
 
 def _call_loader(loader: Callable[[Any], Any], state: Any, what: str, where: str) -> None:

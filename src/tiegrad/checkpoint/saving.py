@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..params import ParamList
-from .fileio import supported_dtype, write_safetensors
+from .fileio import checkpoint_path, supported_dtype, write_safetensors
 from .schema import (
     METADATA_KEY,
     OPTIM_PREFIX,
@@ -46,6 +46,16 @@ def generator_of(rng: Any, where: str) -> np.random.Generator:
             f"got {type(rng).__name__}"
         )
     return gen
+
+
+def check_methods(target: Any, what: str, methods: tuple[str, ...], where: str) -> None:
+    """An ``optimizer`` or ``schedule`` argument is None or has ``methods``; else a
+    ``CheckpointError`` naming the argument."""
+    if target is not None and not all(callable(getattr(target, m, None)) for m in methods):
+        raise CheckpointError(
+            f"{where}: {what} must have {' and '.join(m + '()' for m in methods)}, got "
+            f"{type(target).__name__}"
+        )
 
 
 def check_optimizer_params(optimizer: Any, plist: ParamList, where: str) -> None:
@@ -90,9 +100,11 @@ def save(
     session) go into the schema. Everything is validated before the file is touched;
     the write is atomic (see ``write_safetensors``). Errors are ``CheckpointError``.
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     where = f"checkpoint {path}"
     plist = as_param_list(model, where)
+    check_methods(optimizer, "optimizer", ("state_dict",), where)
+    check_methods(schedule, "schedule", ("state_dict",), where)
     slots = slot_records(plist)
     tensors: dict[str, np.ndarray] = {}
     values = plist.values_synced()

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..params import ParamList
-from .fileio import SafetensorsFile, _is_int, supported_dtype
+from .fileio import SafetensorsFile, _is_int, entry_limit, parse_json, supported_dtype
 
 FORMAT = "tiegrad-checkpoint"
 FORMAT_VERSION = 1
@@ -37,6 +37,9 @@ PARAM_PREFIX = "param/"
 OPTIM_PREFIX = "optim/"
 
 _SLOT_KEYS = {"path", "shape", "dtype", "requires_grad", "canonical", "storage", "tensor"}
+#: Rows of a layout table shown from the start and among those that differ.
+TABLE_ROWS = 20
+
 _TOP_KEYS = {"format", "format_version", "slots", "optimizer", "schedule", "rng", "extra"}
 
 
@@ -123,12 +126,7 @@ class Schema:
             raise CheckpointError(
                 f"{where}: not a tiegrad checkpoint (no {METADATA_KEY!r} key in __metadata__)"
             )
-        try:
-            doc = json.loads(file.metadata[METADATA_KEY])
-        except (ValueError, RecursionError) as e:
-            raise CheckpointError(f"{where}: the schema is not valid JSON: {e}") from None
-        if not isinstance(doc, dict):
-            raise CheckpointError(f"{where}: the schema is not a JSON object")
+        doc = parse_json(file.metadata[METADATA_KEY], f"{where}: the schema")
         if doc.get("format") != FORMAT:
             raise CheckpointError(
                 f"{where}: schema format {doc.get('format')!r:.60}, expected {FORMAT!r}"
@@ -145,7 +143,7 @@ class Schema:
             raise CheckpointError(
                 f"{where}: schema keys {sorted(doc)}, expected {sorted(_TOP_KEYS)}"
             )
-        slots = tuple(parse_slots(doc["slots"], where))
+        slots = tuple(parse_slots(doc["slots"], where, entry_limit(file.data_bytes)))
         check_layout(slots, where)
         optimizer = _parse_optimizer(doc["optimizer"], slots, where)
         rng = doc["rng"]
@@ -160,10 +158,16 @@ def _slot_label(i: int, path: str) -> str:
     return f"slot {i} ({path!r})"
 
 
-def parse_slots(raw: Any, where: str) -> list[SlotRecord]:
-    """Slot records from their JSON form, each field's type checked (``check_layout``: ties)."""
+def parse_slots(raw: Any, where: str, limit: int | None = None) -> list[SlotRecord]:
+    """Slot records from their JSON form, each field's type checked (``check_layout``: ties);
+    more than ``limit`` slots (when given) is refused before any is read."""
     if not isinstance(raw, list):
         raise CheckpointError(f"{where}: schema 'slots' must be a list")
+    if limit is not None and len(raw) > limit:
+        raise CheckpointError(
+            f"{where}: the schema lists {len(raw)} slots, more than the {limit} allowed for "
+            f"the file's data bytes"
+        )
     out: list[SlotRecord] = []
     seen: dict[str, int] = {}
     for i, s in enumerate(raw):
@@ -259,7 +263,9 @@ def _parse_optimizer(raw: Any, slots: Sequence[SlotRecord], where: str) -> Optim
         raise CheckpointError(f"{where}: the optimizer record needs a 'state' object")
     state: dict[int, SlotState] = {}
     for key, entry in state_raw.items():
-        if not (key.isascii() and key.isdigit() and str(int(key)) == key) or int(key) >= len(slots):
+        if not (len(key) <= 19 and key.isascii() and key.isdigit() and str(int(key)) == key) or int(
+            key
+        ) >= len(slots):
             raise CheckpointError(
                 f"{where}: optimizer state key {key!r:.40} is not a slot in [0, {len(slots)})"
             )
@@ -371,6 +377,8 @@ def layout_table(
     """Two slot layouts side by side, one row per pair; rows that differ are marked.
 
     A row compares path, shape, dtype, trainability, canonical slot and storage slot.
+    Long layouts show the first ``TABLE_ROWS`` rows and the first ``TABLE_ROWS`` that
+    differ, then a count of the rows left out (an error message stays short).
     """
 
     def cells(s: SlotRecord | None) -> list[str]:
@@ -379,7 +387,9 @@ def layout_table(
         return [*slot_cells(s), str(s.storage)]
 
     head = ["path", "shape", "dtype", "train", "canon", "stor"]
-    rows = [(cells(a), cells(b), _differs(a, b)) for a, b in pairs]
+    differing = [i for i, (a, b) in enumerate(pairs) if _differs(a, b)]
+    shown = sorted(set(range(min(TABLE_ROWS, len(pairs)))) | set(differing[:TABLE_ROWS]))
+    rows = [(cells(pairs[i][0]), cells(pairs[i][1]), _differs(*pairs[i])) for i in shown]
     widths = [
         max(len(head[k]), *(len(r[side][k]) for r in rows for side in (0, 1)))
         for k in range(len(head))
@@ -393,20 +403,29 @@ def layout_table(
         f"{'':>4}  {title[0]:<{side}} | {title[1]}",
         f"{'slot':>4}  {fmt(head)} | {fmt(head)}",
     ]
-    for i, (a, b, bad) in enumerate(rows):
+    for i, (a, b, bad) in zip(shown, rows):
         lines.append(f"{i:>4}  {fmt(a)} | {fmt(b)}{'  <-- differs' if bad else ''}".rstrip())
+    if len(shown) < len(pairs):
+        lines.append(
+            f"({len(pairs) - len(shown)} more rows not shown, {len(differing)} rows differ in all)"
+        )
     return "\n".join(lines)
 
 
 def slot_cells(s: SlotRecord) -> list[str]:
     """A slot as table cells: path, shape, dtype, trainability and canonical slot."""
     return [
-        s.path,
+        printable(s.path),
         "x".join(map(str, s.shape)) or "scalar",
         s.dtype,
         "yes" if s.requires_grad else "frozen",
         "-" if s.canonical is None else str(s.canonical),
     ]
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: as it is when printable, else escaped as in ``repr``."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _differs(a: SlotRecord | None, b: SlotRecord | None) -> bool:

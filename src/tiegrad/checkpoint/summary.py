@@ -6,8 +6,8 @@ import json
 import os
 from typing import Any
 
-from .fileio import SafetensorsFile, read_safetensors
-from .schema import Schema, nbytes, slot_cells
+from .fileio import SafetensorsFile, checkpoint_path, read_safetensors
+from .schema import Schema, nbytes, printable, slot_cells
 
 _JSON_WIDTH = 160
 
@@ -16,9 +16,10 @@ def inspect(path: str | os.PathLike[str]) -> str:
     """Describe the checkpoint at ``path``: slots, shapes, ties, frozen flags, optimizer, bytes.
 
     The file is fully validated first (``Schema.parse``); a damaged file raises
-    ``CheckpointError``. Nothing is loaded into any model.
+    ``CheckpointError``. Nothing is loaded into any model. Strings from the file (paths,
+    names) are shown escaped when they are not printable, so the text is safe to print.
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     file = read_safetensors(path)
     schema = Schema.parse(file)
     slots = schema.slots
@@ -39,7 +40,7 @@ def inspect(path: str | os.PathLike[str]) -> str:
     ]
     rows = [("slot", "path", "shape", "dtype", "trainable", "canonical", "stored in")]
     for i, s in enumerate(slots):
-        stored = s.tensor if s.storage == i else f"= slot {s.storage} (tied)"
+        stored = printable(s.tensor) if s.storage == i else f"= slot {s.storage} (tied)"
         rows.append((str(i), *slot_cells(s), stored))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     for r in rows:
@@ -48,7 +49,7 @@ def inspect(path: str | os.PathLike[str]) -> str:
     for r in storages:
         members = [s.path for s in slots if s.storage == r]
         if len(members) > 1:
-            lines.append(f"tie: {' = '.join(members)}")
+            lines.append(f"tie: {' = '.join(map(printable, members))}")
     param_bytes = sum(nbytes(slots[r]) for r in storages)
     untied = sum(nbytes(s) for s in slots)
     lines.append(
@@ -59,7 +60,7 @@ def inspect(path: str | os.PathLike[str]) -> str:
     if schema.schedule is not None:
         lines.append(f"schedule: {_short(schema.schedule)}")
     if schema.rng is not None:
-        lines.append(f"rng: {schema.rng.get('bit_generator', '?')} state")
+        lines.append(f"rng: {_text(schema.rng.get('bit_generator', '?'))} state")
     if schema.extra is not None:
         lines.append(f"extra: {_short(schema.extra)}")
     return "\n".join(lines)
@@ -72,15 +73,23 @@ def _optimizer_lines(schema: Schema, file: SafetensorsFile) -> list[str]:
     keys = [k for st in opt.state.values() for k in st.tensors.values()]
     size = sum(file.tensors[k].nbytes for k in keys)
     counters = ", ".join(
-        f"{k} {opt.config[k]}" for k in ("step_count", "skipped_steps") if k in opt.config
+        f"{k} {_text(opt.config[k])}" for k in ("step_count", "skipped_steps") if k in opt.config
     )
     lines = [
-        f"optimizer: {opt.kind}{', ' + counters if counters else ''}; state for "
+        f"optimizer: {printable(opt.kind)}{', ' + counters if counters else ''}; state for "
         f"{len(opt.state)} canonical slots in {len(keys)} tensors, {size:,} bytes"
     ]
     if "defaults" in opt.config:
         lines.append(f"  defaults: {_short(opt.config['defaults'])}")
     return lines
+
+
+def _text(value: Any) -> str:
+    """A string from the file as it is (escaped when not printable), anything else as JSON."""
+    if not isinstance(value, str):
+        return _short(value)
+    text = printable(value)
+    return text if len(text) <= _JSON_WIDTH else text[: _JSON_WIDTH - 3] + "..."
 
 
 def _short(value: Any) -> str:

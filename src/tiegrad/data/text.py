@@ -66,8 +66,12 @@ class TextDataset:
         val_fraction: float = 0.1,
     ) -> None:
         self.block_size = check_positive("TextDataset: block_size", block_size)
-        if not 0.0 < val_fraction < 1.0:
+        if not (isinstance(val_fraction, (int, float)) and 0.0 < val_fraction < 1.0):
             raise ConfigError(f"TextDataset: val_fraction must lie in (0, 1), got {val_fraction}")
+        if not isinstance(text, (str, bytes)):
+            raise ConfigError(
+                f"TextDataset: text must be a str or bytes, got {type(text).__name__}"
+            )
         if not text:
             raise ConfigError("TextDataset: the text is empty")
         if isinstance(text, bytes):

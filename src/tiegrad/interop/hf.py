@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..checkpoint.fileio import SafetensorsFile, read_safetensors, write_safetensors
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, HyperparameterError
 
 if TYPE_CHECKING:
     from ..models.gpt2 import GPT2
@@ -92,7 +92,7 @@ def load_gpt2(directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2
     config = read_config(directory)
     try:
         model = GPT2(**model_kwargs(config), dtype=dtype)
-    except ConfigError as e:
+    except (ConfigError, HyperparameterError) as e:  # GPT2.check_config's verdicts
         raise ConfigError(f"{Path(directory) / CONFIG}: {e}") from None
     model.source_config = config
     load_weights(model, directory)

@@ -11,25 +11,63 @@ small logits; every other layer keeps its PyTorch default.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .. import ops
-from ..errors import DTypeError, HyperparameterError, ShapeError
+from ..errors import ConfigError, DTypeError, HyperparameterError, ShapeError
 from ..nn import init
 from ..nn.attention import TransformerBlock
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.tying import tie
+from ..optim.hyperparams import size, unit_interval
 from ..session import EagerSession, TensorRef
 from ._configured import ConfiguredModel
 
 EMBED_STD = 0.02
 
+#: Slots of one TransformerBlock: two LayerNorms, qkv, proj and two MLP Linears, each
+#: with a weight and a bias.
+BLOCK_SLOTS = 12
+
 
 class TiedCausalLM(ConfiguredModel):
-    """Base of ``TiedLM`` and ``SharedBlockLM``; subclasses add ``_build_blocks``, ``_body``."""
+    """Base of ``TiedLM`` and ``SharedBlockLM``; subclasses add ``_build_blocks``, ``_body``
+    and ``stored_blocks``."""
+
+    ARGS = {
+        "vocab_size": size,
+        "d_model": size,
+        "n_heads": size,
+        "max_seq_len": size,
+        "dropout": unit_interval,
+        "mlp_ratio": size,
+    }
+
+    @classmethod
+    def check_relations(cls, owner: str, args: Mapping[str, Any]) -> None:
+        if args["d_model"] % args["n_heads"]:
+            raise ConfigError(
+                f"{owner}: d_model={args['d_model']} must be a multiple of "
+                f"n_heads={args['n_heads']}"
+            )
+
+    @classmethod
+    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
+        """How many distinct TransformerBlocks a model of ``config`` holds."""
+        raise NotImplementedError
+
+    @classmethod
+    def layout_size(cls, config: Mapping[str, Any]) -> tuple[int, int]:
+        """``(slots, elements)`` of a model of ``config`` (as ``check_config`` returns it):
+        the length of its parameter list and the elements of its distinct storages (the
+        tied head counted once), computed without building anything."""
+        d, r, n = config["d_model"], config["mlp_ratio"], cls.stored_blocks(config)
+        block = 4 * d * d + 2 * r * d * d + 9 * d + r * d
+        embeddings = (config["vocab_size"] + config["max_seq_len"]) * d
+        return 5 + BLOCK_SLOTS * n, embeddings + n * block + 2 * d
 
     def _build(self, seed: int, dtype: Any, **args: Any) -> None:
         """Set ``config`` (``args``, ``seed``, ``dtype``) and build the layers in slot order,

@@ -1,28 +1,92 @@
-"""``ConfiguredModel``: the base of the reference models, rebuildable from ``config``."""
+"""``ConfiguredModel``: the base of the reference models, rebuildable from ``config``.
+
+``check_config`` is the one validator of a model configuration: the constructors run
+it on their arguments before building anything, and ``tiegrad sample`` runs it on the
+configuration a checkpoint file carries (C6).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import inspect
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..nn import init
+from ..nn.layers import get_activation
 from ..nn.module import Module
+from ..optim import hyperparams
 from ..session import EagerSession
 
 
-class ConfiguredModel(Module):
-    """A model whose ``config`` holds its constructor arguments: ``type(m)(**m.config)``."""
+def dtype_name(owner: str, name: str, value: Any) -> Any:
+    """A floating dtype (``init.float_dtype``); the value itself is kept."""
+    init.float_dtype(value)
+    return value
 
+
+def activation_name(owner: str, name: str, value: Any) -> Any:
+    """The name of an activation of ``tiegrad.nn`` (``relu``, ``gelu``, ...)."""
+    get_activation(value)
+    return value
+
+
+class ConfiguredModel(Module):
+    """A model whose ``config`` holds its constructor arguments: ``type(m)(**m.config)``.
+
+    Subclasses declare ``ARGS``, a checker (``tiegrad.optim.hyperparams`` style) per
+    constructor argument other than ``seed`` and ``dtype``.
+    """
+
+    ARGS: ClassVar[dict[str, hyperparams.Checker]] = {}
     config: dict[str, Any]
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """``config`` checked as the constructor's keyword arguments (C6); returns every
+        argument (defaults filled in).
+
+        Every key must be a constructor argument and every argument without a default
+        must be present; each value is checked for type and range, then the rules
+        between values (``check_relations``). Errors name the model and the argument:
+        ``HyperparameterError``, ``ConfigError`` or ``DTypeError``.
+        """
+        owner = cls.__name__
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"{owner}: the configuration must be a mapping, got {config!r:.80}")
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        known = {p.name for p in params}
+        unknown = sorted(map(str, set(config) - known))
+        if unknown:
+            raise ConfigError(
+                f"{owner}: unknown argument(s) {unknown[:10]!r:.300}; it takes {sorted(known)}"
+            )
+        missing = [p.name for p in params if p.default is p.empty and p.name not in config]
+        if missing:
+            raise ConfigError(f"{owner}: missing argument(s) {missing}")
+        checks: dict[str, hyperparams.Checker] = {
+            **cls.ARGS,
+            "seed": hyperparams.seed,
+            "dtype": dtype_name,
+        }
+        out = {p.name: config.get(p.name, p.default) for p in params}
+        out = {k: checks[k](owner, k, v) for k, v in out.items()}
+        cls.check_relations(owner, out)
+        return out
+
+    @classmethod
+    def check_relations(cls, owner: str, args: Mapping[str, Any]) -> None:
+        """Rules between arguments (all present, each already checked); none by default."""
 
     def _configure(
         self, seed: int, dtype: Any, **args: Any
     ) -> tuple[np.random.Generator, np.dtype]:
-        """Set ``config`` to ``args`` plus ``seed`` and the dtype's name; return the model's
-        generator ``default_rng(seed)`` and the floating dtype."""
+        """Check the arguments (``check_config``), set ``config`` to ``args`` plus ``seed``
+        and the dtype's name; return the generator ``default_rng(seed)`` and the dtype."""
+        self.check_config(dict(args, seed=seed, dtype=dtype))
         dt = init.float_dtype(dtype)
         self.config = dict(args, seed=seed, dtype=dt.name)
         return np.random.default_rng(seed), dt

@@ -27,6 +27,7 @@ from ..nn._input import layer_input
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.module import Module, ModuleList
 from ..nn.tying import tie
+from ..optim import hyperparams
 from ..session import EagerSession, TensorRef
 from ._causal_lm import EMBED_STD, TiedCausalLM
 
@@ -34,40 +35,17 @@ from ._causal_lm import EMBED_STD, TiedCausalLM
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
-_SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
-_PROBABILITIES = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
-_FLAGS = ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "tie_word_embeddings")
+def _optional_size(owner: str, name: str, value: Any) -> int | None:
+    """``None`` (transformers' default: four times the width) or a size."""
+    return None if value is None else hyperparams.size(owner, name, value)
 
 
-def _check_arguments(args: dict[str, Any]) -> None:
-    """``ConfigError`` naming the first ``GPT2`` argument of the wrong type or range."""
-
-    def bad(name: str, expected: str) -> ConfigError:
-        return ConfigError(f"GPT2: {name} must be {expected}, got {args[name]!r}")
-
-    def is_int(x: Any) -> bool:
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-    def is_real(x: Any) -> bool:
-        return isinstance(x, (int, float, np.floating)) and not isinstance(x, bool)
-
-    for name in _SIZES:
-        if not (is_int(args[name]) and args[name] >= 1):
-            raise bad(name, "an int >= 1")
-    if args["n_inner"] is not None and not (is_int(args["n_inner"]) and args["n_inner"] >= 1):
-        raise bad("n_inner", "None or an int >= 1")
-    for name in _PROBABILITIES:
-        if not (is_real(args[name]) and 0.0 <= args[name] < 1.0):
-            raise bad(name, "a number in [0, 1)")
-    if not (is_real(args["layer_norm_epsilon"]) and args["layer_norm_epsilon"] > 0):
-        raise bad("layer_norm_epsilon", "a number > 0")
-    if not (is_real(args["initializer_range"]) and math.isfinite(args["initializer_range"])):
-        raise bad("initializer_range", "a finite number")
-    if args["initializer_range"] < 0:
-        raise bad("initializer_range", "a number >= 0")
-    for name in _FLAGS:
-        if not isinstance(args[name], bool):
-            raise bad(name, "a bool")
+def _activation(owner: str, name: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in ACTIVATIONS:
+        raise ConfigError(
+            f"{owner}: {name} {value!r:.80} is not supported (supported: {', '.join(ACTIVATIONS)})"
+        )
+    return value
 
 
 class Conv1D(Module):
@@ -188,6 +166,39 @@ class GPT2(TiedCausalLM):
     ``TiedLM``'s. ``config`` holds the constructor arguments: ``type(m)(**m.config)``.
     """
 
+    ARGS = {
+        **dict.fromkeys(
+            ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"), hyperparams.size
+        ),
+        "n_inner": _optional_size,
+        "activation_function": _activation,
+        **dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), hyperparams.decay_rate),
+        "layer_norm_epsilon": hyperparams.positive,
+        "initializer_range": hyperparams.at_least_zero,
+        **dict.fromkeys(
+            ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "tie_word_embeddings"),
+            hyperparams.flag,
+        ),
+    }
+
+    @classmethod
+    def check_relations(cls, owner: str, args: Any) -> None:
+        if args["n_embd"] % args["n_head"]:
+            raise ConfigError(
+                f"{owner}: n_head={args['n_head']} must divide n_embd={args['n_embd']}"
+            )
+
+    @classmethod
+    def layout_size(cls, config: Any) -> tuple[int, int]:
+        """``(slots, elements)`` of a model of ``config`` (as ``check_config`` returns it),
+        computed without building anything (``TiedCausalLM.layout_size``)."""
+        d, n = config["n_embd"], config["n_layer"]
+        inner = config["n_inner"] if config["n_inner"] is not None else 4 * d
+        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (2 * d * inner + inner + d)
+        head = 0 if config["tie_word_embeddings"] else config["vocab_size"] * d
+        embeddings = (config["vocab_size"] + config["n_positions"]) * d
+        return 5 + 12 * n, embeddings + n * block + 2 * d + head
+
     def __init__(
         self,
         vocab_size: int = 50257,
@@ -209,14 +220,6 @@ class GPT2(TiedCausalLM):
         dtype: Any = "float32",
     ) -> None:
         super().__init__()
-        _check_arguments(locals())
-        if activation_function not in ACTIVATIONS:
-            raise ConfigError(
-                f"GPT2: activation_function {activation_function!r} is not supported "
-                f"(supported: {', '.join(ACTIVATIONS)})"
-            )
-        if n_embd % n_head:
-            raise ConfigError(f"GPT2: n_head={n_head} must divide n_embd={n_embd}")
         rng, dt = self._configure(
             seed, dtype, vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd,
             n_layer=n_layer, n_head=n_head, n_inner=n_inner,

@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..nn.layers import MLP
+from ..nn.layers import MLP, hidden_widths
+from ..optim.hyperparams import size, unit_interval
 from ..session import EagerSession, TensorRef
-from ._configured import ConfiguredModel
+from ._configured import ConfiguredModel, activation_name
 
 
 class MLPClassifier(ConfiguredModel):
@@ -20,6 +21,14 @@ class MLPClassifier(ConfiguredModel):
     ``predict(x)`` returns the arg-max classes without recording gradients. ``config``
     holds the constructor arguments.
     """
+
+    ARGS = {
+        "in_features": size,
+        "hidden": hidden_widths,
+        "n_classes": size,
+        "activation": activation_name,
+        "dropout": unit_interval,
+    }
 
     def __init__(
         self,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..nn.attention import TransformerBlock
+from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
 
@@ -18,6 +19,12 @@ class SharedBlockLM(TiedCausalLM):
     the sum of its uses' gradients and one update per step (C4), and a checkpoint stores
     the block once (C9). ``config`` holds the constructor arguments.
     """
+
+    ARGS = {**TiedCausalLM.ARGS, "n_repeats": size}
+
+    @classmethod
+    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
+        return 1
 
     def __init__(
         self,

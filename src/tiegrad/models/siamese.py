@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import HyperparameterError
 from ..nn._input import check_shape
-from ..nn.layers import MLP
+from ..nn.layers import MLP, hidden_widths
+from ..optim.hyperparams import positive, size
 from ..session import EagerSession, TensorRef
-from ._configured import ConfiguredModel
+from ._configured import ConfiguredModel, activation_name
 
 
 class SiameseEncoder(ConfiguredModel):
@@ -24,6 +24,14 @@ class SiameseEncoder(ConfiguredModel):
     ``d = |z1 - z2|``, ``same * d**2 + (1 - same) * max(0, margin - d)**2``, averaged.
     ``config`` holds the constructor arguments.
     """
+
+    ARGS = {
+        "in_features": size,
+        "hidden": hidden_widths,
+        "embed_dim": size,
+        "activation": activation_name,
+        "margin": positive,
+    }
 
     def __init__(
         self,
@@ -45,8 +53,6 @@ class SiameseEncoder(ConfiguredModel):
             activation=activation,
             margin=margin,
         )
-        if not margin > 0:
-            raise HyperparameterError(f"SiameseEncoder: margin must be > 0, got {margin}")
         self.margin = float(margin)
         self.encoder = MLP(in_features, hidden, embed_dim, activation, rng=rng, dtype=dt)
 

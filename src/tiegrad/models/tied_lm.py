@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..nn.attention import TransformerBlock
 from ..nn.module import ModuleList
+from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
 
@@ -23,6 +24,12 @@ class TiedLM(TiedCausalLM):
     ``TiedLM(**model.config)`` rebuilds the architecture; ``seed`` fixes every initial
     value (layers draw in construction order from ``default_rng(seed)``).
     """
+
+    ARGS = {**TiedCausalLM.ARGS, "n_layers": size}
+
+    @classmethod
+    def stored_blocks(cls, config: Mapping[str, Any]) -> int:
+        return config["n_layers"]
 
     def __init__(
         self,

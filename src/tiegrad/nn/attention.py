@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError
+from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
 from . import init
 from ._input import check_shape, layer_input
@@ -37,8 +38,9 @@ class MultiHeadAttention(Module):
     ) -> None:
         super().__init__()
         rng, dtype = init.generator(rng), init.float_dtype(dtype)
-        d_model, n_heads = int(d_model), int(n_heads)
-        if n_heads < 1 or d_model % n_heads:
+        d_model = size("MultiHeadAttention", "d_model", d_model)
+        n_heads = size("MultiHeadAttention", "n_heads", n_heads)
+        if d_model % n_heads:
             raise ConfigError(
                 f"MultiHeadAttention: d_model={d_model} must be a multiple of n_heads={n_heads}"
             )
@@ -91,7 +93,8 @@ class TransformerBlock(Module):
     ) -> None:
         super().__init__()
         rng = init.generator(rng)
-        self.d_model = int(d_model)
+        self.d_model = size("TransformerBlock", "d_model", d_model)
+        mlp_ratio = size("TransformerBlock", "mlp_ratio", mlp_ratio)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = MultiHeadAttention(d_model, n_heads, causal=causal, rng=rng, dtype=dtype)
         self.ln2 = LayerNorm(d_model, dtype=dtype)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops
+from ..optim.hyperparams import count, size
 from ..session import EagerSession, TensorRef
 from . import init
 from ._input import layer_input
@@ -33,8 +34,11 @@ class Conv2d(Module):
     ) -> None:
         super().__init__()
         rng, dtype = init.generator(rng), init.float_dtype(dtype)
-        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
-        self.kernel_size, self.stride, self.padding = int(kernel_size), int(stride), int(padding)
+        self.in_channels = size("Conv2d", "in_channels", in_channels)
+        self.out_channels = size("Conv2d", "out_channels", out_channels)
+        self.kernel_size = size("Conv2d", "kernel_size", kernel_size)
+        self.stride = size("Conv2d", "stride", stride)
+        self.padding = count("Conv2d", "padding", padding)
         k = self.kernel_size
         self.weight, self.bias = init.fan_in_uniform(
             rng, (self.out_channels, self.in_channels, k, k), bias, dtype
@@ -57,8 +61,8 @@ class MaxPool2d(Module):
 
     def __init__(self, kernel_size: int, stride: int | None = None) -> None:
         super().__init__()
-        self.kernel_size = int(kernel_size)
-        self.stride = self.kernel_size if stride is None else int(stride)
+        self.kernel_size = size("MaxPool2d", "kernel_size", kernel_size)
+        self.stride = self.kernel_size if stride is None else size("MaxPool2d", "stride", stride)
 
     def forward(self, session: EagerSession, x: Any) -> TensorRef:
         x = layer_input(self, session, x, ("N", "C", "H", "W"))

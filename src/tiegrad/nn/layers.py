@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import ConfigError, HyperparameterError
+from ..errors import ConfigError
+from ..optim.hyperparams import count, positive, size, unit_interval
 from ..session import EagerSession, TensorRef
 from . import init
 from ._input import layer_input
@@ -38,6 +39,17 @@ def get_activation(name: str) -> Callable[[TensorRef], TensorRef]:
         ) from None
 
 
+def hidden_widths(owner: str, name: str, value: Any) -> list[int]:
+    """One hidden width or a sequence of them (an ``MLP``'s ``hidden``), each >= 1."""
+    if isinstance(value, (int, np.integer)):
+        return [size(owner, name, value)]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigError(
+            f"{owner}: {name} must be an integer or a sequence of integers, got {value!r:.80}"
+        )
+    return [size(owner, f"{name}[{i}]", w) for i, w in enumerate(value)]
+
+
 class Linear(Module):
     """``y = x @ weight.T + bias``; weight (out, in) as in PyTorch, bias (out,).
 
@@ -54,7 +66,8 @@ class Linear(Module):
     ) -> None:
         super().__init__()
         rng, dtype = init.generator(rng), init.float_dtype(dtype)
-        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_features = size("Linear", "in_features", in_features)
+        self.out_features = size("Linear", "out_features", out_features)
         self.weight, self.bias = init.fan_in_uniform(
             rng, (self.out_features, self.in_features), bias, dtype
         )
@@ -83,7 +96,8 @@ class Embedding(Module):
     ) -> None:
         super().__init__()
         rng, dtype = init.generator(rng), init.float_dtype(dtype)
-        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.num_embeddings = size("Embedding", "num_embeddings", num_embeddings)
+        self.embedding_dim = size("Embedding", "embedding_dim", embedding_dim)
         self.weight = init.normal(rng, (self.num_embeddings, self.embedding_dim), 1.0, dtype)
 
     def forward(self, session: EagerSession, indices: Any) -> TensorRef:
@@ -100,9 +114,7 @@ class LayerNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-5, dtype: Any = np.float32) -> None:
         super().__init__()
         dtype = init.float_dtype(dtype)
-        if not eps > 0:
-            raise HyperparameterError(f"LayerNorm: eps must be > 0, got {eps}")
-        self.dim, self.eps = int(dim), float(eps)
+        self.dim, self.eps = size("LayerNorm", "dim", dim), positive("LayerNorm", "eps", eps)
         self.weight = init.constant((self.dim,), 1.0, dtype)
         self.bias = init.constant((self.dim,), 0.0, dtype)
 
@@ -119,9 +131,7 @@ class Dropout(Module):
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise HyperparameterError(f"Dropout: p must be in [0, 1], got {p}")
-        self.p = float(p)
+        self.p = unit_interval("Dropout", "p", p)
 
     def forward(self, session: EagerSession, x: Any) -> TensorRef:
         x = layer_input(self, session, x, (...,))
@@ -136,9 +146,7 @@ class Flatten(Module):
 
     def __init__(self, start_dim: int = 1) -> None:
         super().__init__()
-        if int(start_dim) < 0:
-            raise ConfigError(f"Flatten: start_dim must be >= 0, got {start_dim}")
-        self.start_dim = int(start_dim)
+        self.start_dim = count("Flatten", "start_dim", start_dim)
 
     def forward(self, session: EagerSession, x: Any) -> TensorRef:
         x = layer_input(self, session, x, (...,) + ("D",) * (self.start_dim + 1))
@@ -190,12 +198,11 @@ class MLP(Module):
     ) -> None:
         super().__init__()
         rng = init.generator(rng)
-        widths = (
-            [int(hidden)] if isinstance(hidden, (int, np.integer)) else [int(h) for h in hidden]
-        )
+        widths = hidden_widths("MLP", "hidden", hidden)
         self._act = get_activation(activation)
         self.activation = activation
-        sizes = [int(in_features), *widths, int(out_features)]
+        sizes = [size("MLP", "in_features", in_features), *widths]
+        sizes.append(size("MLP", "out_features", out_features))
         self.layers = ModuleList(
             Linear(a, b, rng=rng, dtype=dtype) for a, b in zip(sizes[:-1], sizes[1:])
         )

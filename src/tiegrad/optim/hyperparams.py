@@ -97,6 +97,25 @@ def count(owner: str, name: str, value: Any, minimum: int = 0) -> int:
     return int(value)
 
 
+def size(owner: str, name: str, value: Any) -> int:
+    """An integer >= 1: a width, a count of layers, a vocabulary size."""
+    return count(owner, name, value, minimum=1)
+
+
+#: Integers of configurations are below INT64_LIMIT (TOML's range, a C ``int64``).
+INT64_LIMIT = 2**63
+
+
+def seed(owner: str, name: str, value: Any) -> int:
+    """A seed: an integer in [0, ``INT64_LIMIT``)."""
+    x = count(owner, name, value)
+    if x >= INT64_LIMIT:
+        raise HyperparameterError(
+            f"{owner}: {name} must be < 2**63, got an integer of {x.bit_length()} bits"
+        )
+    return x
+
+
 def plain(values: Mapping[str, Any]) -> dict[str, Any]:
     """Hyperparameters as JSON values (tuples become lists), for a ``state_dict``."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}

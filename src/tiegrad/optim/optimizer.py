@@ -81,6 +81,7 @@ from .hyperparams import Checker, check_eps_in, count, plain
 from .norms import sum_of_squares
 from .plan import CHUNK, Program, Run, StepPlan
 from .state import FlatState, SlotSpec
+from .state_values import check_state_values
 
 NONFINITE_MODES = ("raise", "skip")
 STATE_DICT_KEYS = (
@@ -308,6 +309,7 @@ class Optimizer:
         hps = self._checked_groups(groups, plan)
         required = self._required_specs(plan, hps)
         specs, entries = self._checked_state(where, sd["state"], plan.slots, required)
+        check_state_values(where, entries)
         step_count = _counter(where, "step_count", sd["step_count"])
         skipped = _counter(where, "skipped_steps", sd["skipped_steps"])
         self.defaults = defaults
@@ -358,6 +360,11 @@ class Optimizer:
     def _parse_groups(self, params: ParamsArg) -> tuple[ParamList, list[dict[str, Any]], list[int]]:
         if isinstance(params, (ParamList, Param)):
             raw: list[Any] = [{"params": params}]
+        elif isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
+            raise SlotError(
+                f"{self.kind}: params must be a ParamList, a Param or an iterable of Params or "
+                f"of parameter groups, got {type(params).__name__}"
+            )
         else:
             items = list(params)
             if items and all(isinstance(x, Mapping) for x in items):

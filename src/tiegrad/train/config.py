@@ -4,7 +4,8 @@ A configuration is a flat dict with exactly the keys of ``DEFAULTS``. It is
 resolved in three layers, later ones winning: ``DEFAULTS``, a TOML file
 (``--config FILE.toml``, flat ``key = value`` pairs), then command-line flags. A key
 that does not exist, a value of the wrong type or out of range is a ``ConfigError``
-naming the key (and the file), raised before anything is built.
+naming the key (and the file), raised before anything is built; integers are
+64-bit (TOML's range), so ``steps = 10**26`` is refused rather than run forever.
 
 The defaults are the main job, ``tiegrad train`` with no arguments: a character
 ``TiedLM`` trained on the standard library's source (``text = ""``), sized to finish
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..optim.hyperparams import INT64_LIMIT
 
 DEFAULTS: dict[str, Any] = {
     # data
@@ -154,6 +156,11 @@ def check_value(key: str, value: Any, where: str = "", label: str | None = None)
     if not ok:
         article = {float: "a finite", int: "an"}.get(kind, "a")
         raise ConfigError(f"{name}: expected {article} {kind.__name__}, got {value!r}")
+    if kind is int and not -INT64_LIMIT <= value < INT64_LIMIT:  # steps = 10**26, seed 2**70
+        raise ConfigError(
+            f"{name}: expected a 64-bit integer (|value| < 2**63), got an integer of "
+            f"{value.bit_length()} bits"
+        )
     if key in _CHOICES and value not in _CHOICES[key]:
         raise ConfigError(f"{name}: expected one of {_CHOICES[key]}, got {value!r}")
     if key in _RANGES:

@@ -227,6 +227,11 @@ class Trainer:
             )
         if len(train_data) < 1:
             raise ConfigError("Trainer: train_data yields no batch")
+        if val_data is not None and not isinstance(val_data, (BatchSource, list, tuple)):
+            raise ConfigError(
+                "Trainer: val_data must be None, a batch source or a list of batches, got "
+                f"{type(val_data).__name__}"
+            )
         if (max_steps is None) == (epochs is None):
             raise ConfigError("Trainer: give exactly one of max_steps and epochs")
         self.grad_accum = check_positive("Trainer: grad_accum", grad_accum)
@@ -429,28 +434,70 @@ class Trainer:
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore model, optimizer, schedule and the trainer's position from ``path``.
 
-        The checkpoint must come from the same model layout (``CheckpointError``
-        otherwise, with nothing changed, C9).
+        All or nothing (C6): the trainer's own state is checked with everything else
+        before any of it is applied; a checkpoint of another model layout or with a
+        malformed trainer state is a ``CheckpointError`` and changes nothing (C9).
         """
         from ..checkpoint import load
 
-        info = load(
-            path, self.model, optimizer=self.optimizer, schedule=self.schedule, rng=self.session
+        checked: dict[str, Any] = {}
+
+        def check_extra(extra: Any) -> None:
+            checked.update(self._checked_trainer_state(extra, path))
+
+        load(
+            path,
+            self.model,
+            optimizer=self.optimizer,
+            schedule=self.schedule,
+            rng=self.session,
+            check_extra=check_extra,
         )
-        state = (info.extra or {}).get("trainer")
+        self.step, self.epoch = checked["step"], checked["epoch"]
+        self.batches_in_epoch = checked["batches_in_epoch"]
+        self.epoch_start_state = checked["epoch_start_rng"]
+        self.best_val, self.bad_evals = checked["best_val"], checked["bad_evals"]
+        self.elapsed_before = checked["elapsed"]
+        self._restore_data_position()
+
+    def _checked_trainer_state(self, extra: Any, path: str | Path) -> dict[str, Any]:
+        """The trainer state in a checkpoint's ``extra``, every field checked; nothing is
+        changed. Counters are integers >= 0, ``batches_in_epoch`` lies inside an epoch
+        of ``train_data``, the epoch's generator state fits the data generator."""
+        state = extra.get("trainer") if isinstance(extra, dict) else None
         if not isinstance(state, dict):
             raise CheckpointError(f"{path}: the checkpoint holds no trainer state")
-        try:
-            self.step = int(state["step"])
-            self.epoch = int(state["epoch"])
-            self.batches_in_epoch = int(state["batches_in_epoch"])
-            self.epoch_start_state = state["epoch_start_rng"]
-            self.best_val = None if state["best_val"] is None else float(state["best_val"])
-            self.bad_evals = int(state["bad_evals"])
-            self.elapsed_before = float(state["elapsed"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: malformed trainer state ({e})") from None
-        self._restore_data_position()
+        out: dict[str, Any] = {}
+        for key in ("step", "epoch", "batches_in_epoch", "bad_evals"):
+            value = state.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(
+                    f"{path}: malformed trainer state: {key} must be an integer >= 0, "
+                    f"got {value!r:.40}"
+                )
+            out[key] = value
+        if out["batches_in_epoch"] >= len(self.train_data):
+            raise CheckpointError(
+                f"{path}: trainer state: {out['batches_in_epoch']} batches consumed in an "
+                f"epoch of {len(self.train_data)}: the data differs from the checkpointed run"
+            )
+        for key, optional in (("best_val", True), ("elapsed", False)):
+            value = state.get(key)
+            ok = (value is None and optional) or (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
+            if not ok:
+                raise CheckpointError(
+                    f"{path}: malformed trainer state: {key} must be a finite number"
+                    f"{' or null' if optional else ''}, got {value!r:.40}"
+                )
+            out[key] = None if value is None else float(value)
+        scratch = np.random.Generator(type(self.data_rng.bit_generator)())
+        set_rng_state(scratch, state.get("epoch_start_rng"))
+        out["epoch_start_rng"] = state["epoch_start_rng"]
+        return out
 
     # -- the loop ------------------------------------------------------------------------
     _active: Sequence[Callback] = ()
