@@ -18,6 +18,9 @@ from . import pin_threads
 
 def main(argv: list[str] | None = None) -> int:
     pin_threads()
+    from tiegrad.backend import tune_process
+
+    tune_process()  # what a program owning its process does (the tiegrad command does)
     from . import runner
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks")

@@ -7,7 +7,7 @@ PyTorch: ``.grad`` set once). A timed sample is one optimizer step. The three si
 run one sample each in turn, rotating the order every round, for ``--repeats``
 rounds, and the table shows each side's median and the ratios. Everything runs on
 ``--threads`` threads (default 2: BLAS/OpenMP variables, ``torch.set_num_threads`` and
-``tiegrad.optim.fused.THREADS``). Before timing, one step from the same values is
+``TIEGRAD_NUM_THREADS``). Before timing, one step from the same values is
 checked to agree across the sides; the time of tiegrad's first step (importing numba
 and compiling or loading its kernels) is printed. ``--numpy`` times tiegrad's NumPy
 rules instead of the fused numba kernels (``TIEGRAD_NO_NUMBA=1``).
@@ -33,7 +33,7 @@ def _parse() -> argparse.Namespace:
 
 
 ARGS = _parse()
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TIEGRAD_NUM_THREADS"):
     os.environ[_var] = str(ARGS.threads)
 if ARGS.numpy:
     os.environ["TIEGRAD_NO_NUMBA"] = "1"
@@ -45,7 +45,6 @@ from tiegrad import ParamList  # noqa: E402
 from tiegrad.optim import Adam, fused  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
-fused.THREADS = ARGS.threads
 
 SHAPES = [(256, 256)] * 100 + [(256,)] * 100 + [(64, 64)] * 100
 LR = 1e-3

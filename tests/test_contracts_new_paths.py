@@ -33,7 +33,7 @@ def device(request, monkeypatch):
         if nb._fused_kernels(np.zeros(1, np.float32)) is None:
             pytest.skip("the host kernels are off (no numba, or TIEGRAD_NO_NUMBA)")
     else:
-        monkeypatch.setattr(nb, "FUSED_KERNELS", False)
+        monkeypatch.setattr(nb._numba, "ENABLED", False)
     return None
 
 

@@ -1,6 +1,6 @@
 """The numba kernels of the NumPy backend (``tiegrad.backend.host_kernels``, issue 9).
 
-Each kernel is checked against the NumPy code path it replaces (``FUSED_KERNELS`` off)
+Each kernel is checked against the NumPy code path it replaces (``tiegrad._numba.ENABLED`` off)
 and against float64 references: the exponential, GELU, layer norm forward and
 backward, the attention softmax and its backward, special values, the fallbacks
 (float64, strided operands, the environment switch) and the placement of a kernel's
@@ -28,16 +28,14 @@ from tiegrad.backend import host_kernels as hk  # noqa: E402
 @pytest.fixture
 def fused(monkeypatch):
     """Run with the kernels on (the default when numba imports)."""
-    monkeypatch.setattr(nb, "FUSED_KERNELS", True)
     monkeypatch.setattr(nb._numba, "ENABLED", True)
 
 
 def both_paths(monkeypatch, run):
     """``run()`` with the kernels, then with the NumPy code, as two lists of arrays."""
     monkeypatch.setattr(nb._numba, "ENABLED", True)
-    monkeypatch.setattr(nb, "FUSED_KERNELS", True)
     with_kernels = run()
-    monkeypatch.setattr(nb, "FUSED_KERNELS", False)
+    monkeypatch.setattr(nb._numba, "ENABLED", False)
     without = run()
     return with_kernels, without
 
@@ -216,7 +214,7 @@ def test_relu_vjp_falls_back_to_numpy_outside_the_kernel(fused, g, y):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sums_are_numpys_bit_for_bit(monkeypatch, fused, threads):
-    monkeypatch.setattr(nb, "_THREADS", threads)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(threads))
     g = np.random.default_rng(11)
     a = g.standard_normal((700, 96)).astype(np.float32)  # large enough to share
     b = g.standard_normal((700, 96)).astype(np.float32)
@@ -244,7 +242,7 @@ def test_sums_outside_the_kernels_keep_numpys_rules(fused):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_relu_kernel_is_numpys_maximum_bit_for_bit(monkeypatch, fused, threads):
-    monkeypatch.setattr(nb, "_THREADS", threads)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(threads))
     x = np.random.default_rng(12).standard_normal(70_001).astype(np.float32)
     x[:6] = [np.nan, -0.0, 0.0, -np.inf, np.inf, -1e-45]
     got = NUMPY.relu(x)

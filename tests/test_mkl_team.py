@@ -1,6 +1,6 @@
 """Which OpenMP team oneMKL lends ``tiegrad._threads`` (``backend.blas``), and forks.
 
-Each check runs in a fresh process: the team is chosen once, at import.
+Each check runs in a fresh process: the team is chosen once, when MKL loads.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from tiegrad.backend import blas
 
 
 def _lent_in_a_fresh_process(first="", **env):
-    code = "\n".join(
-        [first, "from tiegrad import _threads", "import tiegrad.backend", "print(_threads.TEAM)"]
-    )
+    lines = ["from tiegrad import _threads", "from tiegrad.backend import blas", "blas.LIBRARY"]
+    code = "\n".join([first, *lines, "print(_threads.TEAM)"])
     out = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
     )
@@ -38,7 +37,8 @@ _GNU_TEAM_IN_A_CHILD = """
 import os, torch  # GNU OpenMP first: MKL takes its GNU layer
 import numpy as np
 from tiegrad import _threads
-from tiegrad.backend import NUMPY
+from tiegrad.backend import NUMPY, blas
+assert blas.LIBRARY  # loads MKL, which lends its team
 team = _threads.TEAM
 assert team is not None and not team.survives_fork, team
 seen = []
@@ -52,9 +52,9 @@ if pid == 0:
     _threads.share(child.append, 8, 2)
     again = NUMPY.layer_norm_rows(x, w, b, 1e-5)
     same = rows is None or all(np.array_equal(p, c) for p, c in zip(rows, again))
-    os._exit(0 if _threads.TEAM is None and sorted(child) == list(range(8)) and same else 3)
+    os._exit(0 if _threads.team() is None and sorted(child) == list(range(8)) and same else 3)
 _, status = os.waitpid(pid, 0)
-assert status == 0 and _threads.TEAM is team and sorted(seen) == list(range(8))
+assert status == 0 and _threads.team() is team and sorted(seen) == list(range(8))
 print("ok")
 """
 

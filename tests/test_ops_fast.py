@@ -10,9 +10,6 @@ setting with its opt-out.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import threading
 from types import SimpleNamespace
 
@@ -39,7 +36,7 @@ def gelu_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @pytest.fixture(params=["numba kernel", "numpy kernel"])
 def gelu_path(request, monkeypatch):
     """Each float32 GELU test runs on both kernels (the numba one where numba imports)."""
-    monkeypatch.setattr(nb, "FUSED_KERNELS", request.param == "numba kernel")
+    monkeypatch.setattr(nb._numba, "ENABLED", request.param == "numba kernel")
 
 
 @pytest.mark.usefixtures("gelu_path")
@@ -82,9 +79,9 @@ def test_gelu_float64_takes_the_exact_path():
 @pytest.mark.usefixtures("gelu_path")
 def test_gelu_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
     x = np.random.default_rng(1).standard_normal((5, nb._GELU_BLOCK + 7)).astype(np.float32)
-    monkeypatch.setattr(nb, "_THREADS", 1)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(1))
     one = NUMPY.gelu(x)
-    monkeypatch.setattr(nb, "_THREADS", 3)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(3))
     many = NUMPY.gelu(x)
     for a, b in zip(one, many):
         assert a.shape == x.shape
@@ -106,9 +103,9 @@ def test_gelu_op_keeps_only_the_derivative_and_matches_float64():
 
 # -- blockwise ------------------------------------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 2, 4])
-@pytest.mark.parametrize("n, item", [(0, 8), (1, 10), (1000, 128), (37, nb._BLOCK + 1)])
+@pytest.mark.parametrize("n, item", [(0, 8), (1, 10), (1000, 128), (37, nb._block() + 1)])
 def test_blockwise_covers_each_item_once_with_the_same_ranges(monkeypatch, threads, n, item):
-    monkeypatch.setattr(nb, "_THREADS", threads)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(threads))
     calls: list[tuple[int, int]] = []
     lock = threading.Lock()
 
@@ -134,14 +131,14 @@ def test_blockwise_default_runs_one_range():
 
 
 def test_blockwise_errors_reach_the_caller(monkeypatch):
-    monkeypatch.setattr(nb, "_THREADS", 2)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(2))
 
     def kernel(lo: int, hi: int) -> None:
         if lo > 0:
             raise ValueError(f"block {lo}")
 
     with pytest.raises(ValueError, match="block"):
-        NUMPY.blockwise(kernel, 4 * nb._BLOCK, 1)
+        NUMPY.blockwise(kernel, 4 * nb._block(), 1)
 
 
 class OneBlockBackend(NumpyBackend):
@@ -273,32 +270,14 @@ def test_layer_norm_and_linear_promote_mixed_dtypes_like_numpy():
     assert lin.dtype == np.float64
 
 
-# -- glibc memory setting ---------------------------------------------------------------------
-def _applied(env: dict[str, str]) -> str:
-    code = "import tiegrad.backend.numpy_backend as m; print(m.MALLOPT_APPLIED)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    return out.stdout.strip()
-
-
-@pytest.mark.skipif(
-    not hasattr(os, "confstr") or not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"),
-    reason="the mallopt setting applies to glibc only",
-)
-def test_mallopt_is_applied_on_glibc_unless_opted_out():
-    env = {k: v for k, v in os.environ.items() if k != "TIEGRAD_MALLOPT"}
-    assert _applied(env) == "True"
-    assert _applied({**env, "TIEGRAD_MALLOPT": "0"}) == "False"
-
-
 def test_kernel_threads_follow_the_environment(monkeypatch):
     monkeypatch.setenv("TIEGRAD_NUM_THREADS", "3")
-    assert nb._kernel_threads() == 3
+    assert _threads.count() == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     for unset in ("", "0", "many"):
         monkeypatch.setenv("TIEGRAD_NUM_THREADS", unset)
         monkeypatch.setattr(_threads, "TEAM", None)
-        assert nb._kernel_threads() == 1  # no OpenMP team: BLAS's threads own the cores
-        monkeypatch.setattr(_threads, "TEAM", SimpleNamespace(size=4))
-        assert nb._kernel_threads() == 4  # BLAS's own team
+        assert _threads.count() == 1  # no OpenMP team: BLAS's threads own the cores
+        assert _threads.count(6) == 6  # the caller's default
+        monkeypatch.setattr(_threads, "TEAM", SimpleNamespace(size=lambda: 4, survives_fork=True))
+        assert _threads.count() == 4  # BLAS's own team, at its current size

@@ -57,14 +57,14 @@ IDS = [f"{cls.kind}-{i}" for i, (cls, _) in enumerate(CASES)]
 @pytest.fixture(autouse=True)
 def fused_on(monkeypatch):
     """The fused path, even under ``TIEGRAD_NO_NUMBA=1``; tests comparing paths flip it."""
-    monkeypatch.setattr(fused, "ENABLED", True)
+    monkeypatch.setattr(_numba, "ENABLED", True)
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 512 elements shared by three threads, so small batches are split."""
     monkeypatch.setattr(fused, "CHUNK_MIN", 512)
-    monkeypatch.setattr(fused, "THREADS", 3)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(3))
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def state_bytes(opt) -> tuple:
 
 def trajectory(monkeypatch, enabled, cls, kwargs, dtype, steps=4) -> tuple:
     """``state_bytes`` after ``steps`` steps on the fused or the NumPy path."""
-    monkeypatch.setattr(fused, "ENABLED", enabled)
+    monkeypatch.setattr(_numba, "ENABLED", enabled)
     plist = make_list(dtype)
     opt = cls(plist, **kwargs)
     g = np.random.default_rng(1)
@@ -141,9 +141,9 @@ def test_paths_agree_on_random_layouts(case, dtype, sizes, seed):
     results = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fused, "CHUNK_MIN", 256)
-        mp.setattr(fused, "THREADS", 2)
+        mp.setenv("TIEGRAD_NUM_THREADS", str(2))
         for enabled in (True, False):
-            mp.setattr(fused, "ENABLED", enabled)
+            mp.setattr(_numba, "ENABLED", enabled)
             g = np.random.default_rng(seed)
             plist = ParamList.of_pack([g.standard_normal(n).astype(dtype) for n in sizes])
             opt = cls(plist, **kwargs)
@@ -156,7 +156,7 @@ def test_paths_agree_on_random_layouts(case, dtype, sizes, seed):
 def test_mixed_dtypes_take_one_batch_each(monkeypatch, fused_calls):
     results = []
     for enabled in (True, False):
-        monkeypatch.setattr(fused, "ENABLED", enabled)
+        monkeypatch.setattr(_numba, "ENABLED", enabled)
         g = np.random.default_rng(0)
         dtypes = (np.float32, np.float64, np.float32)
         plist = ParamList([Param(g.standard_normal(5), dtype=dt) for dt in dtypes])
@@ -196,14 +196,14 @@ def test_both_paths_match_torch_in_float64(monkeypatch, enabled, cls, torch_name
     torch = pytest.importorskip("torch")
     from test_optim_torch import run  # the tied model, 25 steps, 1e-10 after each
 
-    monkeypatch.setattr(fused, "ENABLED", enabled)
+    monkeypatch.setattr(_numba, "ENABLED", enabled)
     run(cls, getattr(torch.optim, torch_name), kwargs)
 
 
 def test_large_tensors_on_threads_match_torch(monkeypatch):
     # The real thread settings and sizes: batches above 2 * CHUNK_MIN are split.
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(fused, "THREADS", 2)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(2))
     g = np.random.default_rng(5)
     shapes = [(3 * fused.CHUNK_MIN + 17,), (300, 7), ()]
     values = [g.standard_normal(s) for s in shapes]
@@ -259,7 +259,7 @@ def test_a_batch_selects_its_rows():
 def test_a_nonfinite_gradient_changes_nothing_on_either_path(monkeypatch, small_chunks, mode):
     outcomes = []
     for enabled in (True, False):
-        monkeypatch.setattr(fused, "ENABLED", enabled)
+        monkeypatch.setattr(_numba, "ENABLED", enabled)
         plist = make_list(np.float32)
         opt = Adam(plist, lr=0.1, nonfinite=mode)
         g = np.random.default_rng(2)
@@ -348,7 +348,7 @@ def test_a_forked_child_steps_after_its_parent_used_the_threads(small_chunks):
         try:
             opt.step([grad])
             right = np.array_equal(plist[0].value, expected)
-            if _threads.TEAM is None:  # the pool route: the child's own pool, threads alive
+            if _threads.team() is None:  # the pool route: the child's own pool, threads alive
                 threads = _threads._pool._threads
                 right = right and bool(threads) and all(t.is_alive() for t in threads)
             os.write(write, b"ok" if right else b"bad")
@@ -368,8 +368,8 @@ def test_a_forked_child_steps_after_its_parent_used_the_threads(small_chunks):
 # -- the switch and the fallback ----------------------------------------------------------
 @pytest.mark.parametrize("value, enabled", [("1", False), ("0", True), ("", True)])
 def test_the_environment_switch(value, enabled):
-    env = dict(os.environ, **{fused.ENV_SWITCH: value})
-    code = "from tiegrad.optim import fused; print(fused.ENABLED)"
+    env = dict(os.environ, **{_numba.ENV_SWITCH: value})
+    code = "from tiegrad.optim import fused; print(fused._kernels() is not None)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == str(enabled)
 
@@ -389,7 +389,7 @@ def test_a_numba_that_does_not_import_warns_and_falls_back(monkeypatch):
 
     monkeypatch.setattr(_numba.importlib, "import_module", broken)
     with pytest.warns(RuntimeWarning, match="numba is installed but does not import"):
-        assert fused._kernels.__wrapped__() is None
+        assert _numba._load.__wrapped__("tiegrad.optim.kernels") is None
 
 
 def test_addresses_are_the_data_pointers():

@@ -29,6 +29,7 @@ from tiegrad import (
     ParamList,
     ShapeError,
     SlotError,
+    _numba,
 )
 from tiegrad.optim import SGD, Adagrad, Adam, AdamW, RMSprop, fused
 
@@ -48,9 +49,9 @@ def path(request, monkeypatch):
     """The fused path (skipped without numba) or the NumPy rules; small fused chunks."""
     if request.param and fused._kernels() is None:
         pytest.skip("numba is not installed")
-    monkeypatch.setattr(fused, "ENABLED", request.param)
+    monkeypatch.setattr(_numba, "ENABLED", request.param)
     monkeypatch.setattr(fused, "CHUNK_MIN", 512)  # small batches still use the threads
-    monkeypatch.setattr(fused, "THREADS", 2)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(2))
     return request.param
 
 
@@ -150,7 +151,7 @@ def test_each_dependency_of_the_plan_invalidates_it(path, change):
     elif change == "state names":
         opt.param_groups[0]["amsgrad"] = True
     elif change == "fused switch":
-        fused.ENABLED = not fused.ENABLED  # restored by the fixture's monkeypatch
+        _numba.ENABLED = not _numba.ENABLED  # restored by the fixture's monkeypatch
     else:
         torch = pytest.importorskip("torch")
         opt.step([None if g is None else torch.tensor(g) for g in grads_for(plist, WARM)])

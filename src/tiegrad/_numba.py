@@ -2,15 +2,17 @@
 
 Two kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates) and
 ``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows, and their C entry
-points for an OpenMP team). ``ENABLED`` is false
-when the environment sets ``TIEGRAD_NO_NUMBA`` to anything but ``""`` or ``"0"``; the
-NumPy code paths then run everywhere. ``load`` imports a kernel module, or returns None
-(with one warning) when numba is missing or fails to import, so the library runs the
-same without it, only slower.
+points for an OpenMP team). ``ENABLED`` is the one switch for compiled kernels: false
+when the environment sets ``TIEGRAD_NO_NUMBA`` to anything but ``""`` or ``"0"`` (read at
+import), or when a program sets it to False; the NumPy code paths then run
+everywhere. ``kernels`` is how every caller asks: the kernel module, or None where the
+switch is off or numba is missing or fails to import (with one warning), so the library
+runs the same without it, only slower.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -23,11 +25,18 @@ ENV_SWITCH = "TIEGRAD_NO_NUMBA"
 ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
 
 
-def load(module: str) -> ModuleType | None:
-    """Import the kernel module ``module`` (absolute name), or None without numba.
+def kernels(module: str) -> ModuleType | None:
+    """The kernel module ``module`` (absolute name) where ``ENABLED``, else None.
 
-    Callers cache the answer: the first call compiles or loads the kernels.
+    The switch is read at every call; the import (which compiles or loads the kernels)
+    happens once.
     """
+    return _load(module) if ENABLED else None
+
+
+@functools.cache
+def _load(module: str) -> ModuleType | None:
+    """Import the kernel module ``module``, or None without numba."""
     if importlib.util.find_spec("numba") is None:
         return None
     try:

@@ -13,11 +13,12 @@ items at once. A pool of our own would compete with those spinning workers for t
 cores and gain nothing (2 cores, W1/W3/W5 steps alternating 1 and 2 pool threads: no
 difference), where the team runs a float32 GELU of 1M elements in 0.65 against 1.1 ms
 on one thread (through the kernel's C entry point, ``launch``). Intel OpenMP survives
-``fork`` (its own handlers); a forked child gives GNU OpenMP's team up for the pool.
-``share`` returns when the whole team has finished.
+``fork`` (its own handlers); a forked child gives GNU OpenMP's team up for the pool
+(``team``). ``share`` returns when the whole team has finished.
 
 Without a team, one pool of Python threads serves the whole process; it starts on first
-use, and a forked child starts its own (the parent's threads do not exist there). The
+use, and a forked child starts its own (the parent's threads do not exist there). A
+child is told by its process id: this module registers no fork hook. The
 caller works too and then waits only for items a pool thread has claimed: a pool thread
 the OS has not scheduled yet delays nothing, so on a loaded machine the work degrades
 to the caller's thread instead of waiting for a time slice.
@@ -35,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 _POOL_THREADS = 32  # enough for several callers sharing at once
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_pool_pid = os.getpid()  # the process the pool's threads run in
 
 
 class _Claims:
@@ -112,7 +114,8 @@ _MEMBER = ctypes.cast(_member, ctypes.c_void_p).value
 class Team:
     """An OpenMP runtime's team of the calling thread, entered through ``GOMP_parallel``.
 
-    ``size`` is the number of threads the runtime's owner (MKL) runs its products on;
+    ``size()`` is the number of threads the runtime's owner (MKL) runs its products on
+    now (``threadpoolctl`` limits included);
     ``survives_fork`` tells whether the runtime starts a forked child's threads anew
     (Intel OpenMP does, GNU OpenMP does not: a child waiting for them would hang).
     ``launch`` runs a C function on the team (no Python in its threads: a few
@@ -120,8 +123,9 @@ class Team:
     the GIL to claim one (tens of microseconds per call).
     """
 
-    def __init__(self, runtime: ctypes.CDLL, size: int, survives_fork: bool) -> None:
+    def __init__(self, runtime: ctypes.CDLL, size: Callable[[], int], survives_fork: bool) -> None:
         self.size, self.survives_fork = size, survives_fork
+        self.pid = os.getpid()
         self._parallel = runtime.GOMP_parallel
         self._parallel.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
         self._parallel.restype = None
@@ -146,11 +150,22 @@ class Team:
 
 
 TEAM: Team | None = None
-"""The OpenMP team ``share`` runs on, or None for the pool (``lend_team``)."""
+"""The OpenMP team lent (``lend_team``), or None; ``team`` says whether it runs here."""
 
 
-def lend_team(runtime: ctypes.CDLL, size: int, survives_fork: bool) -> None:
-    """Run ``share`` on ``runtime``'s OpenMP team of ``size`` threads from now on.
+def team() -> Team | None:
+    """The team ``share`` and ``launch`` run on in this process, or None for the pool.
+
+    None in a forked child of the lender where the team does not survive ``fork``.
+    """
+    lent = TEAM
+    if lent is None or lent.survives_fork or lent.pid == os.getpid():
+        return lent
+    return None
+
+
+def lend_team(runtime: ctypes.CDLL, size: Callable[[], int], survives_fork: bool) -> None:
+    """Run ``share`` on ``runtime``'s OpenMP team of ``size()`` threads from now on.
 
     A forked child of this process keeps the team only if ``survives_fork``, and uses
     the pool otherwise.
@@ -159,11 +174,23 @@ def lend_team(runtime: ctypes.CDLL, size: int, survives_fork: bool) -> None:
     TEAM = Team(runtime, size, survives_fork)
 
 
+def count(default: int = 1) -> int:
+    """Threads for tiegrad's kernels, read at every call: ``TIEGRAD_NUM_THREADS`` when it is
+    a positive integer, else the current size of the team where one runs here, else
+    ``default``."""
+    value = os.environ.get("TIEGRAD_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    lent = team()
+    return max(1, lent.size()) if lent is not None else default
+
+
 def launch(entry: int, data: int, threads: int) -> None:
     """The C function at ``entry`` called with ``data``: on ``threads`` threads of the team,
     or once on the caller where no team is lent (the function claims all the work then)."""
-    if TEAM is not None:
-        TEAM.launch(entry, data, threads)
+    lent = team()
+    if lent is not None:
+        lent.launch(entry, data, threads)
     else:
         _MEMBER_TYPE(entry)(data)
 
@@ -177,8 +204,9 @@ def share(run: Callable[[int], None], n: int, threads: int) -> None:
         for i in range(n):
             run(i)
         return
-    if TEAM is not None:
-        TEAM.run(run, n, min(threads, n))
+    lent = team()
+    if lent is not None:
+        lent.run(run, n, min(threads, n))
         return
     claims = _Claims(run, n)
     pool = _executor()
@@ -189,24 +217,11 @@ def share(run: Callable[[int], None], n: int, threads: int) -> None:
 
 
 def _executor() -> ThreadPoolExecutor:
-    """The pool, started on first use."""
-    global _pool
+    """The pool, started on first use, and anew in a forked child (whose lock is new too)."""
+    global _pool, _pool_lock, _pool_pid
+    if _pool_pid != os.getpid():  # the parent's threads do not exist here
+        _pool, _pool_lock, _pool_pid = None, threading.Lock(), os.getpid()
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="tiegrad")
         return _pool
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's pool threads do not exist here; start anew.
-
-    A team whose runtime does not start the child's threads anew is given up too.
-    """
-    global _pool, _pool_lock, TEAM
-    _pool, _pool_lock = None, threading.Lock()
-    if TEAM is not None and not TEAM.survives_fork:
-        TEAM = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .backend.tuning import tune_process
 from .errors import CheckpointError, ConfigError, TiegradError
 
 EXIT_BAD_INPUT = 2
@@ -199,6 +200,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "resume": _resume,
         "export": _export,
     }
+    tune_process()  # the command owns its process (tiegrad.backend.tuning)
     try:
         return commands[args.command](args)
     except TiegradError as e:

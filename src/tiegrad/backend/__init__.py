@@ -2,6 +2,7 @@
 
 from .base import Array, Backend, DType, Shape
 from .numpy_backend import NUMPY, NumpyBackend
+from .tuning import tune_process
 
 __all__ = [
     "Array",
@@ -13,6 +14,7 @@ __all__ = [
     "backend_of",
     "device_backend",
     "dtype_name",
+    "tune_process",
 ]
 
 

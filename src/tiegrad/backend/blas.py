@@ -21,6 +21,11 @@ Integer width: the signatures below pass 32-bit integers (MKL's LP64 interface).
 loader sets LP64 before any other MKL call, and leaves MKL unused where an earlier caller
 in this process has already fixed ILP64.
 
+Loading: nothing happens at import. The first product (or the first read of
+``LIBRARY``) loads MKL and sets, through MKL's documented service functions, what its
+products need: the LP64 interface, the reproducible mode below, a handler that
+records refused arguments (``mkl_set_xerbla``), the threading layer.
+
 Repeatability: unless the environment sets ``MKL_CBWR``, MKL runs in its conditional
 numerical reproducibility mode for the CPU it finds (``MKL_CBWR_AUTO``), so a product
 repeats bit for bit on one machine with one thread count, whatever the alignment of its
@@ -31,12 +36,13 @@ Threads: MKL runs on Intel OpenMP, or on GNU OpenMP where that is loaded already
 ``MKL_THREADING_LAYER=GNU`` asks for it. The loader lends that runtime's team to
 ``tiegrad._threads`` (its docstring says why), so the host kernels and the fused
 optimizer share MKL's threads. GNU OpenMP's threads do not survive ``fork``: a forked
-child waiting for them would hang in its first product, so there MKL runs on one
-thread and ``tiegrad._threads`` on its own pool.
+child waiting for them would hang in its first product, so there (a process id other
+than the loader's; no fork hook) MKL runs on one thread and ``tiegrad._threads`` on its
+own pool.
 
 ``TIEGRAD_BLAS`` chooses, read once at import: unset or ``auto`` uses MKL when its
 ``libmkl_rt`` lies in this Python environment's ``lib`` folder, ``numpy`` never uses it,
-and ``mkl`` requires it (the import raises ``ConfigError`` when it is missing).
+and ``mkl`` requires it (the import raises ``ConfigError`` when the file is missing).
 ``LIBRARY`` is the loaded library's file name, or None when products go to NumPy.
 """
 
@@ -112,32 +118,50 @@ class _Kernels(NamedTuple):
     dot: Callable[..., float]
 
 
-def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
-    """The MKL library's file name and its kernels per dtype."""
+def _candidates() -> list[Path]:
+    """The MKL files ``TIEGRAD_BLAS`` lets the loader try, in order (nothing is loaded)."""
     choice = os.environ.get(ENV_SWITCH, "auto") or "auto"
     if choice not in ("auto", "numpy", "mkl"):
         raise ConfigError(f"{ENV_SWITCH}={choice!r}: expected 'auto', 'numpy' or 'mkl'")
     if choice == "numpy":
-        return None, {}
+        return []
+    paths = [Path(sys.prefix) / "lib" / name for name in _NAMES]
+    paths = [path for path in paths if path.exists()]
+    if not paths and choice == "mkl":
+        raise ConfigError(
+            f"{ENV_SWITCH}=mkl but no {_NAMES[0]} in {Path(sys.prefix) / 'lib'}; "
+            f"install it with: pip install 'tiegrad[mkl]'"
+        )
+    return paths
+
+
+_CANDIDATES = _candidates()
+_REQUIRED = os.environ.get(ENV_SWITCH) == "mkl"
+MAY_LOAD = bool(_CANDIDATES)
+"""Whether a product may go to MKL (a file to try); False: ``matmul`` is ``np.matmul``'s."""
+
+
+@functools.cache
+def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
+    """The MKL library's file name and its kernels per dtype, loaded on the first call."""
+    global _loader_pid
+    _loader_pid = os.getpid()
     lib = None
-    for name in _NAMES:
-        path = Path(sys.prefix) / "lib" / name
-        if path.exists():
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError:
-                continue
-            break
+    for path in _CANDIDATES:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            continue
+        break
     if lib is None:
-        if choice == "mkl":
+        if _REQUIRED:
             raise ConfigError(
-                f"{ENV_SWITCH}=mkl but no loadable {_NAMES[0]} in {Path(sys.prefix) / 'lib'}; "
-                f"install it with: pip install 'tiegrad[mkl]'"
+                f"{ENV_SWITCH}=mkl but no loadable {_NAMES[0]} in {Path(sys.prefix) / 'lib'}"
             )
         return None, {}
     loaded = Path(lib._name).name
     if lib.MKL_Set_Interface_Layer(_LP64) != _LP64:  # first, before MKL reads its environment
-        if choice == "mkl":
+        if _REQUIRED:
             raise ConfigError(
                 f"{ENV_SWITCH}=mkl but {loaded} already runs its ILP64 interface "
                 f"in this process; tiegrad calls it with 32-bit integers (LP64)"
@@ -186,18 +210,41 @@ def _lend_openmp_team(lib: ctypes.CDLL) -> None:
         layer = _GNU_OPENMP if asked == "GNU" else None
     if layer not in _OPENMP_RUNTIMES:
         return
-    size = lib.MKL_Get_Max_Threads()  # loads the runtime
+    lib.MKL_Get_Max_Threads()  # loads the runtime
     try:  # the runtime MKL has loaded, never a second one
         runtime = ctypes.CDLL(_OPENMP_RUNTIMES[layer], mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
         return
     survives_fork = layer == _INTEL_OPENMP
-    if not survives_fork and hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=lambda: lib.MKL_Set_Num_Threads(1))
-    _threads.lend_team(runtime, size, survives_fork)
+    if not survives_fork:
+        _fork_children.append(lambda: lib.MKL_Set_Num_Threads(1))
+    _threads.lend_team(runtime, lib.MKL_Get_Max_Threads, survives_fork)
 
 
-LIBRARY, _KERNELS = _load()
+_fork_children: list[Callable[[], None]] = []  # run once in a forked child, before MKL
+_loader_pid = 0  # the process that loaded MKL
+
+
+def _kernels() -> dict[np.dtype, _Kernels]:
+    """MKL's kernels per dtype (loading MKL on the first call); empty without MKL.
+
+    In a forked child the GNU OpenMP team's threads are gone: MKL runs on one thread
+    there (``_fork_children``) before its first product.
+    """
+    global _loader_pid
+    kernels = _load()[1]
+    if _loader_pid != os.getpid():  # a forked child
+        _loader_pid = os.getpid()
+        for fix in _fork_children:
+            fix()
+    return kernels
+
+
+def __getattr__(name: str) -> Any:
+    """``LIBRARY``: the loaded MKL's file name or None, loading MKL on the first read."""
+    if name == "LIBRARY":
+        return _load()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _matrix(rows: int, cols: int, s0: int, s1: int) -> tuple[int, int] | None:
@@ -256,11 +303,15 @@ def _byte_offsets(strides: tuple[int, ...], batch: tuple[int, ...], item: int) -
     return offsets
 
 
-@functools.cache
 def _address_of() -> Callable[[np.ndarray], int]:
     """``x -> x.ctypes.data``, compiled by numba where it loads (a tenth of the time)."""
-    kernels = _numba.load("tiegrad.backend.host_kernels") if _numba.ENABLED else None
-    return kernels.address if kernels is not None else lambda x: x.ctypes.data
+    kernels = _numba.kernels("tiegrad.backend.host_kernels")
+    return kernels.address if kernels is not None else _ctypes_address
+
+
+def _ctypes_address(x: np.ndarray) -> int:
+    """``x.ctypes.data``."""
+    return x.ctypes.data
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -312,7 +363,7 @@ def _operand_kernels(a: Any, b: Any) -> _Kernels | None:
     """MKL's kernels for ``a @ b``, or None where the operands go to NumPy."""
     if type(a) is not np.ndarray or type(b) is not np.ndarray:
         return None  # lists, scalars, subclasses: NumPy converts and wraps
-    kernels = _KERNELS.get(a.dtype)
+    kernels = _kernels().get(a.dtype)
     if (
         kernels is None
         or b.dtype != a.dtype

@@ -1,12 +1,7 @@
 """The host backend: NumPy arrays (the default; float32 unless asked otherwise).
 
-Memory (DESIGN: memory is reused, not re-faulted): on glibc, importing this module
-raises glibc's mmap threshold to its maximum (32 MiB) and its trim threshold to 1 GiB
-with ``mallopt``, so the arrays a step frees stay in the process and the next step's
-temporaries reuse their pages instead of faulting in fresh ones (about 4 us per 4 KiB
-page on the reference machines). Set the environment variable ``TIEGRAD_MALLOPT=0``
-before importing tiegrad to leave glibc's settings alone; on other C libraries this is
-a no-op. ``MALLOPT_APPLIED`` tells whether the settings were applied.
+Memory (DESIGN: memory is reused, not re-faulted): ``tiegrad.backend.tune_process``
+keeps the memory a step frees in the process (glibc); importing this module does not.
 
 Fused kernels: ``gelu`` of a float32 array runs block by block (every temporary stays
 in cache) with a mask-free formula accurate to float32 precision; other dtypes take
@@ -15,9 +10,9 @@ cuts an op's rows into cache-sized blocks, run one after the other (they call BL
 With numba installed, float32 GELU and its VJP, ReLU and its VJP, large sums (``add``,
 ``add_``), the embedding's scatter-add (``index_add``), layer norm and the attention
 softmax run as single-pass kernels (``host_kernels``) instead; all but the scatter-add
-run their blocks on ``_THREADS`` threads
-(``_kernel_threads``: ``TIEGRAD_NUM_THREADS``, else the size of MKL's OpenMP team
-where MKL runs the products, else 1): on that team through the kernels' C entry points
+run their blocks on ``tiegrad._threads.count()`` threads, read at every call
+(``TIEGRAD_NUM_THREADS``, else the size of MKL's OpenMP team where MKL runs the
+products, else 1): on that team through the kernels' C entry points
 (``_rows_parallel``), else on ``tiegrad._threads``' pool. Like MKL's products, the
 kernels do not report overflow or invalid operations to ``np.errstate``.
 Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
@@ -25,10 +20,7 @@ Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -37,35 +29,6 @@ import numpy as np
 from .. import _numba, _threads
 from . import blas
 from .base import Array, Backend, DType, Shape
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's upper limit on 64-bit systems
-_TRIM_THRESHOLD = 1 << 30
-
-
-def _keep_freed_memory() -> bool:
-    """Tune glibc's malloc to keep freed memory in the process; False where not applied.
-
-    Applied only on glibc (``os.confstr`` names it) and unless ``TIEGRAD_MALLOPT=0``.
-    """
-    if os.environ.get("TIEGRAD_MALLOPT", "1") == "0":
-        return False
-    try:
-        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
-            return False
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError, ValueError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return bool(
-        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-        and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
-    )
-
-
-MALLOPT_APPLIED = _keep_freed_memory()
 
 # Cephes rational approximations of erf and erfc (relative error ~1e-16 in float64).
 _ERF_T = (
@@ -164,10 +127,16 @@ _TAIL_C = (
 )
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _F32_MAX = float(np.finfo(np.float32).max)
+
+
 # Elements per block of ``blockwise``: a block's temporaries stay in L2 cache. With MKL,
 # whose batched GEMM pays a fixed cost per call and splits a batch across its threads,
 # fewer, larger blocks won (W1: 60.4 against 64.3 ms per step at 32768).
-_BLOCK = 1 << 19 if blas.LIBRARY else 32768
+def _block() -> int:
+    """Elements per block (above); loads MKL on the first call, as a product would."""
+    return 1 << 19 if blas.LIBRARY else 32768
+
+
 _GELU_BLOCK = 65536  # the GELU kernel's block: six float32 buffers of it fit in L2 cache
 
 
@@ -189,37 +158,21 @@ def _normal_tail(a: np.ndarray, t: np.ndarray, e: np.ndarray, out: np.ndarray) -
     out *= e
 
 
-def _kernel_threads() -> int:
-    """Threads of the fused kernels: ``TIEGRAD_NUM_THREADS`` when set, else BLAS's OpenMP team.
-
-    Without MKL's team (``tiegrad._threads``) the default is one thread: BLAS keeps its
-    workers spinning for a while after each product, and a pool of our own competing
-    with them for the cores gains nothing (2 cores, alternating: W1, W3 and W5 steps no
-    faster on 2 threads than on 1).
-    """
-    value = os.environ.get("TIEGRAD_NUM_THREADS", "")
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    return _threads.TEAM.size if _threads.TEAM is not None else 1
-
-
-_THREADS = _kernel_threads()
-_ENTRY_POINTS = _threads.TEAM is not None  # the kernels run their C entry points
 _SHARES = 2  # blocks per thread when a kernel call is shared
 _SHARE_MIN = 1 << 15  # elements of the smallest shared block
 
 
-def _parallel(run: Callable[[int, int], None], n_blocks: int) -> None:
-    """Run ``run(b, b + 1)`` for every block ``b`` of ``range(n_blocks)`` on ``_THREADS``.
+def _parallel(run: Callable[[int, int], None], n_blocks: int, threads: int) -> None:
+    """Run ``run(b, b + 1)`` for every block ``b`` of ``range(n_blocks)`` on ``threads``.
 
     The threads claim blocks in turn (``tiegrad._threads.share``). A single block, or
-    ``_THREADS == 1``, is one call ``run(0, n_blocks)`` on the caller.
+    one thread, is one call ``run(0, n_blocks)`` on the caller.
     """
-    if _THREADS <= 1 or n_blocks <= 1:
+    if threads <= 1 or n_blocks <= 1:
         if n_blocks:
             run(0, n_blocks)
         return
-    _threads.share(lambda b: run(b, b + 1), n_blocks, _THREADS)
+    _threads.share(lambda b: run(b, b + 1), n_blocks, threads)
 
 
 def _gelu32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -234,7 +187,7 @@ def _gelu32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = xf.size
     y = np.empty(n, np.float32)
     d = np.empty(n, np.float32)
-    _ranges_parallel(_gelu_range, n, _GELU_BLOCK, xf, y, d)
+    _ranges_parallel(_gelu_range, n, _GELU_BLOCK, _threads.count(), xf, y, d)
     return y.reshape(x.shape), d.reshape(x.shape)
 
 
@@ -264,30 +217,19 @@ def _gelu_range(xf: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) 
             db += eb
 
 
-@functools.cache
-def _loaded_kernels() -> Any:
-    """``tiegrad.backend.host_kernels`` (importing numba), or None without numba."""
-    return _numba.load("tiegrad.backend.host_kernels")
-
-
 def _fused_kernels(*arrays: Any, written: Any = None) -> Any:
-    """The host kernels when enabled, loadable and every array is C-contiguous float32.
+    """The host kernels when ``tiegrad._numba`` has them and every array is C-contiguous float32.
 
     ``written``, an array the kernel writes in place, must also be writable (the
     kernels would write into a read-only array; NumPy's path raises its error).
     """
-    if not (_numba.ENABLED and FUSED_KERNELS):
-        return None
     if written is not None and not written.flags.writeable:
         return None
     for a in (*arrays, written):
         if a is not None and (a.dtype != np.float32 or not a.flags.c_contiguous):
             return None
-    return _loaded_kernels()
+    return _numba.kernels("tiegrad.backend.host_kernels")
 
-
-FUSED_KERNELS = True
-"""Whether float32 GELU, layer norm and softmax rows use ``host_kernels`` when numba loads."""
 
 _PAGE = 4096
 
@@ -338,17 +280,19 @@ def _elementwise(kernels: Any, name: str, *inputs: np.ndarray, outputs: int = 1)
 
 
 def _rows_per_block(row_size: int) -> int:
-    """Rows of ``row_size`` elements in one cache-sized block (``_BLOCK`` elements), >= 1."""
-    return max(1, _BLOCK // max(1, row_size))
+    """Rows of ``row_size`` elements in one cache-sized block (``_block()`` elements), >= 1."""
+    return max(1, _block() // max(1, row_size))
 
 
-def _ranges_parallel(kernel: Callable[..., None], n: int, step: int, *args: Any) -> None:
-    """``kernel(*args, lo, hi)`` over ``range(n)`` in blocks of ``step`` items on the threads."""
+def _ranges_parallel(
+    kernel: Callable[..., None], n: int, step: int, threads: int, *args: Any
+) -> None:
+    """``kernel(*args, lo, hi)`` over ``range(n)`` in blocks of ``step`` items on ``threads``."""
 
     def run(first: int, last: int) -> None:
         kernel(*args, first * step, min(n, last * step))
 
-    _parallel(run, -(-n // step))
+    _parallel(run, -(-n // step), threads)
 
 
 def _rows_parallel(
@@ -359,25 +303,24 @@ def _rows_parallel(
     On several threads the blocks are also small enough for ``_SHARES`` of them per
     thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
     A block holds a multiple of ``align`` rows.
-    Where MKL lent its OpenMP team at import (``_ENTRY_POINTS``), every call runs the
+    Where MKL has lent its OpenMP team (``tiegrad._threads.TEAM``), every call runs the
     kernel's C entry point (``host_kernels.entries``), on one thread or several, and
-    on the caller alone in a forked child that gave the team up: the entry point's
-    machine code may sum a row's lanes in another order than the jitted kernel's, so
-    one code path keeps a row's bits independent of the call's size, of the threads and
-    of a fork.
+    on the caller alone in a forked child that gave the team up: one code path whatever
+    the call's size, the threads and a fork.
     """
+    threads = _threads.count()
     per_block = _rows_per_block(row_size)
-    if _THREADS > 1:
+    if threads > 1:
         least = -(-_SHARE_MIN // max(1, row_size))
-        per_block = min(per_block, max(least, -(-rows // (_THREADS * _SHARES))))
+        per_block = min(per_block, max(least, -(-rows // (threads * _SHARES))))
     per_block = -(-per_block // align) * align
-    entry = kernels.entries().get(name) if _ENTRY_POINTS else None
+    entry = kernels.entries().get(name) if _threads.TEAM is not None else None
     if entry is None:
-        _ranges_parallel(getattr(kernels, name), rows, per_block, *args)
+        _ranges_parallel(getattr(kernels, name), rows, per_block, threads, *args)
         return
     n_blocks = -(-rows // per_block)
     job = kernels.job(n_blocks, per_block, rows, row_size, args)
-    _threads.launch(entry, kernels.address(job), max(1, min(_THREADS, n_blocks)))
+    _threads.launch(entry, kernels.address(job), max(1, min(threads, n_blocks)))
 
 
 _add_reduce = np.add.reduce
@@ -448,8 +391,8 @@ class NumpyBackend(Backend):
     tanh = staticmethod(np.tanh)
     maximum = staticmethod(np.maximum)
     where = staticmethod(np.where)
-    matmul = staticmethod(blas.matmul if blas.LIBRARY else np.matmul)
-    if blas.LIBRARY:
+    matmul = staticmethod(blas.matmul if blas.MAY_LOAD else np.matmul)
+    if blas.MAY_LOAD:
         scaled_matmul = staticmethod(blas.scaled_matmul)
     einsum = staticmethod(np.einsum)
     broadcast_to = staticmethod(np.broadcast_to)

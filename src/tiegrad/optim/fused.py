@@ -1,10 +1,9 @@
 """The fused host step: one pass over memory per optimizer step, when numba is installed.
 
-``Optimizer.step`` uses it for every parameter of a dtype in ``DTYPES`` when ``ENABLED``
-is true (the default when numba imports; ``TIEGRAD_NO_NUMBA=1`` in the environment, or
-setting ``ENABLED = False``, keeps the NumPy rules). Both paths compute the same values
-bit for bit (see ``kernels``); only the speed differs. numba is the optional extra
-``tiegrad[fast]``; ``kernels`` says why this dependency.
+``Optimizer.step`` uses it for every parameter of a dtype in ``DTYPES`` where
+``tiegrad._numba`` has the kernels (its ``ENABLED`` switch, ``TIEGRAD_NO_NUMBA``). Both
+paths compute the same values bit for bit (see ``kernels``); only the speed differs.
+numba is the optional extra ``tiegrad[fast]``; ``kernels`` says why this dependency.
 
 A step locates its gradients once per dtype (``GradientTable``), checks them all for
 NaN and infinity before any write (C6, one read), then hands ``run`` each batch of
@@ -14,7 +13,8 @@ per name and dtype), made once per state layout. ``run`` completes the table wit
 parameters' and gradients' addresses and the rule's kernel updates every element once.
 
 Threads. A batch of at least ``2 * CHUNK_MIN`` elements is cut into ``CHUNKS`` chunks
-per thread, claimed in turn by up to ``THREADS`` threads, the caller's among them (the
+per thread, claimed in turn by up to ``tiegrad._threads.count(CORES)`` threads (read at
+every step: ``TIEGRAD_NUM_THREADS``, MKL's team, else the cores), the caller's among them (the
 kernels release the GIL), through ``tiegrad._threads.share``: on MKL's OpenMP team
 where MKL lends it, else on the process's pool, where the caller waits only for chunks
 a pool thread has claimed (on a loaded machine the step degrades to one thread instead
@@ -33,10 +33,8 @@ import numpy as np
 
 from .. import _numba, _threads
 
-ENV_SWITCH = _numba.ENV_SWITCH
-ENABLED: bool = _numba.ENABLED
 DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
-THREADS: int = min(
+CORES: int = min(
     8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 )
 CHUNK_MIN = 1 << 16  # elements; a batch under two of these runs on the calling thread
@@ -58,15 +56,14 @@ class FusedRule(NamedTuple):
     pack: Callable[[Any], tuple[Sequence[float], Sequence[bool]]]
 
 
-@functools.cache
 def _kernels() -> ModuleType | None:
-    """``tiegrad.optim.kernels`` (importing numba), or None where numba is missing or broken."""
-    return _numba.load("tiegrad.optim.kernels")
+    """``tiegrad.optim.kernels`` (importing numba), or None (``tiegrad._numba.kernels``)."""
+    return _numba.kernels("tiegrad.optim.kernels")
 
 
 def supports(dtype: np.dtype) -> bool:
-    """Whether steps over parameters of ``dtype`` run fused (``ENABLED``, numba, ``DTYPES``)."""
-    return ENABLED and dtype in DTYPES and _kernels() is not None
+    """Whether steps over parameters of ``dtype`` run fused (the switch, numba, ``DTYPES``)."""
+    return dtype in DTYPES and _kernels() is not None
 
 
 class GradientTable:
@@ -250,13 +247,13 @@ def _disjoint(
 def _launch(
     kernel: Callable[..., None], table: np.ndarray, starts: np.ndarray, *args: Any, keep: Any
 ) -> None:
-    """``kernel`` over all elements of the batch, shared by up to ``THREADS`` threads.
+    """``kernel`` over all elements of the batch, shared by up to ``_threads.count`` threads.
 
     ``keep``: the arrays ``table`` points into, held for as long as a pool thread may
     still run a chunk, whatever happens to the caller.
     """
     total = int(starts[-1])
-    threads = min(THREADS, total // CHUNK_MIN)
+    threads = min(_threads.count(CORES), total // CHUNK_MIN)
     if threads <= 1:
         kernel(table, starts, *args, 0, total)
         return

@@ -1,0 +1,86 @@
+"""Importing tiegrad changes nothing outside tiegrad; ``tune_process`` is the explicit call.
+
+Each check runs in a child process, which records what tiegrad's modules do while
+``import tiegrad`` runs: C libraries they open through ctypes (glibc's ``mallopt``,
+oneMKL), fork hooks they register; and whether oneMKL is mapped into the process
+afterwards (an MKL that is not loaded keeps its own modes). glibc's allocator is
+checked by its behaviour: a 16 MiB block comes from ``mmap`` under glibc's defaults and
+from the heap once ``tune_process`` has raised the mmap threshold to 32 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_IMPORT = """
+import ctypes, json, os, sys
+
+def from_tiegrad():
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("tiegrad")
+
+opened, hooks = [], []
+cdll_init, register = ctypes.CDLL.__init__, os.register_at_fork
+
+def recording_init(self, name, *args, **kwargs):
+    if from_tiegrad():
+        opened.append(str(name))
+    cdll_init(self, name, *args, **kwargs)
+
+def recording_register(**callbacks):
+    if from_tiegrad():
+        hooks.extend(callbacks)
+    register(**callbacks)
+
+ctypes.CDLL.__init__, os.register_at_fork = recording_init, recording_register
+import tiegrad
+import tiegrad.backend
+ctypes.CDLL.__init__, os.register_at_fork = cdll_init, register
+maps = open("/proc/self/maps").read() if os.path.exists("/proc/self/maps") else ""
+print(json.dumps({"opened": opened, "hooks": hooks, "mkl": "libmkl" in maps}))
+"""
+
+
+def test_import_opens_no_library_registers_no_fork_hook_and_leaves_mkl_unloaded():
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT], capture_output=True, text=True, check=True
+    )
+    assert json.loads(out.stdout) == {"opened": [], "hooks": [], "mkl": False}
+
+
+_MALLOC = """
+import ctypes
+import tiegrad
+from tiegrad.backend import tune_process
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd",
+        "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+libc.malloc.restype = ctypes.c_void_p
+
+def mmapped_after_a_16_mib_block():
+    before = libc.mallinfo2().hblks
+    libc.malloc(16 << 20)  # kept: freeing an mmapped block would raise glibc's threshold
+    return libc.mallinfo2().hblks > before
+
+print(mmapped_after_a_16_mib_block(), tune_process(), mmapped_after_a_16_mib_block())
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "confstr") or not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"),
+    reason="the allocator setting applies to glibc only",
+)
+def test_glibc_keeps_its_defaults_until_tune_process_is_called():
+    out = subprocess.run(
+        [sys.executable, "-c", _MALLOC], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["True", "{'mallopt':", "True}", "False"]
