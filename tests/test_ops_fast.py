@@ -79,9 +79,9 @@ def test_gelu_float64_takes_the_exact_path():
 @pytest.mark.usefixtures("gelu_path")
 def test_gelu_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
     x = np.random.default_rng(1).standard_normal((5, nb._GELU_BLOCK + 7)).astype(np.float32)
-    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(1))
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "1")
     one = NUMPY.gelu(x)
-    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(3))
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "3")
     many = NUMPY.gelu(x)
     for a, b in zip(one, many):
         assert a.shape == x.shape
@@ -131,7 +131,7 @@ def test_blockwise_default_runs_one_range():
 
 
 def test_blockwise_errors_reach_the_caller(monkeypatch):
-    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(2))
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "2")
 
     def kernel(lo: int, hi: int) -> None:
         if lo > 0:

@@ -64,7 +64,7 @@ def fused_on(monkeypatch):
 def small_chunks(monkeypatch):
     """Chunks of 512 elements shared by three threads, so small batches are split."""
     monkeypatch.setattr(fused, "CHUNK_MIN", 512)
-    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(3))
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "3")
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def test_paths_agree_on_random_layouts(case, dtype, sizes, seed):
     results = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fused, "CHUNK_MIN", 256)
-        mp.setenv("TIEGRAD_NUM_THREADS", str(2))
+        mp.setenv("TIEGRAD_NUM_THREADS", "2")
         for enabled in (True, False):
             mp.setattr(_numba, "ENABLED", enabled)
             g = np.random.default_rng(seed)
@@ -203,7 +203,7 @@ def test_both_paths_match_torch_in_float64(monkeypatch, enabled, cls, torch_name
 def test_large_tensors_on_threads_match_torch(monkeypatch):
     # The real thread settings and sizes: batches above 2 * CHUNK_MIN are split.
     torch = pytest.importorskip("torch")
-    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(2))
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "2")
     g = np.random.default_rng(5)
     shapes = [(3 * fused.CHUNK_MIN + 17,), (300, 7), ()]
     values = [g.standard_normal(s) for s in shapes]

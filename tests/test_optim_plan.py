@@ -51,7 +51,7 @@ def path(request, monkeypatch):
         pytest.skip("numba is not installed")
     monkeypatch.setattr(_numba, "ENABLED", request.param)
     monkeypatch.setattr(fused, "CHUNK_MIN", 512)  # small batches still use the threads
-    monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(2))
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "2")
     return request.param
 
 
