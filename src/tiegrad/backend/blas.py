@@ -303,7 +303,7 @@ def _byte_offsets(strides: tuple[int, ...], batch: tuple[int, ...], item: int) -
     return offsets
 
 
-def _address_of() -> Callable[[np.ndarray], int]:
+def address_of() -> Callable[[np.ndarray], int]:
     """``x -> x.ctypes.data``, compiled by numba where it loads (a tenth of the time)."""
     kernels = _numba.kernels("tiegrad.backend.host_kernels")
     return kernels.address if kernels is not None else _ctypes_address
@@ -400,7 +400,7 @@ def _matrix_product(
     lc = _matrix(m, n, out.strides[-2] // item, out.strides[-1] // item)
     if lc is None or lc[0] != _NO_TRANS or lc[1] > _INT_MAX:
         return None
-    address = _address_of()
+    address = address_of()
     if a.ndim == 2 and b.ndim == 2:
         kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, address(a), la[1],
              address(b), lb[1], 0.0, address(out), lc[1])  # fmt: skip
@@ -444,7 +444,7 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
         ia, ib = a.strides[0] // item, b.strides[0] // item
         if min(ia, ib) <= 0 or max(ia, ib, a.size) > _INT_MAX:
             return None
-        address = _address_of()
+        address = address_of()
         value = kernels.dot(a.size, address(a), ia, address(b), ib)
         return None if _refused() else a.dtype.type(value)
     mat, vec = (a, b) if b.ndim == 1 else (b, a)
@@ -458,7 +458,7 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
         trans = _TRANS if trans == _NO_TRANS else _NO_TRANS
     stored_rows, stored_cols = (rows, cols) if layout[0] == _NO_TRANS else (cols, rows)
     out = np.empty(cols if mat is b else rows, a.dtype)
-    address = _address_of()
+    address = address_of()
     kernels.gemv(_ROW_MAJOR, trans, stored_rows, stored_cols, 1.0, address(mat), ld,
                  address(vec), inc, 0.0, address(out), 1)  # fmt: skip
     return None if _refused() else out

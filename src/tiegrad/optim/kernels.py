@@ -237,19 +237,6 @@ def adagrad(
         k += 1
 
 
-# -- addresses ----------------------------------------------------------------------------
-@_jit
-def data_addresses(ids: np.ndarray, offset: int, out: np.ndarray) -> None:
-    """``out[i]``: the pointer stored ``offset`` bytes into the object at address ``ids[i]``.
-
-    With the ``id`` of live ndarrays and the offset of their data pointer in NumPy's
-    array struct, the data addresses of many arrays in one call (``fused.addresses``
-    checks the offset once against ``__array_interface__``).
-    """
-    for i in range(ids.size):
-        out[i] = numba.carray(_pointer(ids[i] + offset, out), 1)[0]
-
-
 # -- finiteness ---------------------------------------------------------------------------
 @_jit
 def nonfinite_rows(
