@@ -2,7 +2,7 @@
 products and sums, a scatter-add of rows, layer norm, softmax; and entry points of the
 elementwise and row kernels for an OpenMP team.
 
-Imported only through ``tiegrad._numba.load``, by ``numpy_backend``, which decides when
+Imported only through ``tiegrad._numba.kernels``, by ``numpy_backend``, which decides when
 to use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
 ``blas`` for ``address``. Every kernel
 takes the range ``lo .. hi`` of elements or rows it handles and releases the GIL, so
