@@ -23,7 +23,9 @@ KERNEL_MODULES = (
     "test_nn_layers",
     "test_ops_",
     "test_optim_",
+    "test_process_settings",
     "test_reference_cases",
+    "test_step_bits",
     "test_tape",
 )
 
