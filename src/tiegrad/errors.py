@@ -60,3 +60,7 @@ class CheckpointError(TiegradError):
 
 class ConfigError(TiegradError, ValueError):
     """A configuration key or value is invalid (trainer and command line)."""
+
+
+class DistributedError(TiegradError):
+    """A process group cannot start, the ranks disagree (layout, checksum), or a rank failed."""

@@ -8,6 +8,13 @@ consumed can replay the epoch exactly after a restart. ``unit`` and ``count(batc
 say what a batch holds, for throughput (tokens or samples per second).
 
 ``ArrayDataset`` + ``DataLoader`` batch in-memory arrays (samples along axis 0).
+
+Data parallel: a loader with ``rank``/``world_size`` (by default those of an
+initialised ``tiegrad.distributed`` group, read when an epoch starts) still draws
+every global batch, from the same generator calls as a single process, and yields
+this rank's contiguous shard of it (``Shard``): the shards of one global batch are
+disjoint and together the whole batch, and the sequence of global batches does not
+depend on the number of processes.
 """
 
 from __future__ import annotations
@@ -40,6 +47,46 @@ def check_positive(what: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{what} must be a positive integer, got {value!r}")
     return int(value)
+
+
+class Shard:
+    """This rank's part of every global batch; ``None`` means the group's (or 0 of 1)."""
+
+    def __init__(self, what: str, rank: int | None, world_size: int | None) -> None:
+        if (rank is None) != (world_size is None):
+            raise ConfigError(f"{what}: give both rank and world_size, or neither")
+        if world_size is not None:
+            world_size = check_positive(f"{what}: world_size", world_size)
+            if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+                raise ConfigError(f"{what}: rank must be an integer, got {rank!r}")
+            if not 0 <= rank < world_size:
+                raise ConfigError(f"{what}: rank {rank} is outside 0..{world_size - 1}")
+        self.what = what
+        self.fixed = None if world_size is None else (int(rank), world_size)
+
+    def resolve(self, batch_size: int) -> tuple[int, int]:
+        """``(rank, world_size)``; the batch size must split evenly over the ranks."""
+        if self.fixed is not None:
+            rank, world = self.fixed
+        else:
+            from ..distributed import group
+
+            rank, world = group.rank(), group.world_size()
+        if batch_size % world:
+            raise ConfigError(
+                f"{self.what}: the global batch size {batch_size} does not split evenly over "
+                f"{world} processes"
+            )
+        return rank, world
+
+    def part(self, n: int, rank: int, world: int) -> slice:
+        """The rank's contiguous part of ``n`` items (equal parts when ``world`` divides ``n``)."""
+        if n < world:
+            raise ConfigError(
+                f"{self.what}: a batch of {n} samples cannot be shared by {world} processes "
+                "(use drop_last=True)"
+            )
+        return slice(n * rank // world, n * (rank + 1) // world)
 
 
 class ArrayDataset:
@@ -80,7 +127,9 @@ class DataLoader:
     """Batches of an ``ArrayDataset``; shuffled (when asked) by the epoch's generator.
 
     Iterating the loader directly uses its own generator seeded with ``seed``; the
-    trainer calls ``epoch(rng)`` with its generator instead.
+    trainer calls ``epoch(rng)`` with its generator instead. ``batch_size`` is the
+    global batch; with several processes each yields its shard (module docstring),
+    and the last, partial batch (``drop_last=False``) is split as evenly as it goes.
     """
 
     unit = "samples"
@@ -92,7 +141,10 @@ class DataLoader:
         shuffle: bool = True,
         drop_last: bool = False,
         seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
+        self.shard = Shard("DataLoader", rank, world_size)
         self.batch_size = check_positive("DataLoader: batch_size", batch_size)
         if drop_last and len(dataset) < batch_size:
             raise ConfigError(
@@ -110,10 +162,12 @@ class DataLoader:
 
     def epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
         """One pass over the dataset; the order is drawn from ``rng`` when shuffling."""
+        rank, world = self.shard.resolve(self.batch_size)
         n = len(self.dataset)
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         for k in range(len(self)):
-            yield self.dataset[order[k * self.batch_size : (k + 1) * self.batch_size]]
+            batch = order[k * self.batch_size : (k + 1) * self.batch_size]
+            yield self.dataset[batch[self.shard.part(len(batch), rank, world)]]
 
     def __iter__(self) -> Iterator[Batch]:
         return self.epoch(self.rng)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..errors import ConfigError
-from .loader import Batch, check_positive
+from .loader import Batch, Shard, check_positive
 from .tokenizer import HFTokenizer
 from .vocab import Vocab
 
@@ -144,9 +144,12 @@ class TextDataset:
         starts = np.linspace(0, high, n).astype(np.int64)
         return [self._windows(split, starts[k : k + batch_size]) for k in range(0, n, batch_size)]
 
-    def loader(self, split: str, batch_size: int) -> WindowLoader:
-        """A batch source of random windows of ``split`` for the trainer."""
-        return WindowLoader(self, split, batch_size)
+    def loader(
+        self, split: str, batch_size: int, rank: int | None = None, world_size: int | None = None
+    ) -> WindowLoader:
+        """A batch source of random windows of ``split`` for the trainer; with several
+        processes, this rank's shard of each global batch (``tiegrad.data.loader``)."""
+        return WindowLoader(self, split, batch_size, rank, world_size)
 
     def __repr__(self) -> str:
         return (
@@ -160,7 +163,15 @@ class WindowLoader:
 
     unit = "tokens"
 
-    def __init__(self, dataset: TextDataset, split: str, batch_size: int) -> None:
+    def __init__(
+        self,
+        dataset: TextDataset,
+        split: str,
+        batch_size: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.shard = Shard("WindowLoader", rank, world_size)
         dataset.tokens(split)
         self.dataset = dataset
         self.split = split
@@ -171,8 +182,11 @@ class WindowLoader:
         return max(1, len(self.dataset.tokens(self.split)) // per_batch)
 
     def epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
+        rank, world = self.shard.resolve(self.batch_size)
+        part = self.shard.part(self.batch_size, rank, world)
         for _ in range(len(self)):
-            yield self.dataset.sample(self.split, self.batch_size, rng)
+            inputs, targets = self.dataset.sample(self.split, self.batch_size, rng)
+            yield inputs[part], targets[part]
 
     def count(self, batch: Batch) -> int:
         """Target tokens in ``batch``."""

@@ -21,6 +21,13 @@ Ctrl-C (SIGINT) or SIGTERM (what schedulers, containers and ``kill`` send) durin
 
 What the loop reports goes through callbacks (``tiegrad.train.callbacks``): the
 metrics files, TensorBoard, samples and the loss plot are callbacks like the user's.
+
+Data parallel: with a ``tiegrad.distributed`` group initialised (or ``parallel`` given)
+every rank runs this loop on its shard of each global batch; the gradients are
+averaged over the ranks before clipping (``DataParallel.average``), a signal on any
+rank stops all of them after the same step, and rank 0 alone prints, runs the
+built-in callbacks (metrics, plot) and writes checkpoints while the others wait at a
+barrier; the user's callbacks run on every rank.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from ..data.loader import Batch, BatchSource, check_positive
+from ..distributed.group import barrier
+from ..distributed.parallel import default_parallel
 from ..errors import CheckpointError, ConfigError
 from ..optim.clip import clip_grad_norm
 from ..session import EagerSession, TensorRef
@@ -219,6 +228,7 @@ class Trainer:
         resume_hint: str | None = None,
         out: TextIO | None = None,
         callbacks: Sequence[Callback] = (),
+        parallel: Any = None,
     ) -> None:
         if train_data is None or not isinstance(train_data, BatchSource):
             raise ConfigError(
@@ -304,6 +314,8 @@ class Trainer:
                 f"run folder {str(self.run.path)!r} already holds checkpoints; resume it "
                 "or choose another folder"
             )
+        self.parallel = parallel if parallel is not None else default_parallel(model)
+        self.main = self.parallel is None or self.parallel.is_main
 
     # -- data ------------------------------------------------------------------------
     def _next_batch(self) -> Batch:
@@ -362,6 +374,8 @@ class Trainer:
                 loss = loss * scale
             new = self.optimizer.canonical_gradients(s.backward(loss))
             grads = new if grads is None else _accumulate(grads, new, k == 1)
+        if self.parallel is not None:
+            grads = self.parallel.average(grads)
         norm = None
         if self.clip_norm is not None:
             norm = clip_grad_norm(grads, self.clip_norm)
@@ -503,7 +517,10 @@ class Trainer:
     _active: Sequence[Callback] = ()
 
     def say(self, text: str) -> None:
-        """Print a line to the trainer's output, above the progress bar when one is shown."""
+        """Print a line to the trainer's output, above the progress bar when one is shown
+        (rank 0 alone in a data-parallel run)."""
+        if not self.main:
+            return
         if self._progress is not None:
             self._progress.message(text, self.out)
         else:
@@ -511,7 +528,7 @@ class Trainer:
 
     def _builtin_callbacks(self) -> tuple[list[Callback], list[Callback]]:
         """The callbacks before and after the user's: metrics first, the plot last."""
-        if self.run is None:
+        if self.run is None or not self.main:
             return [], []
         after: list[Callback] = []
         if self.plot_enabled:
@@ -522,6 +539,14 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Run until ``max_steps``, early stopping, Ctrl-C or SIGTERM; see the class docstring."""
+        try:
+            return self._fit()
+        except BaseException as e:
+            if self.parallel is not None:
+                self.parallel.fail(e, self.step + 1)
+            raise
+
+    def _fit(self) -> TrainResult:
         self._t0 = time.perf_counter()
         latest = None
         if self.run is not None:
@@ -531,11 +556,13 @@ class Trainer:
                 self.load_checkpoint(latest)
                 self.resumed_from = self.step
                 self._t0 = time.perf_counter()
+        if self.parallel is not None:
+            self.parallel.start(self._trainer_state() | {"elapsed": None})
         first_step = self.step
         before, after = self._builtin_callbacks()
         self._active = [*before, *self.callbacks, *after]
         unit = getattr(self.train_data, "unit", "samples")
-        progress = Progress(self.max_steps, self.step, unit, self.progress_enabled)
+        progress = Progress(self.max_steps, self.step, unit, self.progress_enabled and self.main)
         self._progress = progress
         if self.resumed_from is not None:
             self.say(f"resumed from step {self.resumed_from} ({latest})")
@@ -552,6 +579,10 @@ class Trainer:
                     lr = self.current_lr()
                     started = time.perf_counter()
                     train_loss, norm, items = self.train_step()
+                    if self.parallel is not None:
+                        train_loss, items, interrupt.signal = self.parallel.end_step(
+                            self.step, train_loss, items, interrupt.signal
+                        )
                     step_rate = items / max(time.perf_counter() - started, 1e-9)
                     rate = step_rate if rate is None else 0.9 * rate + 0.1 * step_rate
                     progress.update(train_loss, lr, rate)
@@ -611,9 +642,15 @@ class Trainer:
         ones; returns the step saved (``None`` without a run folder)."""
         if self.run is None:
             return None
-        self.save_checkpoint(self.run.step_path(self.step))
-        self.run.prune(self.keep_last)
+        if self.main:
+            self.save_checkpoint(self.run.step_path(self.step))
+            self.run.prune(self.keep_last)
+        self._wait_for_main()
         return self.step
+
+    def _wait_for_main(self) -> None:
+        if self.parallel is not None:
+            barrier()
 
     def _eval_and_track(self, train_loss: float | None, last: dict[str, Any]) -> None:
         val = self.evaluate()
@@ -640,7 +677,9 @@ class Trainer:
         for cb in self._active:
             cb.on_eval(self, logs)
         if improved and self.run is not None:
-            self.save_checkpoint(self.run.best_path)
+            if self.main:
+                self.save_checkpoint(self.run.best_path)
+            self._wait_for_main()
 
     def _finish(
         self, status: str, last: dict[str, Any], first_step: int, signum: int | None
@@ -667,6 +706,8 @@ class Trainer:
         return result
 
     def _report(self, result: TrainResult) -> None:
+        if not self.main:
+            return
         if result.status == "interrupted":
             hint = self.resume_hint or (
                 f"Trainer(..., run_dir={str(self.run.path)!r}, resume=True).fit()"

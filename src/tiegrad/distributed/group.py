@@ -1,0 +1,266 @@
+"""The process group of a data-parallel run: start it from torchrun's environment.
+
+``init`` reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` (what ``torchrun``/``torch.distributed.run`` sets), meets the other
+ranks through ``torch.distributed.rendezvous("env://")`` and starts the process group
+with ``torch.distributed.init_process_group``: gloo for host sessions, NCCL for a
+``cuda`` device. Every collective of the group, and the meeting itself, gives up
+after ``timeout`` seconds (default 60, or ``TIEGRAD_DIST_TIMEOUT``), so a rank that
+dies or hangs never blocks the others for longer.
+
+The group's key-value store also carries failure reports: a rank that fails writes
+``report_failure(...)`` before it leaves, and the survivors name it from there
+(``failure_report``). torch is imported here, never by ``import tiegrad``; without an
+initialised group ``rank()`` is 0, ``world_size()`` 1 and ``is_main()`` true.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import DistributedError
+
+DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "TIEGRAD_DIST_TIMEOUT"
+ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_FAILED_KEY = "tiegrad/failed"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The initialised group: this process's rank, the world size, backend and timeout."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    timeout: float
+    store: Any
+
+
+_group: Group | None = None
+
+
+def in_launcher_environment() -> bool:
+    """Whether the variables ``torchrun`` sets are all present (this is a launched rank)."""
+    return all(k in os.environ for k in ENV_KEYS)
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise DistributedError(
+                f"tiegrad.distributed.init: the environment variable {name} is not set; "
+                "start the processes with 'torchrun --nproc-per-node N ...' (it sets "
+                f"{', '.join(ENV_KEYS)})"
+            )
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistributedError(
+            f"tiegrad.distributed.init: {name}={raw!r} is not an integer"
+        ) from None
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """``timeout`` in seconds, else ``TIEGRAD_DIST_TIMEOUT``, else 60; must be > 0."""
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise DistributedError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise DistributedError(
+            f"distributed timeout must be a number of seconds > 0, got {timeout!r}"
+        )
+    return float(timeout)
+
+
+def init(device: str | None = None, timeout: float | None = None) -> Group:
+    """Join the process group torchrun describes; returns it. See the module docstring.
+
+    ``device`` is the session's device: one naming ``cuda`` selects NCCL (and the GPU
+    ``LOCAL_RANK``), anything else gloo. Bad or missing variables, a second ``init``
+    and a meeting that times out are a ``DistributedError``. The group is left at
+    interpreter exit if ``shutdown`` was not called.
+    """
+    global _group
+    if _group is not None:
+        raise DistributedError(
+            f"tiegrad.distributed.init: already initialised (rank {_group.rank} of "
+            f"{_group.world_size}); call shutdown() first"
+        )
+    seconds = resolve_timeout(timeout)
+    world = _env_int("WORLD_SIZE")
+    rank = _env_int("RANK")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            _env_int(name)  # raises: not set
+    if world < 1 or not 0 <= rank < world:
+        raise DistributedError(
+            f"tiegrad.distributed.init: RANK={rank} and WORLD_SIZE={world}: expected "
+            "0 <= RANK < WORLD_SIZE"
+        )
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device is not None and "cuda" in device else "gloo"
+    delta = datetime.timedelta(seconds=seconds)
+    try:
+        store, rank, world = next(
+            dist.rendezvous("env://", rank=rank, world_size=world, timeout=delta)
+        )
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
+    except (RuntimeError, ValueError) as e:
+        raise DistributedError(
+            f"tiegrad.distributed.init: rank {rank} of {world} could not join the group at "
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {seconds:g} s "
+            f"({_first_line(e)})"
+        ) from None
+    _group = Group(rank, world, local_rank, backend, seconds, store)
+    atexit.register(shutdown)  # a rank leaving on an error still closes its group cleanly
+    return _group
+
+
+def group() -> Group:
+    """The initialised group, or a ``DistributedError`` saying to call ``init`` first."""
+    if _group is None:
+        raise DistributedError(
+            "tiegrad.distributed: not initialised; call tiegrad.distributed.init()"
+        )
+    return _group
+
+
+def is_initialized() -> bool:
+    return _group is not None
+
+
+def rank() -> int:
+    """This process's rank (0 without a group)."""
+    return 0 if _group is None else _group.rank
+
+
+def world_size() -> int:
+    """The number of processes (1 without a group)."""
+    return 1 if _group is None else _group.world_size
+
+
+def is_main() -> bool:
+    """Whether this is rank 0, the process that prints, writes metrics and checkpoints."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing without a group); a lost rank is a ``DistributedError``."""
+    if _group is not None:
+        import torch.distributed as dist
+
+        with collective("barrier"):
+            dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group (nothing without one); ``init`` may be called again."""
+    global _group
+    if _group is None:
+        return
+    import torch.distributed as dist
+
+    _group = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+class RankFailedError(DistributedError):
+    """Another rank failed, died or stopped answering; this rank stops too."""
+
+
+def report_failure(error: BaseException, step: int | None = None) -> None:
+    """Tell the other ranks that this one fails with ``error``, then leave the group.
+
+    A ``DistributedError`` (ranks that disagree, a failure another rank reported) is
+    raised on the other ranks too, so it is not reported, only the group is left.
+
+        The first report wins (the store's compare-and-set). Leaving closes this rank's
+        connections, which wakes the ranks waiting for it in a collective at once.
+        Afterwards this rank waits (up to 5 s) until every other rank has read the report,
+        so that a failing rank 0, which hosts the store, is still there to answer.
+    """
+    g = _group
+    if g is None or isinstance(error, DistributedError):
+        shutdown()  # the other ranks raise the same error, or reported this one
+        return
+    at = "" if step is None else f" at step {step}"
+    text = f"rank {g.rank} failed{at}: {type(error).__name__}: {_first_line(error)}"
+    try:
+        g.store.compare_set(_FAILED_KEY, "", text)
+    except RuntimeError:
+        pass
+    shutdown()
+    others = [f"tiegrad/read/{r}" for r in range(g.world_size) if r != g.rank]
+    try:
+        g.store.wait(others, datetime.timedelta(seconds=min(5.0, g.timeout)))
+    except RuntimeError:
+        pass
+
+
+def failure_report() -> str | None:
+    """The report of the rank that failed first, or ``None`` (waits up to 2 s for one)."""
+    g = _group
+    if g is None:
+        return None
+    try:
+        g.store.wait([_FAILED_KEY], datetime.timedelta(seconds=min(2.0, g.timeout)))
+        text = g.store.get(_FAILED_KEY).decode()
+        g.store.set(f"tiegrad/read/{g.rank}", "1")
+        return text or None
+    except RuntimeError:
+        return None
+
+
+class collective:
+    """Context of one collective: a torch error in it becomes a ``RankFailedError``.
+
+    The message names the rank that reported a failure, or says that the others were
+    lost or silent for the group's timeout; afterwards this rank has left the group.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+        if (
+            error is None
+            or not isinstance(error, RuntimeError)
+            or isinstance(error, DistributedError)
+        ):
+            return False
+        g = group()
+        report = failure_report()
+        shutdown()
+        if report is not None:
+            raise RankFailedError(f"rank {g.rank}: stopping: {report}") from None
+        raise RankFailedError(
+            f"rank {g.rank}: stopping: another rank died or did not answer within "
+            f"{g.timeout:g} s during {self.what} ({_first_line(error)})"
+        ) from None

@@ -1,0 +1,192 @@
+"""``DataParallel``: one model replicated on every rank of the group, kept identical.
+
+Wrapping checks that every rank holds the same slot layout (paths, shapes, dtypes,
+trainability, ties: the checkpoint schema's ``SlotRecord``, C5, C9) and shows both
+layouts when one differs; ``start`` broadcasts every storage from rank 0 and checks
+that the ranks agree on the trainer's position and data generator, so all ranks draw
+the same global batches. Each step, ``average`` replaces the canonical gradients by
+their mean over the ranks (``GradientBuckets``) and ``end_step`` averages the loss,
+sums the items and stops every rank when any was signalled; every
+``check_every`` steps a checksum of every storage (Adler-32 of its bytes) is compared
+across ranks, and a mismatch is a ``DistributedError`` naming the first rank and slot
+that differ from rank 0.
+"""
+
+from __future__ import annotations
+
+import zlib
+from itertools import zip_longest
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint.saving import as_param_list
+from ..checkpoint.schema import layout_table, slot_records
+from ..errors import DistributedError
+from ..params import ParamList
+from .buckets import DEFAULT_BUCKET_MB, GradientBuckets
+from .group import collective, group, is_initialized, report_failure
+
+DEFAULT_CHECK_EVERY = 100
+
+
+def _positive(what: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise DistributedError(f"DataParallel: {what} must be a positive number, got {value!r}")
+    return value
+
+
+class DataParallel:
+    """Data-parallel training of ``model`` (a module or ``ParamList``) over the group.
+
+    ``bucket_mb`` is the bucket size (about 25 MB, like DDP); ``check_every`` the
+    steps between parameter checksums. Construction is a collective: every rank must
+    wrap the same layout, else each raises a ``DistributedError`` with both layouts.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
+        check_every: int = DEFAULT_CHECK_EVERY,
+    ) -> None:
+        _positive("bucket_mb", bucket_mb)
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise DistributedError(
+                f"DataParallel: check_every must be an integer >= 1, got {check_every!r}"
+            )
+        self.group = group()
+        self.plist: ParamList = as_param_list(model, "DataParallel")
+        self.records = slot_records(self.plist)
+        self._check_layouts()
+        self.buckets = GradientBuckets(self.plist, int(bucket_mb * 2**20))
+        self.check_every = check_every
+        self._storages = list(
+            {id(p.storage): (i, p.storage) for i, p in enumerate(self.plist)}.values()
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.group.rank == 0
+
+    def _gather(self, obj: Any, what: str) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        with collective(what):
+            dist.all_gather_object(out, obj)
+        return out
+
+    def _check_layouts(self) -> None:
+        layouts = self._gather(self.records, "the layout check")
+        for r, other in enumerate(layouts):
+            if other != layouts[0]:
+                table = layout_table(list(zip_longest(layouts[0], other)), ("rank 0", f"rank {r}"))
+                raise DistributedError(
+                    f"DataParallel: rank {r} holds another parameter layout than rank 0 "
+                    f"(slots, shapes, dtypes, trainability or ties differ)\n{table}"
+                )
+
+    # -- start ---------------------------------------------------------------------------
+    def broadcast_parameters(self) -> None:
+        """Overwrite every storage with rank 0's value (one broadcast per dtype)."""
+        import torch
+        import torch.distributed as dist
+
+        by_dtype: dict[np.dtype, list[tuple[int, np.ndarray]]] = {}
+        for _, st in self._storages:
+            value = st.current_host_value()
+            by_dtype.setdefault(value.dtype, []).append((id(st), value))
+        received: dict[int, np.ndarray] = {}
+        for items in by_dtype.values():
+            flat = np.concatenate([v.ravel() for _, v in items])
+            with collective("the parameter broadcast"):
+                dist.broadcast(torch.from_numpy(flat), src=0)
+            offset = 0
+            for key, v in items:
+                received[key] = flat[offset : offset + v.size].reshape(v.shape)
+                offset += v.size
+        if not self.is_main:
+            self.plist.set_values([received[id(p.storage)] for p in self.plist])
+
+    def start(self, state: dict[str, Any]) -> None:
+        """Broadcast the parameters, then check that every rank's trainer ``state`` (its
+        position and data generator) is rank 0's: ranks started with another seed or from
+        another checkpoint would train on other batches."""
+        self.broadcast_parameters()
+        states = self._gather(state, "the start check")
+        for r, other in enumerate(states):
+            if other != states[0]:
+                keys = sorted(
+                    k for k in set(other) | set(states[0]) if other.get(k) != states[0].get(k)
+                )
+                raise DistributedError(
+                    f"DataParallel: rank {r} starts from another trainer state than rank 0 "
+                    f"(differs in {', '.join(keys)}): start every rank with the same seed and "
+                    "checkpoint"
+                )
+
+    # -- each step -----------------------------------------------------------------------
+    def average(self, gradients: list[Any]) -> list[Any]:
+        """The canonical gradients averaged over the ranks (see ``GradientBuckets``)."""
+        return self.buckets.average(gradients, self.world_size)
+
+    def end_step(
+        self, step: int, loss: float, items: int, signum: int | None
+    ) -> tuple[float, int, int | None]:
+        """The mean loss over the ranks, the items of all ranks and the signal that asked
+        a rank to stop (the lowest rank's; ``None``: none did), in one small all-reduce
+        with a slot per rank; every ``check_every`` steps, the parameter checksum."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.zeros(2 + self.world_size, dtype=torch.float64)
+        t[0], t[1], t[2 + self.rank] = loss, float(items), float(signum or 0)
+        t = self._staged(t)
+        with collective("the step's loss all-reduce"):
+            dist.all_reduce(t)
+        t = t.cpu()
+        if step % self.check_every == 0:
+            self.check_parameters(step)
+        signals = [int(x) for x in t[2:] if x]
+        return float(t[0]) / self.world_size, int(t[1]), signals[0] if signals else None
+
+    def checksums(self) -> list[int]:
+        """The Adler-32 checksum of every storage's bytes, in order of first slot."""
+        return [
+            zlib.adler32(np.ascontiguousarray(st.current_host_value()).data)
+            for _, st in self._storages
+        ]
+
+    def check_parameters(self, step: int | None = None) -> None:
+        """Compare every storage's checksum with rank 0's; a difference is a
+        ``DistributedError`` naming the first rank and slot that differ."""
+        sums = self._gather(self.checksums(), "the parameter checksum")
+        at = "" if step is None else f" at step {step}"
+        for r, other in enumerate(sums):
+            for (slot, _), a, b in zip(self._storages, sums[0], other):
+                if a != b:
+                    raise DistributedError(
+                        f"DataParallel: the parameters diverged{at}: rank {r} differs from "
+                        f"rank 0 first at slot {slot} ({self.records[slot].path!r}; "
+                        f"checksum {b:#010x}, rank 0 {a:#010x})"
+                    )
+
+    def fail(self, error: BaseException, step: int | None = None) -> None:
+        """Report this rank's ``error`` to the others and leave the group (see
+        ``group.report_failure``); a failure reported by another rank is not re-reported."""
+        report_failure(error, step)
+
+
+def default_parallel(model: Any) -> DataParallel | None:
+    """A ``DataParallel`` of ``model`` when a process group is initialised, else None."""
+    return DataParallel(model) if is_initialized() else None
