@@ -113,6 +113,7 @@ def test_two_processes_match_one_and_reduce_each_trainable_storage_once(straight
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(2, 0), (0, 2)])
 def test_resume_with_another_process_count(straight, tmp_path, first, second):
     run_ok(first, "train", tmp_path, steps=10)
@@ -143,3 +144,53 @@ def test_another_tie_layout_fails_at_wrap_time_showing_both(tmp_path):
         assert rc != 0
         assert "rank 1 holds another parameter layout than rank 0" in err
         assert "rank 0" in err and "<-- differs" in err
+
+
+@pytest.mark.slow
+def test_torchrun_trains_end_to_end_and_one_process_resumes(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i % 7}\n" for i in range(300)))
+    run = tmp_path / "run"
+    flags = ["--text", text, "--d-model", "16", "--layers", "1", "--heads", "2"]
+    flags += ["--seq-len", "16", "--batch-size", "4", "--eval-every", "10", "--eval-batches", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
+    cmd += ["tiegrad", "train", "--steps", "20", *flags, "--run-dir", run, "--no-progress"]
+    done = subprocess.run(
+        list(map(str, cmd)), env=base_env(), capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("resolved configuration") == 1  # rank 0 alone prints
+    assert "done: 20 steps" in done.stdout
+    assert (run / "checkpoints" / "step_0000020.safetensors").is_file()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines if "train_loss" in x] == list(range(1, 21))
+    resumed = subprocess.run(
+        [sys.executable, "-m", "tiegrad", "resume", str(run), "--steps", "22", "--no-progress"],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 20" in resumed.stdout and "done: 22 steps" in resumed.stdout
+
+
+def test_init_outside_torchrun_names_the_missing_variable(monkeypatch):
+    import tiegrad.distributed as dist
+    from tiegrad import TiegradError
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(TiegradError, match="WORLD_SIZE is not set.*torchrun"):
+        dist.init()
+    assert not dist.is_initialized() and dist.rank() == 0 and dist.world_size() == 1
+    monkeypatch.setenv("TIEGRAD_DIST_TIMEOUT", "soon")
+    with pytest.raises(TiegradError, match="TIEGRAD_DIST_TIMEOUT='soon' is not a number"):
+        dist.init()
+
+
+def test_nproc_is_taken_out_of_the_relaunched_command():
+    from tiegrad.distributed.launch import without_flag
+
+    argv = ["train", "--nproc", "2", "--steps", "5", "--nproc=3", "--run-dir", "r"]
+    assert without_flag(argv, "--nproc") == ["train", "--steps", "5", "--run-dir", "r"]

@@ -12,6 +12,10 @@ resume.
 A new run without ``--run`` gets ``runs/<date-time>``, and ``runs/latest`` points to
 the newest run (a symbolic link where the platform has them); ``tiegrad sample`` and
 ``tiegrad resume`` without a run folder take that newest run.
+
+On several processes (``torchrun --nproc-per-node N -m tiegrad train ...``, or
+``tiegrad train --nproc N``) every rank trains on its shard of each global batch
+(``tiegrad.distributed``) and rank 0 alone prints and writes the run folder.
 """
 
 from __future__ import annotations
@@ -121,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{HELP[key]}{shown}",
         )
     _add_no_progress(train)
+    _add_nproc(train)
+    train.add_argument(
+        "--run-dir",
+        dest="run",
+        default=None,
+        metavar="DIR",
+        help="the same as --run (torchrun's own parser takes '--run' for '--run-path')",
+    )
 
     sample = sub.add_parser("sample", help="generate text from a run's best checkpoint")
     sample.add_argument(
@@ -151,8 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=int, default=None, help="new total step count (default: the run's)"
     )
     _add_no_progress(resume)
+    _add_nproc(resume)
     _add_export(sub)
     return parser
+
+
+def _add_nproc(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train on N local processes (data parallel, started through torchrun)",
+    )
 
 
 def _add_export(sub: Any) -> None:
@@ -200,6 +223,8 @@ def _main(argv: Sequence[str] | None) -> int:
         "resume": _resume,
         "export": _export,
     }
+    if getattr(args, "nproc", None) is not None:
+        return _relaunch(args.nproc, sys.argv[1:] if argv is None else argv)
     tune_process()  # the command owns its process (tiegrad.backend.tuning)
     try:
         return commands[args.command](args)
@@ -231,6 +256,17 @@ def _subparser(
     return None
 
 
+def _relaunch(nproc: int, argv: Sequence[str]) -> int:
+    from .distributed.group import in_launcher_environment
+    from .distributed.launch import relaunch, without_flag
+
+    if nproc < 1:
+        _fail(f"--nproc must be >= 1, got {nproc}")
+    if in_launcher_environment():
+        _fail("--nproc starts the processes itself: leave it out under torchrun")
+    return relaunch(nproc, without_flag(argv, "--nproc"))
+
+
 def _one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
@@ -244,9 +280,29 @@ def _train(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k, None) is not None}
     labels = {key: flag for flag, key in FLAGS.items()}
     config = resolve(args.config, overrides, labels)
+    _join_group(config)
     if not config["run"]:
-        config["run"] = _fresh_run_folder()
+        config["run"] = _agree(_fresh_run_folder())
     return _run_job(config, resume=False)
+
+
+def _join_group(config: dict[str, Any]) -> None:
+    """Under torchrun, join the process group before anything else (see the docstring)."""
+    from .distributed.launch import join_if_launched
+
+    join_if_launched(None if config["device"] == "cpu" else config["device"])
+
+
+def _agree(value: Any) -> Any:
+    from .distributed.group import agree
+
+    return agree(value)
+
+
+def _main_process() -> bool:
+    from .distributed.group import is_main
+
+    return is_main()
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -278,6 +334,7 @@ def _resume(args: argparse.Namespace) -> int:
     config.pop("text_sha256", None)
     vocab = config.pop("vocab_table", None)
     config = check_config(config)
+    _join_group(config)
     return _run_job(config, resume=True, vocab=vocab)
 
 
@@ -360,7 +417,8 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
     }
     if config["init"]:
         extra["hf_config"] = model.source_config
-    callbacks = _job_callbacks(config, run, model, dataset.vocab)
+    main_process = _main_process()
+    callbacks = _job_callbacks(config, run, model, dataset.vocab) if main_process else []
     trainer = Trainer(
         model,
         optimizer,
@@ -384,23 +442,25 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
         resume_hint=f"tiegrad resume {_quote(str(run.path))}",
         callbacks=callbacks,
     )
-    _print_config(config, source.description, dataset, model, "resume" if resume else "train")
-    if resume and run.read_config().get("text_sha256") not in (None, source.sha256):
-        print("warning: the training text differs from the one this run started with")
-    text = os.path.abspath(config["text"]) if config["text"] else ""
-    init = os.path.abspath(config["init"]) if config["init"] else ""
-    run.write_config(
-        dict(
-            config,
-            text=text,
-            init=init,
-            vocab_table=dataset.vocab.to_dict(),
-            text_sha256=source.sha256,
+    if main_process:
+        _print_config(config, source.description, dataset, model, "resume" if resume else "train")
+        if resume and run.read_config().get("text_sha256") not in (None, source.sha256):
+            print("warning: the training text differs from the one this run started with")
+        text = os.path.abspath(config["text"]) if config["text"] else ""
+        init = os.path.abspath(config["init"]) if config["init"] else ""
+        run.write_config(
+            dict(
+                config,
+                text=text,
+                init=init,
+                vocab_table=dataset.vocab.to_dict(),
+                text_sha256=source.sha256,
+            )
         )
-    )
-    _point_latest(str(run.path))
+        _point_latest(str(run.path))
     result = trainer.fit()
-    _print_summary(result, run, unit)
+    if main_process:
+        _print_summary(result, run, unit)
     if result.status != "interrupted":
         return 0
     return EXIT_TERMINATED if result.signal == signal.SIGTERM else EXIT_INTERRUPTED

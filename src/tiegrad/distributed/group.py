@@ -264,3 +264,16 @@ class collective:
             f"rank {g.rank}: stopping: another rank died or did not answer within "
             f"{g.timeout:g} s during {self.what} ({_first_line(error)})"
         ) from None
+
+
+def agree(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (``value`` itself without a group), e.g. a name
+    each rank would otherwise pick on its own, such as a timestamped run folder."""
+    if _group is None:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    with collective("agreeing on a value"):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]

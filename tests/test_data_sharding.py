@@ -1,0 +1,61 @@
+"""Data sharding for data-parallel training: each rank's part of every global batch."""
+
+import numpy as np
+import pytest
+
+from tiegrad import ConfigError
+from tiegrad.data import ArrayDataset, DataLoader, TextDataset
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i % 7}\n" for i in range(80))
+
+
+def epochs(make, world):
+    """Per rank, the batches of one epoch drawn from the same generator seed."""
+    return [list(make(r, world).epoch(np.random.default_rng(4))) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_shards_are_disjoint_and_make_the_global_batch_of_one_process(world):
+    data = ArrayDataset(np.arange(40)[:, None] * 1.0, np.arange(40))
+
+    def make(rank, world):
+        return DataLoader(data, 8, rank=rank, world_size=world)
+
+    single = epochs(make, 1)[0]
+    shards = epochs(make, world)
+    assert all(len(s) == len(single) == len(make(0, world)) for s in shards)
+    for k, batch in enumerate(single):
+        parts = [s[k][1] for s in shards]
+        assert all(len(p) == 8 // world for p in parts)
+        np.testing.assert_array_equal(np.concatenate(parts), batch[1])
+
+
+def test_window_shards_are_parts_of_the_same_global_windows():
+    data = TextDataset(TEXT, block_size=6)
+    single = epochs(lambda r, w: data.loader("train", 4, r, w), 1)[0]
+    shards = epochs(lambda r, w: data.loader("train", 4, r, w), 2)
+    for k, (x, y) in enumerate(single):
+        np.testing.assert_array_equal(np.concatenate([s[k][0] for s in shards]), x)
+        np.testing.assert_array_equal(np.concatenate([s[k][1] for s in shards]), y)
+
+
+def test_a_partial_last_batch_is_split_or_refused():
+    data = ArrayDataset(np.arange(10))
+    parts = [
+        list(DataLoader(data, 4, rank=r, world_size=2).epoch(np.random.default_rng(0)))
+        for r in (0, 1)
+    ]
+    assert [len(b[0]) for b in parts[0]] == [2, 2, 1]
+    loader = DataLoader(ArrayDataset(np.arange(9)), 4, rank=1, world_size=4)
+    with pytest.raises(ConfigError, match="batch of 1 samples cannot be shared by 4.*drop_last"):
+        list(loader.epoch(np.random.default_rng(0)))
+
+
+def test_bad_shard_settings_are_config_errors():
+    data = ArrayDataset(np.arange(10))
+    with pytest.raises(ConfigError, match="give both rank and world_size"):
+        DataLoader(data, 4, rank=1)
+    with pytest.raises(ConfigError, match="rank 2 is outside 0..1"):
+        DataLoader(data, 4, rank=2, world_size=2)
+    with pytest.raises(ConfigError, match="global batch size 4 does not split evenly over 3"):
+        list(DataLoader(data, 4, rank=0, world_size=3).epoch(np.random.default_rng(0)))
