@@ -28,6 +28,7 @@ PAIRS = {
     "W4": {("tiegrad", "torch"), ("tiegrad", "torch fused")},
     "W5": {("tiegrad", "torch")},
     "G1": {("tiegrad", "torch")},
+    "D1": {("tiegrad", "torch DDP")},
 }
 
 
@@ -38,7 +39,7 @@ def quick_report():
 
 def test_quick_run_produces_every_row(quick_report):
     by_id = {w["id"]: w for w in quick_report["workloads"]}
-    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1"]
+    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "D1"]
     for wid, pairs in PAIRS.items():
         rows = by_id[wid]["rows"]
         got = {(r["tiegrad"], r["torch"]) for r in rows}
@@ -196,3 +197,10 @@ def test_every_workload_declares_its_interface():
         assert module.ID == wid
         warmup, steps = module.STEPS
         assert warmup >= 1 and steps >= 1
+
+
+def test_d1_reports_the_communication_share_of_both_sides(quick_report):
+    (d1,) = [w for w in quick_report["workloads"] if w["id"] == "D1"]
+    assert set(d1["extras"]["communication_share"]) == {"tiegrad", "torch"}
+    assert {"tiegrad local", "torch DDP no_sync"} <= set(d1["sides"])
+    assert any("communication share of the step (torch)" in n for n in d1["notes"])

@@ -6,7 +6,15 @@ run), ``make_data()`` (NumPy batches and initial weights, shared by every side) 
 ``extras(stats)`` for figures of its own (W5's GEMM bound). G1 (issue 18) needs transformers.
 """
 
-from . import g1_gpt2, w1_tied_lm, w2_small_mlp, w3_shared_reuse, w4_optimizer, w5_matmul
+from . import (
+    d1_data_parallel,
+    g1_gpt2,
+    w1_tied_lm,
+    w2_small_mlp,
+    w3_shared_reuse,
+    w4_optimizer,
+    w5_matmul,
+)
 
 WORKLOADS = {
     m.ID: m
@@ -17,6 +25,7 @@ WORKLOADS = {
         w4_optimizer,
         w5_matmul,
         g1_gpt2,
+        d1_data_parallel,
     )
 }
 

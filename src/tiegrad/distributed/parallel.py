@@ -118,12 +118,12 @@ class DataParallel:
         if not self.is_main:
             self.plist.set_values([received[id(p.storage)] for p in self.plist])
 
-    def start(self, state: dict[str, Any]) -> None:
+    def start(self, state: dict[str, Any] | None = None) -> None:
         """Broadcast the parameters, then check that every rank's trainer ``state`` (its
         position and data generator) is rank 0's: ranks started with another seed or from
         another checkpoint would train on other batches."""
         self.broadcast_parameters()
-        states = self._gather(state, "the start check")
+        states = self._gather(state or {}, "the start check")
         for r, other in enumerate(states):
             if other != states[0]:
                 keys = sorted(
