@@ -6,7 +6,8 @@ process group when torchrun's variables are set, else it is the 1-process refere
 Rank 0 writes the final parameters and the gradient bytes reduced per step to
 ``OUT/params.npz`` and ``OUT/bytes.json``. Scenarios: ``train``, ``raise`` (rank 1
 raises in step 5), ``perturb`` (rank 1 perturbs a parameter before step 4, checksums
-every 2 steps), ``layout`` (rank 1 unties the output).
+every 2 steps), ``layout`` (rank 1 unties the output), ``device`` (``train`` on the
+torch CPU device backend).
 """
 
 import json
@@ -78,6 +79,7 @@ def main(scenario: str, out: str, steps: int) -> None:
         progress=False,
         plot=False,
         parallel=parallel,
+        device="torch:cpu" if scenario == "device" else None,
     )
     trainer.fit()
     if dist.is_main():

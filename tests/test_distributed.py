@@ -114,6 +114,11 @@ def test_two_processes_match_one_and_reduce_each_trainable_storage_once(straight
 
 
 @pytest.mark.slow
+def test_a_device_session_trains_the_same_on_two_processes(straight, tmp_path):
+    assert_close(run_ok(2, "device", tmp_path), straight)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(2, 0), (0, 2)])
 def test_resume_with_another_process_count(straight, tmp_path, first, second):
     run_ok(first, "train", tmp_path, steps=10)

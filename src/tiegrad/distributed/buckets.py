@@ -3,11 +3,12 @@
 One gradient per trainable storage (its canonical slot, C5) goes into a bucket, so a
 tied weight is reduced once and a frozen storage not at all. Buckets hold one dtype
 each, fill in slot order up to ``bucket_bytes`` (a larger gradient gets a bucket of
-its own) and are allocated once, on the first step of their kind, then reused: host
-buffers are NumPy arrays reduced through zero-copy ``torch.from_numpy`` views, device
-buffers torch tensors on the gradients' device. ``average`` copies each gradient in,
-all-reduces every bucket once (sum) and divides by the world size; the result hands
-out views of the buffers, valid until the next ``average``.
+its own) and are allocated once, on the first step, then reused: NumPy arrays reduced
+through zero-copy ``torch.from_numpy`` views (the canonical gradients are host arrays,
+a device session's included). With NCCL each bucket also has a GPU twin, allocated
+once, that the all-reduce runs on. ``average`` copies each gradient in, all-reduces
+every bucket once (sum) and divides by the world size; the result hands out views of
+the buffers, valid until the next ``average``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ DEFAULT_BUCKET_MB = 25.0
 
 
 class _Bucket:
-    """Slots, their element offsets and the flat buffer (host and device kinds)."""
+    """Slots, their element offsets and the flat host buffer (with a GPU twin for NCCL)."""
 
     def __init__(self, dtype: np.dtype, slots: list[int], shapes: list[tuple[int, ...]]) -> None:
         self.dtype = dtype
@@ -34,34 +35,27 @@ class _Bucket:
         self.shapes = shapes
         sizes = [math.prod(s) for s in shapes]
         self.offsets = [0, *np.cumsum(sizes).tolist()]
-        self.host: tuple[Any, list[np.ndarray]] | None = None
-        self.device: tuple[Any, list[Any]] | None = None
+        self.buffers: tuple[Any, Any, list[np.ndarray]] | None = None
 
     @property
     def nbytes(self) -> int:
         return self.offsets[-1] * self.dtype.itemsize
 
-    def host_views(self) -> tuple[Any, list[np.ndarray]]:
-        if self.host is None:
+    def views(self, on_gpu: bool) -> tuple[Any, Any, list[np.ndarray]]:
+        """The flat tensor over the host buffer, the tensor reduced (the same, or its GPU
+        twin) and one view of the host buffer per slot; allocated on the first call."""
+        if self.buffers is None:
             import torch
 
             buf = np.empty(self.offsets[-1], self.dtype)
-            self.host = (torch.from_numpy(buf), self._views(buf))
-        return self.host
-
-    def device_views(self, like: Any) -> tuple[Any, list[Any]]:
-        if self.device is None or self.device[0].device != like.device:
-            import torch
-
-            flat = torch.empty(self.offsets[-1], dtype=like.dtype, device=like.device)
-            self.device = (flat, self._views(flat))
-        return self.device
-
-    def _views(self, flat: Any) -> list[Any]:
-        return [
-            flat[a:b].reshape(shape)
-            for a, b, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes)
-        ]
+            flat = torch.from_numpy(buf)
+            reduced = torch.empty_like(flat, device="cuda") if on_gpu else flat
+            views = [
+                buf[a:b].reshape(shape)
+                for a, b, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes)
+            ]
+            self.buffers = (flat, reduced, views)
+        return self.buffers
 
 
 class GradientBuckets:
@@ -100,12 +94,13 @@ class GradientBuckets:
         """The bytes one ``average`` all-reduces: the trainable storages', each once."""
         return sum(b.nbytes for b in self.buckets)
 
-    def average(self, gradients: Sequence[Any], world_size: int) -> list[Any]:
+    def average(self, gradients: Sequence[Any], world_size: int, on_gpu: bool = False) -> list[Any]:
         """The mean over the ranks of every canonical gradient; None at the other slots.
 
-        ``gradients`` is the list form of ``Optimizer.canonical_gradients``: an array
-        (or device tensor) at each canonical slot. A canonical slot without a gradient
-        (a storage this rank did not use) contributes zeros. Shapes are checked before
+        ``gradients`` is the list form of ``Optimizer.canonical_gradients``: an array at
+        each canonical slot; ``on_gpu`` reduces on the buckets' GPU twins (NCCL). A
+        canonical slot without a gradient (a storage this rank did not use) contributes
+        zeros. Shapes are checked before
         anything is sent (C6).
         """
         import torch.distributed as dist
@@ -125,19 +120,19 @@ class GradientBuckets:
         out: list[Any] = [None] * self.n_slots
         scale = 1.0 / world_size
         for b in self.buckets:
-            first = next((gradients[i] for i in b.slots if gradients[i] is not None), None)
-            on_device = first is not None and not isinstance(first, np.ndarray)
-            flat, views = b.device_views(first) if on_device else b.host_views()
+            flat, reduced, views = b.views(on_gpu)
             for i, view in zip(b.slots, views):
                 g = gradients[i]
                 if g is None:
                     view[...] = 0
-                elif on_device:
-                    view.copy_(g)
                 else:
                     np.copyto(view, g)
+            if reduced is not flat:
+                reduced.copy_(flat)
             with collective("the gradient all-reduce"):
-                dist.all_reduce(flat)
+                dist.all_reduce(reduced)
+            if reduced is not flat:
+                flat.copy_(reduced)
             flat.mul_(scale)
             self.bytes_reduced += b.nbytes
             for i, view in zip(b.slots, views):

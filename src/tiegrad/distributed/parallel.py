@@ -78,6 +78,10 @@ class DataParallel:
     def is_main(self) -> bool:
         return self.group.rank == 0
 
+    def _staged(self, tensor: Any) -> Any:
+        """``tensor`` where the backend reduces: host memory for gloo, the GPU for NCCL."""
+        return tensor.cuda() if self.group.backend == "nccl" else tensor
+
     def _gather(self, obj: Any, what: str) -> list[Any]:
         import torch.distributed as dist
 
@@ -109,8 +113,10 @@ class DataParallel:
         received: dict[int, np.ndarray] = {}
         for items in by_dtype.values():
             flat = np.concatenate([v.ravel() for _, v in items])
+            staged = self._staged(torch.from_numpy(flat))
             with collective("the parameter broadcast"):
-                dist.broadcast(torch.from_numpy(flat), src=0)
+                dist.broadcast(staged, src=0)
+            flat = staged.cpu().numpy()
             offset = 0
             for key, v in items:
                 received[key] = flat[offset : offset + v.size].reshape(v.shape)
@@ -138,7 +144,7 @@ class DataParallel:
     # -- each step -----------------------------------------------------------------------
     def average(self, gradients: list[Any]) -> list[Any]:
         """The canonical gradients averaged over the ranks (see ``GradientBuckets``)."""
-        return self.buckets.average(gradients, self.world_size)
+        return self.buckets.average(gradients, self.world_size, self.group.backend == "nccl")
 
     def end_step(
         self, step: int, loss: float, items: int, signum: int | None
