@@ -11,7 +11,8 @@ backward). Same W1 data, initial weights and AdamW.
 
 The same pools also take local steps, timed as reference sides: the step without any
 communication (tiegrad: no averaging; DDP: under ``no_sync()``). The share of a step
-spent in communication is ``1 - local / data-parallel`` (medians), for both sides.
+spent in communication is ``1 - local / data-parallel`` (medians), for both sides; the
+workers also time it directly (``d1_worker``; the slower rank's figure per step).
 The peak RSS columns measure the controlling process only, not the workers.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import weakref
@@ -35,7 +37,7 @@ ID = "D1"
 TITLE = "data-parallel tied-LM (2 gloo processes)"
 STEPS = w1.STEPS
 SIDES = {"tiegrad": ("tiegrad", "tiegrad local"), "torch": ("torch DDP", "torch DDP no_sync")}
-STARTUP_TIMEOUT_S = 120
+_POOLS: dict[str, _Pool] = {}  # the pools of the latest build, for extras
 
 
 def make_data() -> dict[str, Any]:
@@ -67,6 +69,7 @@ class _Pool:
                 )
             )
         self.loss = float("nan")
+        self.comm_ms: list[float] = []
         weakref.finalize(self, _stop, self.procs)
         self._ask("ready")
 
@@ -77,7 +80,9 @@ class _Pool:
         if not all(answers):
             codes = [p.poll() for p in self.procs]
             raise RuntimeError(f"D1: a worker exited (exit codes {codes})")
-        self.loss = float(answers[0])
+        self.loss, comm = map(float, answers[0].split())
+        if command == "step":
+            self.comm_ms.append(max([comm, *(float(a.split()[1]) for a in answers[1:])]))
 
     def side(self, name: str, framework: str, kind: str) -> Side:
         """A side stepping every rank; a reference side (local steps) has no probe: its
@@ -105,7 +110,7 @@ def build(data: dict[str, Any], sides: Collection[str] | None = None) -> Built:
     built = Built([])
     for framework, (dp, local) in SIDES.items():
         if wanted(sides, dp) or wanted(sides, local):
-            pool = _Pool(framework)
+            pool = _POOLS[framework] = _Pool(framework)
             if wanted(sides, dp):
                 built.sides.append(pool.side(dp, framework, "step"))
             if wanted(sides, local):
@@ -114,15 +119,20 @@ def build(data: dict[str, Any], sides: Collection[str] | None = None) -> Built:
 
 
 def extras(stats: dict[str, SideStats]) -> tuple[dict[str, Any], list[str]]:
-    """The communication share of each side's step (module docstring)."""
-    share = {}
+    """The communication share of each side's step, two ways (module docstring)."""
+    share, measured = {}, {}
+    notes = []
     for framework, (dp, local) in SIDES.items():
-        if dp in stats and local in stats:
-            share[framework] = 1.0 - stats[local].median_ms / stats[dp].median_ms
-    notes = [
-        f"communication share of the step ({framework}): {s:.0%} (1 - local / data-parallel "
-        "step, medians)"
-        for framework, s in share.items()
-    ]
+        if dp not in stats or local not in stats:
+            continue
+        share[framework] = 1.0 - stats[local].median_ms / stats[dp].median_ms
+        comm = statistics.median(_POOLS[framework].comm_ms)
+        measured[framework] = {"median_ms": comm, "share": comm / stats[dp].median_ms}
+        notes.append(
+            f"communication share of the step ({framework}): {share[framework]:.0%} as "
+            f"1 - local / data-parallel step (medians); measured in the workers: {comm:.2f} ms "
+            f"= {measured[framework]['share']:.0%} of the step"
+            + (" (all-reduce spans, overlapped with backward)" if framework == "torch" else "")
+        )
     notes.append("D1 peak RSS: the controlling process only, not the 2 worker processes")
-    return {"communication_share": share}, notes
+    return {"communication_share": share, "communication_measured": measured}, notes

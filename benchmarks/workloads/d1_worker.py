@@ -3,13 +3,17 @@
 It joins the gloo group from torchrun's variables, builds W1's model, data and AdamW
 (``tiegrad``: ``DataParallel``; ``torch``: ``DistributedDataParallel``) on its 16 of
 each batch's 32 samples and answers each line on stdin (``ready``, ``step``: a
-data-parallel step, ``local``: a step without communication) with its loss.
+data-parallel step, ``local``: a step without communication) with its loss and the
+milliseconds of the step spent communicating: tiegrad's ``average`` (pack, all-reduce,
+scale; nothing overlaps it), DDP's all-reduces from the comm hook's call to the
+result (overlapped with backward, so not all of it lengthens the step).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from . import w1_tied_lm as w1
@@ -35,18 +39,20 @@ def _tiegrad_worker(rank: int) -> Any:
     batches = _shards(data["batches"], rank)
     i = 0
 
-    def step(average: bool) -> float:
+    def step(average: bool) -> tuple[float, float]:
         nonlocal i
         x, y = batches[i % len(batches)]
         i += 1
         loss = w1.TIEGRAD.loss(model, session, x, y)
         grads = optimizer.canonical_gradients(session.backward(loss))
+        t0 = time.perf_counter()
         if average:
             grads = parallel.average(grads)
+        comm = time.perf_counter() - t0 if average else 0.0
         value = float(loss.item())
         session.reset()
         optimizer.step(grads)
-        return value
+        return value, comm * 1e3
 
     return step
 
@@ -56,6 +62,7 @@ def _torch_worker(rank: int) -> Any:
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     from ._common import load_torch, torch_batches
@@ -66,11 +73,24 @@ def _torch_worker(rank: int) -> Any:
     model = w1.TORCH.model()
     load_torch(model, data["weights"])
     ddp = DistributedDataParallel(model)
+    spans: list[float] = []
+
+    def timed_allreduce(state, bucket):  # DDP checks the annotations: none or its own
+
+        t0 = time.perf_counter()
+
+        def done(fut):
+            spans.append(time.perf_counter() - t0)
+            return fut.value()
+
+        return default_hooks.allreduce_hook(state, bucket).then(done)
+
+    ddp.register_comm_hook(dist.group.WORLD, timed_allreduce)
     optimizer = w1.TORCH.optimizer(ddp.parameters())
     batches = torch_batches(_shards(data["batches"], rank))
     i = 0
 
-    def step(average: bool) -> float:
+    def step(average: bool) -> tuple[float, float]:
         nonlocal i
         x, y = batches[i % len(batches)]
         i += 1
@@ -79,7 +99,9 @@ def _torch_worker(rank: int) -> Any:
             loss = w1.TORCH.loss(ddp, x, y)
             loss.backward()
         optimizer.step()
-        return float(loss.item())
+        comm = sum(spans)
+        spans.clear()
+        return float(loss.item()), comm * 1e3
 
     return step
 
@@ -90,7 +112,8 @@ def _shards(batches: list[Any], rank: int) -> list[Any]:
 
 
 def _serve(framework: str) -> None:
-    """Answer ``ready``, ``step`` and ``local`` on stdin with the loss, until ``quit``."""
+    """Answer ``ready``, ``step`` and ``local`` on stdin with the loss and the
+    communication milliseconds, until ``quit``."""
     rank = int(os.environ["RANK"])
     step = (_tiegrad_worker if framework == "tiegrad" else _torch_worker)(rank)
     out = sys.stdout
@@ -98,8 +121,8 @@ def _serve(framework: str) -> None:
         command = line.strip()
         if command == "quit":
             break
-        loss = 0.0 if command == "ready" else step(command == "step")
-        out.write(f"{loss!r}\n")
+        loss, comm = (0.0, 0.0) if command == "ready" else step(command == "step")
+        out.write(f"{loss!r} {comm!r}\n")
         out.flush()
 
 
