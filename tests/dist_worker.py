@@ -5,14 +5,16 @@ embedding tied to the output, ``pos_embed`` frozen) with the ``Trainer``. It joi
 process group when torchrun's variables are set, else it is the 1-process reference.
 Rank 0 writes the final parameters and the gradient bytes reduced per step to
 ``OUT/params.npz`` and ``OUT/bytes.json``. Scenarios: ``train``, ``raise`` (rank 1
-raises in step 5), ``perturb`` (rank 1 perturbs a parameter before step 4, checksums
-every 2 steps), ``layout`` (rank 1 unties the output), ``device`` (``train`` on the
-torch CPU device backend).
+raises in step 5), ``die`` (rank 1 exits at once in step 5; both write the time to
+``OUT/failed_at``), ``perturb`` (rank 1
+perturbs a parameter before step 4, checksums every 2 steps), ``layout`` (rank 1
+unties the output), ``device`` (``train`` on the torch CPU device backend).
 """
 
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -47,7 +49,11 @@ def main(scenario: str, out: str, steps: int) -> None:
 
     def loss_fn(session, batch):
         step = trainer.step + 1
-        if dist.rank() == 1 and scenario == "raise" and step == 5:
+        if dist.rank() == 1 and scenario in ("raise", "die") and step == 5:
+            with open(os.path.join(out, "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+            if scenario == "die":
+                os._exit(3)
             raise RuntimeError("injected failure")
         if dist.rank() == 1 and scenario == "perturb" and step == 4:
             p = model.param_list()[2]

@@ -40,12 +40,11 @@ def base_env(timeout: float = 60.0) -> dict[str, str]:
 def launch(world, args, timeout=60.0):
     """Start ``world`` ranks of the worker (0: one plain process, no group); wait for all.
 
-    Returns ``[(returncode, stdout, stderr)]`` per rank and the seconds until the last
-    one exited.
+    Returns ``[(returncode, stdout, stderr)]`` per rank and the time (``time.time()``)
+    rank 0 exited.
     """
     port = free_port()
     procs = []
-    t0 = time.monotonic()
     for rank in range(max(world, 1)):
         env = base_env(timeout)
         if world:
@@ -66,15 +65,18 @@ def launch(world, args, timeout=60.0):
             )
         )
     results = []
+    ended = None
     try:
         for p in procs:
             out, err = p.communicate(timeout=WAIT_S)
             results.append((p.returncode, out, err))
+            if ended is None:
+                ended = time.time()  # rank 0's exit: it is waited for first
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return results, time.monotonic() - t0
+    return results, ended
 
 
 def run_ok(world, scenario, out, steps=20):
@@ -126,13 +128,25 @@ def test_resume_with_another_process_count(straight, tmp_path, first, second):
     assert_close(resumed, straight)
 
 
+def seconds_after_the_failure(ended, out):
+    return ended - float((Path(out) / "failed_at").read_text())
+
+
 def test_a_rank_that_raises_stops_every_rank_naming_it(tmp_path):
-    results, elapsed = launch(2, ["raise", tmp_path], timeout=30.0)
-    assert elapsed < 30.0 + 60.0
+    results, ended = launch(2, ["raise", tmp_path], timeout=30.0)
+    assert seconds_after_the_failure(ended, tmp_path) < 30.0
     assert all(rc != 0 for rc, _, _ in results)
     assert "injected failure" in results[1][2]
     last = results[0][2].strip().splitlines()[-1]
     assert "rank 1 failed at step 5: RuntimeError: injected failure" in last
+
+
+def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
+    results, ended = launch(2, ["die", tmp_path], timeout=30.0)
+    assert seconds_after_the_failure(ended, tmp_path) < 30.0
+    assert results[1][0] == 3 and results[0][0] != 0
+    last = results[0][2].strip().splitlines()[-1]
+    assert "rank 0: stopping: rank 1 died or did not answer within 30 s" in last
 
 
 def test_the_checksum_catches_a_perturbed_parameter(tmp_path):

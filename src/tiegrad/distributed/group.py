@@ -260,9 +260,11 @@ class collective:
         shutdown()
         if report is not None:
             raise RankFailedError(f"rank {g.rank}: stopping: {report}") from None
+        others = [r for r in range(g.world_size) if r != g.rank]
+        who = f"rank {others[0]}" if len(others) == 1 else "another rank"
         raise RankFailedError(
-            f"rank {g.rank}: stopping: another rank died or did not answer within "
-            f"{g.timeout:g} s during {self.what} ({_first_line(error)})"
+            f"rank {g.rank}: stopping: {who} died or did not answer within {g.timeout:g} s "
+            f"during {self.what} ({_first_line(error)})"
         ) from None
 
 
