@@ -1,5 +1,8 @@
 """Data sharding for data-parallel training: each rank's part of every global batch."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -59,3 +62,12 @@ def test_bad_shard_settings_are_config_errors():
         DataLoader(data, 4, rank=2, world_size=2)
     with pytest.raises(ConfigError, match="global batch size 4 does not split evenly over 3"):
         list(DataLoader(data, 4, rank=0, world_size=3).epoch(np.random.default_rng(0)))
+
+
+def test_the_distributed_layer_imports_no_torch():
+    code = (
+        "import sys, tiegrad, tiegrad.distributed as d, tiegrad.train, tiegrad.cli\n"
+        "assert (d.rank(), d.world_size(), d.is_main()) == (0, 1, True)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -17,8 +17,10 @@ initialised group ``rank()`` is 0, ``world_size()`` 1 and ``is_main()`` true.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,13 +197,12 @@ class RankFailedError(DistributedError):
 def report_failure(error: BaseException, step: int | None = None) -> None:
     """Tell the other ranks that this one fails with ``error``, then leave the group.
 
-    A ``DistributedError`` (ranks that disagree, a failure another rank reported) is
-    raised on the other ranks too, so it is not reported, only the group is left.
-
-        The first report wins (the store's compare-and-set). Leaving closes this rank's
-        connections, which wakes the ranks waiting for it in a collective at once.
-        Afterwards this rank waits (up to 5 s) until every other rank has read the report,
-        so that a failing rank 0, which hosts the store, is still there to answer.
+    The first report wins (the store's compare-and-set). Leaving closes this rank's
+    connections, which wakes the ranks waiting for it in a collective at once.
+    Afterwards this rank waits (up to 5 s) until every other rank has read the report,
+    so that a failing rank 0, which hosts the store, is still there to answer. A
+    ``DistributedError`` (ranks that disagree, a failure another rank reported) is
+    raised on the other ranks too: it is not reported, the group is only left.
     """
     g = _group
     if g is None or isinstance(error, DistributedError):
@@ -235,26 +236,16 @@ def failure_report() -> str | None:
         return None
 
 
-class collective:
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
     """Context of one collective: a torch error in it becomes a ``RankFailedError``.
 
     The message names the rank that reported a failure, or says that the others were
     lost or silent for the group's timeout; afterwards this rank has left the group.
     """
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
-        if (
-            error is None
-            or not isinstance(error, RuntimeError)
-            or isinstance(error, DistributedError)
-        ):
-            return False
+    try:
+        yield
+    except RuntimeError as error:
         g = group()
         report = failure_report()
         shutdown()
@@ -264,7 +255,7 @@ class collective:
         who = f"rank {others[0]}" if len(others) == 1 else "another rank"
         raise RankFailedError(
             f"rank {g.rank}: stopping: {who} died or did not answer within {g.timeout:g} s "
-            f"during {self.what} ({_first_line(error)})"
+            f"during {what} ({_first_line(error)})"
         ) from None
 
 
