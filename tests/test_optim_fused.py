@@ -223,7 +223,9 @@ def test_large_tensors_on_threads_match_torch(monkeypatch):
 
 # -- the finiteness check (C6) ------------------------------------------------------------
 def first_nonfinite(arrays: list[np.ndarray]) -> int | None:
-    return fused.GradientTable(range(10, 10 + len(arrays)), arrays).first_nonfinite()
+    n = len(arrays)
+    layout = fused.Layout(range(10, 10 + n), [a.size for a in arrays], [0] * n, arrays[0].dtype)
+    return fused.GradientTable(layout, arrays).first_nonfinite()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -243,16 +245,24 @@ def test_the_check_finds_every_position(small_chunks, dtype, bad):
     assert first_nonfinite([big[:, 1], big[:, 0]]) == 11
 
 
-def test_a_batch_selects_its_rows():
-    arrays = [np.full(n, n, np.float32) for n in (4, 7, 1, 9)]
-    table = fused.GradientTable([2, 5, 6, 9], arrays)
-    chosen, at, starts = table.select(np.array([1, 3]))  # the rows of slots 5 and 9
-    assert [a is b for a, b in zip(chosen, [arrays[1], arrays[3]])] == [True, True]
-    assert at.tolist() == fused.addresses([arrays[1], arrays[3]]).tolist()
-    assert starts.tolist() == [0, 7, 16]
-    chosen, at, starts = table.select(None)
-    assert [a is b for a, b in zip(chosen, arrays)] == [True] * 4
-    assert starts.tolist() == [0, 4, 11, 12, 21]
+def test_a_layout_gathers_consecutive_small_rows_of_one_run(small_chunks):
+    # CHUNK_MIN 512: rows up to 128 elements are gathered, up to 512 at a time, and larger
+    # rows are cut into pieces of at most 2048; runs never share a piece.
+    sizes = [3, 100, 0, 120, 300, 5, 2049, 7, 9, 128]
+    runs = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+    layout = fused.Layout(range(len(sizes)), sizes, runs, np.dtype(np.float32))
+    assert layout.pieces == [
+        fused.Piece(0, 4, 0, 223, 0),
+        fused.Piece(4, 5, 0, 300, -1),
+        fused.Piece(5, 6, 0, 5, -1),
+        fused.Piece(6, 7, 0, 1024, -1),
+        fused.Piece(6, 7, 1024, 2049, -1),
+        fused.Piece(7, 8, 0, 7, -1),
+        fused.Piece(8, 10, 0, 137, 223),
+    ]
+    assert layout.alone == [4, 5, 6, 7]
+    assert layout.gradients.shape == layout.params.shape == (360,)
+    assert [len(layout.of_run[r]) for r in (0, 1)] == [6, 1]
 
 
 @pytest.mark.parametrize("mode", ["raise", "skip"])
@@ -390,10 +400,3 @@ def test_a_numba_that_does_not_import_warns_and_falls_back(monkeypatch):
     monkeypatch.setattr(_numba.importlib, "import_module", broken)
     with pytest.warns(RuntimeWarning, match="numba is installed but does not import"):
         assert _numba._load.__wrapped__("tiegrad.optim.kernels") is None
-
-
-def test_addresses_are_the_data_pointers():
-    base = np.arange(100, dtype=np.float32)
-    arrays = [base, base[7:], base[::-1], np.zeros(()), np.empty((0, 3)), base.reshape(10, 10).T]
-    want = [a.__array_interface__["data"][0] for a in arrays]
-    assert fused.addresses(arrays).tolist() == want

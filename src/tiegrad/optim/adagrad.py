@@ -49,11 +49,6 @@ def adagrad_rule(
     p += w
 
 
-def adagrad_fused(c: AdagradCoefficients) -> tuple[tuple[float, ...], tuple[bool, ...]]:
-    """``adagrad_rule``'s coefficients as ``kernels.adagrad``'s scalars and flags."""
-    return (-c.clr, c.eps, c.weight_decay), (bool(c.weight_decay), c.maximize)
-
-
 class Adagrad(Optimizer):
     """``torch.optim.Adagrad`` with tiegrad's guarantees (see ``Optimizer``).
 
@@ -72,7 +67,7 @@ class Adagrad(Optimizer):
     }
     work_buffers = 2
     rule = staticmethod(adagrad_rule)
-    fused_rule = FusedRule("adagrad", ("sum",), adagrad_fused)
+    fused_rule = FusedRule("adagrad", ("sum",))
 
     def __init__(
         self,

@@ -72,13 +72,6 @@ def adam_rule(
     p += z
 
 
-def adam_fused(c: AdamCoefficients) -> tuple[tuple[float, ...], tuple[bool, ...]]:
-    """``adam_rule``'s coefficients as ``kernels.adam``'s scalars and flags."""
-    scalars = (c.decay, c.l2, c.beta1, c.beta2, c.one_minus_beta1, c.one_minus_beta2)
-    flags = (c.decay != 1.0, bool(c.l2), c.maximize, c.amsgrad)
-    return (*scalars, c.eps_hat, c.step_hat), flags
-
-
 class Adam(Optimizer):
     """``torch.optim.Adam`` with tiegrad's guarantees (see ``Optimizer``).
 
@@ -97,7 +90,7 @@ class Adam(Optimizer):
     }
     work_buffers = 3
     rule = staticmethod(adam_rule)
-    fused_rule = FusedRule("adam", ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), adam_fused)
+    fused_rule = FusedRule("adam", ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
     decoupled = False
 
     def __init__(

@@ -5,20 +5,21 @@
 paths compute the same values bit for bit (see ``kernels``); only the speed differs.
 numba is the optional extra ``tiegrad[fast]``; ``kernels`` says why this dependency.
 
-A step locates its gradients once per dtype (``GradientTable``), checks them all for
-NaN and infinity before any write (C6, one read), then hands ``run`` each batch of
-canonical slots (C5) that share coefficients: their parameter arrays, gradients and
-a ``Batch``, the addresses of their state (``FlatState`` keeps it in one flat buffer
-per name and dtype), made once per state layout. ``run`` completes the table with the
-parameters' and gradients' addresses and the rule's kernel updates every element once.
+Work. A step plan's program (``optim.plan``) gives each fused dtype a ``Layout``: its
+canonical slots (C5) in order, the rows, cut into ``Piece``s, one kernel call each. A
+row larger than ``CHUNK_MIN // 4`` elements is cut into pieces of at most
+``4 * CHUNK_MIN``; consecutive smaller rows of one run are gathered into one piece of at
+most ``CHUNK_MIN`` (copied into the layout's buffers, updated, copied back), since a
+kernel call costs microseconds. A step locates its gradients once per dtype
+(``GradientTable``), checks them all for NaN and infinity before any write (C6, one read,
+which also gathers the small ones), then hands ``run`` each run of slots that share
+coefficients with its ``Batch``: the run's pieces with their views of the state
+(``FlatState`` keeps it in one flat buffer per name and dtype), made once per program.
 
-Threads. A batch of at least ``2 * CHUNK_MIN`` elements is cut into ``CHUNKS`` chunks
-per thread, claimed in turn by up to ``tiegrad._threads.count(CORES)`` threads (read at
-every step: ``TIEGRAD_NUM_THREADS``, MKL's team, else the cores), the caller's among them (the
-kernels release the GIL), through ``tiegrad._threads.share``: on MKL's OpenMP team
-where MKL lends it, else on the process's pool, where the caller waits only for chunks
-a pool thread has claimed (on a loaded machine the step degrades to one thread instead
-of waiting a time slice).
+Threads. A run or check of at least ``2 * CHUNK_MIN`` elements shares its pieces among up
+to ``tiegrad._threads.count(CORES)`` threads (read at every step: ``TIEGRAD_NUM_THREADS``,
+else the threads the host backend has, else the cores), the caller's among them (the
+kernels release the GIL), through ``tiegrad._threads.share``.
 """
 
 from __future__ import annotations
@@ -31,29 +32,38 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _numba, _threads
-from ..backend.blas import address_of
 
 DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 CORES: int = min(
     8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 )
-CHUNK_MIN = 1 << 16  # elements; a batch under two of these runs on the calling thread
-CHUNKS = 4  # chunks per thread: the granularity of the sharing
-_UNSIGNED = {4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}  # exponent bits
+CHUNK_MIN = 1 << 16  # elements; work under two of these runs on the calling thread
 
 
 class FusedRule(NamedTuple):
-    """How an optimizer's rule runs fused: a kernel of ``kernels`` and its operands.
+    """How an optimizer's rule runs fused: ``kernels.<kernel>(p, g, *state, *coefficients)``.
 
-    ``kernel`` names the function ``kernels.<kernel>``; ``state`` lists the state
-    tensors in table column order (a tensor the hyperparameters do not need is absent,
-    address 0); ``pack`` maps the rule's coefficients to ``(scalars, flags)``, the
-    kernel's ``coef`` and ``flags`` in its documented order.
+    ``state`` names the state tensors the kernel takes, in its argument order (one the
+    hyperparameters do not need is passed empty); the coefficients are the rule's
+    ``Coefficients`` tuple, whose fields are the kernel's remaining arguments.
     """
 
     kernel: str
     state: tuple[str, ...]
-    pack: Callable[[Any], tuple[Sequence[float], Sequence[bool]]]
+
+
+class Piece(NamedTuple):
+    """One kernel call of a ``Layout``: rows ``first`` .. ``stop`` of the dtype's slots.
+
+    ``at`` >= 0: the rows gathered at ``at`` in the layout's buffers (``lo`` = 0, ``hi``
+    their total size); else elements ``lo`` .. ``hi`` of row ``first`` alone.
+    """
+
+    first: int
+    stop: int
+    lo: int
+    hi: int
+    at: int
 
 
 def _kernels() -> ModuleType | None:
@@ -66,177 +76,226 @@ def supports(dtype: np.dtype) -> bool:
     return dtype in DTYPES and _kernels() is not None
 
 
-class GradientTable:
-    """The gradients of one step's fused slots of one dtype, located once.
+class Layout:
+    """The fused canonical ``slots`` of one dtype in a program, cut into ``pieces``.
 
-    ``arrays`` (C-contiguous: a strided gradient is copied), their data ``addresses``
-    and ``starts`` (``starts[k]``: where row ``k`` begins in the batch; given by a caller
-    that knows the sizes, ``batch_starts`` of the array sizes otherwise). The
-    finiteness check (C6) and the update of any subset of the slots (``select``) use
-    them.
+    ``sizes``: each slot's elements; ``runs``: the run each slot belongs to (pieces never
+    mix runs: ``of_run`` lists each run's pieces). ``gradients`` and ``params`` are the
+    gather buffers, reused by every step of the program.
     """
 
     def __init__(
-        self,
-        slots: Sequence[int],
-        arrays: Sequence[np.ndarray],
-        starts: np.ndarray | None = None,
+        self, slots: Sequence[int], sizes: Sequence[int], runs: Sequence[int], dtype: np.dtype
     ) -> None:
         self.slots = list(slots)
-        self.arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-        self.dtype = self.arrays[0].dtype
-        self.addresses = addresses(self.arrays)
-        self.starts = batch_starts([a.size for a in self.arrays]) if starts is None else starts
+        self.size = int(sum(sizes))
+        self.pieces: list[Piece] = []
+        gathered, k = 0, 0
+        while k < len(sizes):
+            n, stop = sizes[k], k + 1
+            if n > CHUNK_MIN // 4:
+                parts = -(-n // (4 * CHUNK_MIN))
+                self.pieces += [
+                    Piece(k, stop, n * i // parts, n * (i + 1) // parts, -1) for i in range(parts)
+                ]
+            else:
+                while (
+                    stop < len(sizes)
+                    and runs[stop] == runs[k]
+                    and sizes[stop] <= CHUNK_MIN // 4
+                    and n + sizes[stop] <= CHUNK_MIN
+                ):
+                    n, stop = n + sizes[stop], stop + 1
+                if stop - k > 1:
+                    self.pieces.append(Piece(k, stop, 0, n, gathered))
+                    gathered += n
+                elif n:
+                    self.pieces.append(Piece(k, stop, 0, n, -1))
+            k = stop
+        self.of_run: dict[int, list[Piece]] = {}
+        for piece in self.pieces:
+            self.of_run.setdefault(runs[piece.first], []).append(piece)
+        self.alone = sorted({pc.first for pc in self.pieces if pc.at < 0})
+        self.gradients = np.empty(gathered, dtype)
+        self.read_only = _read_only(self.gradients)
+        self.params = np.empty(gathered, dtype)
+
+
+class GradientTable:
+    """The validated gradients of one step's fused slots of one dtype (``arrays``, in order).
+
+    ``flat``: the gradient of each row a piece reads alone, as a read-only C-contiguous
+    1-D array (a strided one copied), None for gathered rows: ``first_nonfinite``
+    gathers those into the layout's ``gradients`` buffer.
+    """
+
+    def __init__(self, layout: Layout, arrays: Sequence[np.ndarray]) -> None:
+        self.layout = layout
+        self.arrays = arrays
+        self.flat: list[np.ndarray | None] = [None] * len(arrays)
+        for k in layout.alone:
+            self.flat[k] = _read_only(arrays[k])
 
     def first_nonfinite(self) -> int | None:
-        """The first slot whose gradient holds a NaN or an infinity, or None.
+        """The first slot whose gradient holds a NaN or an infinity, or None (C6).
 
-        One read of every gradient, as unsigned integers of its width: not finite
-        means all exponent bits set.
+        One read of every gradient (``kernels.nonfinite``), gathering the small ones.
         """
-        unsigned, exponent = _UNSIGNED[self.dtype.itemsize]
-        out = np.zeros(len(self.slots), np.uint8)
-        bits, top = np.zeros(1, unsigned), np.array([exponent], unsigned)
-        table = self.addresses.reshape(-1, 1)
-        _launch(_kernels().nonfinite_rows, table, self.starts, bits, top, out, keep=self.arrays)
-        hits = np.flatnonzero(out)
-        return self.slots[hits[0]] if hits.size else None
+        layout, flat, arrays = self.layout, self.flat, self.arrays
+        pieces, nonfinite = layout.pieces, _kernels().nonfinite
+        gathered = layout.read_only
+        hits = [False] * len(pieces)
 
-    def select(self, rows: np.ndarray | None) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """``(arrays, addresses, starts)`` of the rows ``rows`` in order (None: all rows)."""
-        if rows is None:
-            return list(self.arrays), self.addresses, self.starts
-        starts = batch_starts(np.diff(self.starts)[rows])
-        return [self.arrays[k] for k in rows], self.addresses[rows], starts
+        def check(i: int) -> None:
+            first, stop, lo, hi, at = pieces[i]
+            if at < 0:
+                hits[i] = nonfinite(flat[first][lo:hi])
+            else:
+                np.concatenate(arrays[first:stop], axis=None, out=layout.gradients[at : at + hi])
+                hits[i] = nonfinite(gathered[at : at + hi])
+
+        _share(check, len(pieces), layout.size)
+        for piece, hit in zip(pieces, hits):
+            for k in range(piece.first, piece.stop) if hit else ():
+                if not np.isfinite(arrays[k]).all():
+                    return layout.slots[k]
+        return None
 
 
 class Batch:
-    """The fixed operands of ``rule``'s kernel over one run of slots, reused across steps.
+    """The fixed operands of ``rule``'s kernel over the run ``run`` of ``layout``, per program.
 
-    From the sizes of the run's parameters and the state ``{name: (flat buffer, element
-    offset of each parameter's tensor)}`` for the names the coefficients need: the
-    table's state columns (address 0 for a tensor that is absent) and the byte ranges
-    the kernel writes into the state buffers. Valid for as long as those buffers and
-    offsets are, which is the life of a step plan's program (``optim.plan``).
-    ``disjoint``: the gradient and parameter addresses of the latest call that found no
-    gradient overlapping what the kernel writes (the same addresses: the same answer).
+    ``rows``: the run's rows in the layout, in the run's order; ``shapes``: their
+    parameters' shapes; ``state``: ``{name: (flat buffer, element offset of each row's
+    tensor)}`` for the names the coefficients need. Each call (``calls``) is a piece with
+    its row in the run, its state views (empty for a tensor that is absent) and, for a
+    gathered piece, its views of the layout's buffers and one view per row for copying
+    the parameters back. Valid for as long as those buffers and offsets are: the life
+    of a step plan's program (``optim.plan``). ``written``: the owners of the memory the
+    latest call wrote and the parameter arrays it found them for.
     """
 
     def __init__(
         self,
         rule: FusedRule,
-        sizes: np.ndarray,
-        dtype: np.dtype,
+        layout: Layout,
+        run: int,
+        rows: Sequence[int],
+        shapes: Sequence[tuple[int, ...]],
         state: Mapping[str, tuple[np.ndarray, np.ndarray]],
     ) -> None:
-        self.rule = rule
         self.kernel = getattr(_kernels(), rule.kernel)
-        self.nbytes = sizes * dtype.itemsize  # of each parameter and its gradient
         self.buffers = [buf for buf, _ in state.values()]
-        self.buffer_at = addresses(self.buffers)
-        self.buffer_nbytes = np.array([buf.nbytes for buf in self.buffers], np.intp)
-        self.table = np.zeros((len(sizes), 2 + len(rule.state)), np.intp)
-        buffer_at = dict(zip(state, self.buffer_at.tolist()))
-        for column, name in enumerate(rule.state, start=2):
-            if name in state:
-                self.table[:, column] = buffer_at[name] + state[name][1] * dtype.itemsize
-        self.disjoint: tuple[np.ndarray, np.ndarray] | None = None
+        empty = np.empty(0, layout.params.dtype)
+        index = {row: i for i, row in enumerate(rows)}
+        self.rows = [(index[row], row) for row in layout.alone if row in index]
+        self.calls = []
+        for first, stop, lo, hi, at in layout.of_run.get(run, []):
+            i = index[first]
+            views = tuple(
+                _span(*state[name], i, lo, hi) if name in state else empty for name in rule.state
+            )
+            gathered = None
+            if at >= 0:
+                params = layout.params[at : at + hi]
+                starts = np.cumsum([0, *(int(np.prod(s)) for s in shapes[i : i + stop - first])])
+                back = [params[a:b].reshape(s) for a, b, s in zip(starts, starts[1:], shapes[i:])]
+                gathered = (params, layout.read_only[at : at + hi], back)
+            self.calls.append((i, stop - first, lo, hi, views, gathered))
+        self.size = sum(hi - lo for _, _, lo, hi, _, _ in self.calls)
+        self.written: tuple[list[np.ndarray], dict[int, list[np.ndarray]] | None] | None = None
 
 
-def run(
-    batch: Batch,
-    coefficients: Any,
-    params: Sequence[np.ndarray],
-    grads: tuple[list[np.ndarray], np.ndarray, np.ndarray],
-) -> None:
+def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: GradientTable) -> None:
     """Update ``params`` and their state in place with ``batch``'s kernel, one pass.
 
-    ``params``: writable C-contiguous arrays of one dtype in ``DTYPES``, of the sizes
-    ``batch`` was built for; ``grads``: their validated gradients as
-    ``GradientTable.select`` gives them. A gradient that shares memory with anything
+    ``params``: the run's writable C-contiguous arrays of one dtype in ``DTYPES``, of the
+    shapes ``batch`` was built for; ``grads``: the step's gradient table, checked
+    (``first_nonfinite``). A gradient read alone that shares memory with anything
     written is copied first.
     """
-    scalars, flags = batch.rule.pack(coefficients)
-    arrays, at, starts = grads
-    table = batch.table.copy()  # a table of its own: a late pool thread never sees the next
-    params_at = addresses(params)
-    table[:, 0] = params_at
-    last = batch.disjoint
-    if last is not None and np.array_equal(last[0], at) and np.array_equal(last[1], params_at):
-        table[:, 1] = at
+    kernel, calls = batch.kernel, batch.calls
+    flat_params: list[Any] = [None] * len(params)
+    flat_grads: list[Any] = [None] * len(params)
+    owners = _owners(batch, params)
+    for i, row in batch.rows:
+        flat_params[i] = params[i].reshape(-1)
+        g = grads.flat[row]
+        flat_grads[i] = _read_only(g.copy()) if _overlaps(g, owners, params, batch) else g
+
+    def call(k: int) -> None:
+        i, count, lo, hi, state, gathered = calls[k]
+        if gathered is None:
+            kernel(flat_params[i][lo:hi], flat_grads[i][lo:hi], *state, *coefficients)
+            return
+        p, g, back = gathered
+        np.concatenate(params[i : i + count], axis=None, out=p)
+        kernel(p, g, *state, *coefficients)
+        any(map(np.copyto, params[i : i + count], back))
+
+    _share(call, len(calls), batch.size)
+
+
+def _span(buffer: np.ndarray, starts: np.ndarray, i: int, lo: int, hi: int) -> np.ndarray:
+    """Elements ``lo`` .. ``hi`` of the tensor in ``buffer`` that starts at ``starts[i]``."""
+    start = int(starts[i])
+    return buffer[start + lo : start + hi]
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only C-contiguous 1-D array: a view, or a copy where ``a`` is strided.
+
+    The one type the kernels are given what they only read: one specialisation each.
+    """
+    flat = np.ascontiguousarray(a).reshape(-1)
+    if flat.flags.writeable:
+        flat = flat.view()
+        flat.flags.writeable = False
+    return flat
+
+
+def _owner(a: np.ndarray) -> np.ndarray | None:
+    """The array owning ``a``'s memory, or None where another object does (a foreign buffer)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a if a.base is None else None
+
+
+def _owners(batch: Batch, params: list[np.ndarray]) -> dict[int, list[np.ndarray]] | None:
+    """``{id of an owner: the arrays written in its memory}`` for ``params`` and ``batch``'s
+    state; None where one of them lives in a foreign buffer. Kept while ``params`` are
+    the same arrays."""
+    last = batch.written
+    if (
+        last is not None
+        and len(last[0]) == len(params)
+        and all(a is b for a, b in zip(last[0], params))
+    ):
+        return last[1]
+    owners: dict[int, list[np.ndarray]] | None = {}
+    for a in [*params, *batch.buffers]:
+        owner = _owner(a)
+        if owner is None:
+            owners = None
+            break
+        owners.setdefault(id(owner), []).append(a)
+    batch.written = (list(params), owners)
+    return owners
+
+
+def _overlaps(
+    g: np.ndarray, owners: dict[int, list[np.ndarray]] | None, params: list, batch: Batch
+) -> bool:
+    """Whether the gradient ``g`` may share memory with a parameter or state buffer written."""
+    owner = _owner(g)
+    if owners is None or owner is None:
+        candidates = [*params, *batch.buffers]
     else:
-        written = np.concatenate([params_at, batch.buffer_at])
-        written_nbytes = np.concatenate([batch.nbytes, batch.buffer_nbytes])
-        checked = _disjoint(arrays, at, batch.nbytes, written, written_nbytes)
-        table[:, 1] = checked
-        batch.disjoint = (at, params_at) if checked is at else None
-    coef = np.array(scalars, arrays[0].dtype)
-    keep = (params, arrays, batch.buffers)
-    _launch(batch.kernel, table, starts, coef, np.array(flags, np.int64), keep=keep)
+        candidates = owners.get(id(owner), [])
+    return any(np.may_share_memory(g, a) for a in candidates)
 
 
-def addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """The data addresses of ``arrays`` (live ndarrays), as ``np.intp``.
-
-    Each is NumPy's own data pointer, read through numba's array unboxing where numba
-    loads (``tiegrad.backend.blas.address_of``: about 0.17 us an array, against 1 us
-    for ``__array_interface__``).
-    """
-    return np.fromiter(map(address_of(), arrays), np.intp, len(arrays))
-
-
-def batch_starts(sizes: Sequence[int]) -> np.ndarray:
-    """Prefix sums of ``sizes``: ``starts[k]`` is where item ``k`` begins in the batch."""
-    starts = np.zeros(len(sizes) + 1, np.intp)
-    np.cumsum(np.asarray(sizes, np.intp), out=starts[1:])
-    return starts
-
-
-def _disjoint(
-    grads: list[np.ndarray],
-    at: np.ndarray,
-    nbytes: np.ndarray,
-    written: np.ndarray,
-    written_nbytes: np.ndarray,
-) -> np.ndarray:
-    """The addresses ``at`` of ``grads`` after copying each one that overlaps a written range.
-
-    ``written`` and ``written_nbytes`` describe the memory the kernel writes: pairwise
-    disjoint ranges (distinct storages, state buffers), so sorted by address a gradient
-    can only overlap the last range starting before its end. Empty gradients overlap
-    nothing.
-    """
-    order = np.argsort(written)
-    lo, hi = written[order], written[order] + written_nbytes[order]
-    end = at + nbytes
-    last = np.searchsorted(lo, end, side="left") - 1
-    clash = (last >= 0) & (hi[np.maximum(last, 0)] > at) & (end > at)
-    if not clash.any():
-        return at
-    at = at.copy()
-    for i in np.flatnonzero(clash):
-        grads[i] = grads[i].copy()
-        at[i] = addresses([grads[i]])[0]
-    return at
-
-
-def _launch(
-    kernel: Callable[..., None], table: np.ndarray, starts: np.ndarray, *args: Any, keep: Any
-) -> None:
-    """``kernel`` over all elements of the batch, shared by up to ``_threads.count`` threads.
-
-    ``keep``: the arrays ``table`` points into, held for as long as a pool thread may
-    still run a chunk, whatever happens to the caller.
-    """
-    total = int(starts[-1])
-    threads = min(_threads.count(CORES), total // CHUNK_MIN)
-    if threads <= 1:
-        kernel(table, starts, *args, 0, total)
-        return
-    n = threads * CHUNKS
-    bounds = [total * i // n for i in range(n + 1)]
-
-    def chunk(i: int, _held: Any = keep) -> None:
-        kernel(table, starts, *args, bounds[i], bounds[i + 1])
-
-    _threads.share(chunk, n, threads)
+def _share(work: Callable[[int], None], n: int, size: int) -> None:
+    """``work(i)`` for ``i`` in ``range(n)``: ``size`` elements in all, on threads when large."""
+    threads = min(_threads.count(CORES), size // CHUNK_MIN)
+    _threads.share(work, n, threads)

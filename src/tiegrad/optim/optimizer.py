@@ -216,8 +216,8 @@ class Optimizer:
         hps = self._checked_groups(self.param_groups, plan)
         program = self._program(plan, hps)
         tables = {
-            dtype: fused.GradientTable(slots, [grads[s] for s in slots], starts)
-            for dtype, (slots, starts) in program.fused.items()
+            dtype: fused.GradientTable(layout, [grads[s] for s in layout.slots])
+            for dtype, layout in program.fused.items()
         }
         bad = self._first_nonfinite(grads, program, tables)
         if bad is not None:
@@ -699,12 +699,11 @@ class Optimizer:
             names = program.specs[run.slots[0]][2]
             c = self._coefficients(hps[gi], step, fresh)
             if dtype in tables and self.fused_rule is not None:
-                located = tables[dtype].select(run.rows)
                 batch = program.batches.get(i)
                 if batch is None:
-                    batch = self._batch(self.fused_rule, run, names, np.diff(located[2]))
+                    batch = self._batch(self.fused_rule, program, i, names)
                     program.batches[i] = batch
-                self._update_fused(batch, run, located, c)
+                self._update_fused(batch, run, tables[dtype], c)
             elif len(run.slots) == 1:
                 self._update_one(run, grads[run.slots[0]], names, c)
             else:
@@ -740,21 +739,20 @@ class Optimizer:
         storage.commit_host(arr)
 
     def _batch(
-        self, rule: FusedRule, run: Run, names: tuple[str, ...], sizes: np.ndarray
+        self, rule: FusedRule, program: Program, i: int, names: tuple[str, ...]
     ) -> fused.Batch:
-        """The ``fused.Batch`` of ``run`` (parameter ``sizes``) on the arranged state."""
+        """The ``fused.Batch`` of ``program``'s run ``i`` on the arranged state."""
+        run = program.runs[i]
         rows = np.array(run.slots, np.intp)
         state = {name: self._state.offsets(rows, name) for name in names}
-        return fused.Batch(rule, sizes, run.key[3], state)
+        shapes = [storage.shape for storage in run.storages]
+        layout = program.fused[run.key[3]]
+        return fused.Batch(rule, layout, i, run.rows, shapes, state)
 
     def _update_fused(
-        self,
-        batch: fused.Batch,
-        run: Run,
-        grads: tuple[list[np.ndarray], np.ndarray, np.ndarray],
-        c: Any,
+        self, batch: fused.Batch, run: Run, grads: fused.GradientTable, c: Any
     ) -> None:
-        """The slots of ``run`` updated by one call of ``batch``'s kernel, in place."""
+        """The slots of ``run`` updated by ``batch``'s kernel calls, in place."""
         storages = run.storages
         arrs = [_contiguous(storage.host_for_update()) for storage in storages]
         fused.run(batch, c, arrs, grads)

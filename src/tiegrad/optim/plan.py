@@ -9,7 +9,7 @@ derived from holds, so a step over an unchanged layout does little per slot:
 - ``StepPlan`` is derived from the storage at every slot (``ParamList.optimizer_storage``,
   None at frozen slots), compared by identity on every step (C1): a re-tie, a replaced
   storage or a changed ``requires_grad`` makes a new plan.
-- Its ``Program`` (state specs, runs, fused tables) is also derived from the state names
+- Its ``Program`` (state specs, runs, fused layouts) is also derived from the state names
   of every group (the hyperparameters), the dtypes that run fused, and the
   ``FlatState`` object and its ``revision``, which every layout and step count change
   bumps (a load, a device step, a step that arranged new state). It is reused after a
@@ -32,7 +32,6 @@ import numpy as np
 from ..params.canonical import canonical_indices
 from ..params.storage import ParameterStorage
 from . import fused
-from .fused import batch_starts
 from .state import FlatState, SlotSpec
 
 CHUNK = 32768  # elements per NumPy rule call: a few work buffers of this size stay in L2
@@ -45,14 +44,14 @@ RunKey = tuple[int, int, frozenset[str], np.dtype]  # (group, step, fresh tensor
 class Run(NamedTuple):
     """Canonical slots updated by one rule call: ``key`` gives their coefficients.
 
-    ``rows``: a fused run's rows in its dtype's ``fused.GradientTable``, None for all of
-    them (and for a run of the NumPy rule).
+    ``rows``: a fused run's rows in its dtype's ``fused.Layout``, None for a run of the
+    NumPy rule.
     """
 
     key: RunKey
     slots: list[int]
     storages: list[ParameterStorage]
-    rows: np.ndarray | None
+    rows: list[int] | None
 
 
 class StepPlan:
@@ -115,8 +114,8 @@ class Program:
     """The state layout and update order of steps over one plan (see the module docstring).
 
     ``specs``: the state layout; ``runs``: the rule calls in order; ``created``: the
-    state tensors the next step creates; ``fused``: per dtype that runs fused, its
-    canonical slots and the prefix sums of their sizes (``fused.GradientTable``);
+    state tensors the next step creates; ``fused``: per dtype that runs fused, the
+    ``fused.Layout`` of its canonical slots;
     ``rest``: the canonical slots of the other dtypes; ``batches``: the ``fused.Batch``
     of each fused run by run index, made by its first step (after the state is
     arranged); ``arranged``: whether the state has this layout.
@@ -147,20 +146,25 @@ class Program:
         self.key = key
         self.specs = specs
         self.created = state.missing(specs)
+        planned = _runs(specs, self.created, state.step, slot_group, fusable)
+        run_of = {slot: i for i, (_, slots) in enumerate(planned) for slot in slots}
         by_dtype: dict[np.dtype, list[int]] = {}
         for slot, spec in specs.items():
-            by_dtype.setdefault(spec[1], []).append(slot)
+            if spec[1] in fusable:
+                by_dtype.setdefault(spec[1], []).append(slot)
         self.fused = {
-            dtype: (slots, batch_starts([math.prod(specs[s][0]) for s in slots]))
+            dtype: fused.Layout(
+                slots, [math.prod(specs[s][0]) for s in slots], [run_of[s] for s in slots], dtype
+            )
             for dtype, slots in by_dtype.items()
-            if dtype in fusable
         }
         rows = {
-            dtype: {s: k for k, s in enumerate(slots)} for dtype, (slots, _) in self.fused.items()
+            dtype: {s: k for k, s in enumerate(layout.slots)}
+            for dtype, layout in self.fused.items()
         }
         self.runs = [
             Run(key, slots, [storages[s] for s in slots], _rows(rows.get(key[3]), slots))
-            for key, slots in _runs(specs, self.created, state.step, slot_group, fusable)
+            for key, slots in planned
         ]
         self.rest = [slot for slot, spec in specs.items() if spec[1] not in fusable]
         self.state = state
@@ -188,11 +192,9 @@ class Program:
         self.revision = self.state.revision
 
 
-def _rows(index: Mapping[int, int] | None, slots: list[int]) -> np.ndarray | None:
-    """The rows of ``slots`` in a fused table indexed by ``index``; None: all, or not fused."""
-    if index is None or len(slots) == len(index):
-        return None
-    return np.array([index[s] for s in slots], np.intp)
+def _rows(index: Mapping[int, int] | None, slots: list[int]) -> list[int] | None:
+    """The rows of ``slots`` in a fused layout indexed by ``index``; None: not fused."""
+    return None if index is None else [index[s] for s in slots]
 
 
 def _runs(

@@ -74,12 +74,6 @@ def rmsprop_rule(
     p += w
 
 
-def rmsprop_fused(c: RMSpropCoefficients) -> tuple[tuple[float, ...], tuple[bool, ...]]:
-    """``rmsprop_rule``'s coefficients as ``kernels.rmsprop``'s scalars and flags."""
-    scalars = (-c.lr, c.alpha, c.one_minus_alpha, c.eps, c.weight_decay, c.momentum)
-    return scalars, (bool(c.weight_decay), c.maximize, c.momentum > 0, c.centered)
-
-
 class RMSprop(Optimizer):
     """``torch.optim.RMSprop`` with tiegrad's guarantees (see ``Optimizer``).
 
@@ -99,7 +93,7 @@ class RMSprop(Optimizer):
     }
     work_buffers = 2
     rule = staticmethod(rmsprop_rule)
-    fused_rule = FusedRule("rmsprop", ("square_avg", "momentum_buffer", "grad_avg"), rmsprop_fused)
+    fused_rule = FusedRule("rmsprop", ("square_avg", "momentum_buffer", "grad_avg"))
 
     def __init__(
         self,

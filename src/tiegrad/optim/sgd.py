@@ -66,13 +66,6 @@ def sgd_rule(
     p += work[2]
 
 
-def sgd_fused(c: SGDCoefficients) -> tuple[tuple[float, ...], tuple[bool, ...]]:
-    """``sgd_rule``'s coefficients as ``kernels.sgd``'s scalars and flags."""
-    scalars = (-c.lr, c.momentum, 1.0 - c.dampening, c.weight_decay)
-    flags = (bool(c.weight_decay), c.maximize, bool(c.momentum), c.first, bool(c.dampening))
-    return scalars, (*flags, c.nesterov)
-
-
 class SGD(Optimizer):
     """``torch.optim.SGD`` with tiegrad's guarantees (see ``Optimizer``).
 
@@ -91,7 +84,7 @@ class SGD(Optimizer):
     }
     work_buffers = 3
     rule = staticmethod(sgd_rule)
-    fused_rule = FusedRule("sgd", ("momentum_buffer",), sgd_fused)
+    fused_rule = FusedRule("sgd", ("momentum_buffer",))
 
     def __init__(
         self,
