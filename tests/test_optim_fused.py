@@ -245,24 +245,22 @@ def test_the_check_finds_every_position(small_chunks, dtype, bad):
     assert first_nonfinite([big[:, 1], big[:, 0]]) == 11
 
 
-def test_a_layout_gathers_consecutive_small_rows_of_one_run(small_chunks):
-    # CHUNK_MIN 512: rows up to 128 elements are gathered, up to 512 at a time, and larger
-    # rows are cut into pieces of at most 2048; runs never share a piece.
-    sizes = [3, 100, 0, 120, 300, 5, 2049, 7, 9, 128]
-    runs = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+def test_a_layout_groups_consecutive_rows_of_one_run(small_chunks):
+    # CHUNK_MIN 512: up to GROUP (8) rows of one run and 2048 elements per kernel call; a
+    # larger row is cut into parts; empty rows ride along.
+    sizes = [3, 100, 0, 120, 300, 5, 2049, 7, 9, 128] + [1] * 9
+    runs = [0] * 8 + [1] * 11
     layout = fused.Layout(range(len(sizes)), sizes, runs, np.dtype(np.float32))
+    assert fused.GROUP == 8
     assert layout.pieces == [
-        fused.Piece(0, 4, 0, 223, 0),
-        fused.Piece(4, 5, 0, 300, -1),
-        fused.Piece(5, 6, 0, 5, -1),
-        fused.Piece(6, 7, 0, 1024, -1),
-        fused.Piece(6, 7, 1024, 2049, -1),
-        fused.Piece(7, 8, 0, 7, -1),
-        fused.Piece(8, 10, 0, 137, 223),
+        fused.Piece(0, 6, 0, 528),
+        fused.Piece(6, 7, 0, 1024),
+        fused.Piece(6, 7, 1024, 2049),
+        fused.Piece(7, 8, 0, 7),
+        fused.Piece(8, 16, 0, 143),
+        fused.Piece(16, 19, 0, 3),
     ]
-    assert layout.alone == [4, 5, 6, 7]
-    assert layout.gradients.shape == layout.params.shape == (360,)
-    assert [len(layout.of_run[r]) for r in (0, 1)] == [6, 1]
+    assert [len(layout.of_run[r]) for r in (0, 1)] == [4, 2]
 
 
 @pytest.mark.parametrize("mode", ["raise", "skip"])

@@ -26,18 +26,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from operator import is_ as _same
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import _numba, _threads
 
+Owners = dict[int, list[np.ndarray]] | None  # id of an array owning memory -> arrays in it
 DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 CORES: int = min(
     8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 )
 CHUNK_MIN = 1 << 16  # elements; work under two of these runs on the calling thread
+GROUP = 8  # parameters per kernel call
 
 
 class FusedRule(NamedTuple):
@@ -55,15 +58,13 @@ class FusedRule(NamedTuple):
 class Piece(NamedTuple):
     """One kernel call of a ``Layout``: rows ``first`` .. ``stop`` of the dtype's slots.
 
-    ``at`` >= 0: the rows gathered at ``at`` in the layout's buffers (``lo`` = 0, ``hi``
-    their total size); else elements ``lo`` .. ``hi`` of row ``first`` alone.
+    Elements ``lo`` .. ``hi`` of the rows' concatenation: all of them, or part of one row.
     """
 
     first: int
     stop: int
     lo: int
     hi: int
-    at: int
 
 
 def _kernels() -> ModuleType | None:
@@ -80,99 +81,91 @@ class Layout:
     """The fused canonical ``slots`` of one dtype in a program, cut into ``pieces``.
 
     ``sizes``: each slot's elements; ``runs``: the run each slot belongs to (pieces never
-    mix runs: ``of_run`` lists each run's pieces). ``gradients`` and ``params`` are the
-    gather buffers, reused by every step of the program.
+    mix runs: ``of_run`` lists each run's pieces). ``pad[k]``: the ``k`` empty writable
+    and read-only arrays that fill a tuple of ``GROUP - k`` rows. ``flat``: the latest
+    gradients and their read-only 1-D views (``GradientTable``).
     """
 
     def __init__(
         self, slots: Sequence[int], sizes: Sequence[int], runs: Sequence[int], dtype: np.dtype
     ) -> None:
         self.slots = list(slots)
+        self.sizes = list(sizes)
         self.size = int(sum(sizes))
         self.pieces: list[Piece] = []
-        gathered, k = 0, 0
+        most, k = 4 * CHUNK_MIN, 0
         while k < len(sizes):
             n, stop = sizes[k], k + 1
-            if n > CHUNK_MIN // 4:
-                parts = -(-n // (4 * CHUNK_MIN))
+            if n > most:
+                parts = -(-n // most)
                 self.pieces += [
-                    Piece(k, stop, n * i // parts, n * (i + 1) // parts, -1) for i in range(parts)
+                    Piece(k, stop, n * i // parts, n * (i + 1) // parts) for i in range(parts)
                 ]
             else:
                 while (
                     stop < len(sizes)
+                    and stop - k < GROUP
                     and runs[stop] == runs[k]
-                    and sizes[stop] <= CHUNK_MIN // 4
-                    and n + sizes[stop] <= CHUNK_MIN
+                    and n + sizes[stop] <= most
                 ):
                     n, stop = n + sizes[stop], stop + 1
-                if stop - k > 1:
-                    self.pieces.append(Piece(k, stop, 0, n, gathered))
-                    gathered += n
-                elif n:
-                    self.pieces.append(Piece(k, stop, 0, n, -1))
+                if n:
+                    self.pieces.append(Piece(k, stop, 0, n))
             k = stop
         self.of_run: dict[int, list[Piece]] = {}
         for piece in self.pieces:
             self.of_run.setdefault(runs[piece.first], []).append(piece)
-        self.alone = sorted({pc.first for pc in self.pieces if pc.at < 0})
-        self.gradients = np.empty(gathered, dtype)
-        self.read_only = _read_only(self.gradients)
-        self.params = np.empty(gathered, dtype)
+        empty = np.empty(0, dtype)
+        self.pad = [((empty,) * k, (_read_only(empty),) * k) for k in range(GROUP + 1)]
+        self.flat: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
 
 
 class GradientTable:
     """The validated gradients of one step's fused slots of one dtype (``arrays``, in order).
 
-    ``flat``: the gradient of each row a piece reads alone, as a read-only C-contiguous
-    1-D array (a strided one copied), None for gathered rows: ``first_nonfinite``
-    gathers those into the layout's ``gradients`` buffer.
+    ``flat``: each as a read-only C-contiguous 1-D array (a strided one copied); the
+    same as the previous step's where the arrays are the same.
     """
 
-    def __init__(self, layout: Layout, arrays: Sequence[np.ndarray]) -> None:
+    def __init__(self, layout: Layout, arrays: list[np.ndarray]) -> None:
         self.layout = layout
-        self.arrays = arrays
-        self.flat: list[np.ndarray | None] = [None] * len(arrays)
-        for k in layout.alone:
-            self.flat[k] = _read_only(arrays[k])
+        last, flat = layout.flat
+        if len(last) != len(arrays) or not all(map(_same, last, arrays)):
+            flat = list(map(_read_only, arrays))
+            layout.flat = (arrays, flat)
+        self.flat = flat
 
     def first_nonfinite(self) -> int | None:
         """The first slot whose gradient holds a NaN or an infinity, or None (C6).
 
-        One read of every gradient (``kernels.nonfinite``), gathering the small ones.
+        One read of every gradient (``kernels.nonfinite``).
         """
-        layout, flat, arrays = self.layout, self.flat, self.arrays
-        pieces, nonfinite = layout.pieces, _kernels().nonfinite
-        gathered = layout.read_only
-        hits = [False] * len(pieces)
+        layout, flat = self.layout, self.flat
+        pieces, nonfinite, pad = layout.pieces, _kernels().nonfinite, layout.pad
+        hits = [-1] * len(pieces)
 
         def check(i: int) -> None:
-            first, stop, lo, hi, at = pieces[i]
-            if at < 0:
-                hits[i] = nonfinite(flat[first][lo:hi])
-            else:
-                np.concatenate(arrays[first:stop], axis=None, out=layout.gradients[at : at + hi])
-                hits[i] = nonfinite(gathered[at : at + hi])
+            first, stop, lo, hi = pieces[i]
+            rows = _rows(flat, first, stop, lo, hi, layout.sizes[first])
+            hits[i] = nonfinite(rows + pad[GROUP - len(rows)][1])
 
         _share(check, len(pieces), layout.size)
         for piece, hit in zip(pieces, hits):
-            for k in range(piece.first, piece.stop) if hit else ():
-                if not np.isfinite(arrays[k]).all():
-                    return layout.slots[k]
+            if hit >= 0:
+                return layout.slots[piece.first + hit]
         return None
 
 
 class Batch:
     """The fixed operands of ``rule``'s kernel over the run ``run`` of ``layout``, per program.
 
-    ``rows``: the run's rows in the layout, in the run's order; ``shapes``: their
-    parameters' shapes; ``state``: ``{name: (flat buffer, element offset of each row's
-    tensor)}`` for the names the coefficients need. Each call (``calls``) is a piece with
-    its row in the run, its state views (empty for a tensor that is absent) and, for a
-    gathered piece, its views of the layout's buffers and one view per row for copying
-    the parameters back. Valid for as long as those buffers and offsets are: the life
-    of a step plan's program (``optim.plan``). ``written``: the owners of the memory the
-    latest call wrote and the parameter arrays it found them for.
+    ``rows``: the run's rows in the layout, in the run's order; ``state``: ``{name: (flat
+    buffer, element offset of each row's tensor)}`` for the names the coefficients need.
+    Each call (``calls``) is a piece: its rows in the run, its elements, the size of its
+    first row and its state views (empty for a tensor that is absent). Valid for as long
+    as those buffers and offsets are: the life of a step plan's program (``optim.plan``).
+    ``written``: the latest parameter arrays, their 1-D views and the owners of the
+    memory a call writes; ``clean``: the latest gradients found not to share it.
     """
 
     def __init__(
@@ -181,29 +174,24 @@ class Batch:
         layout: Layout,
         run: int,
         rows: Sequence[int],
-        shapes: Sequence[tuple[int, ...]],
         state: Mapping[str, tuple[np.ndarray, np.ndarray]],
     ) -> None:
         self.kernel = getattr(_kernels(), rule.kernel)
+        self.rows = list(rows)
         self.buffers = [buf for buf, _ in state.values()]
-        empty = np.empty(0, layout.params.dtype)
+        self.pad = layout.pad
+        empty = self.pad[1][0][0]
         index = {row: i for i, row in enumerate(rows)}
-        self.rows = [(index[row], row) for row in layout.alone if row in index]
         self.calls = []
-        for first, stop, lo, hi, at in layout.of_run.get(run, []):
+        for first, stop, lo, hi in layout.of_run.get(run, []):
             i = index[first]
             views = tuple(
                 _span(*state[name], i, lo, hi) if name in state else empty for name in rule.state
             )
-            gathered = None
-            if at >= 0:
-                params = layout.params[at : at + hi]
-                starts = np.cumsum([0, *(int(np.prod(s)) for s in shapes[i : i + stop - first])])
-                back = [params[a:b].reshape(s) for a, b, s in zip(starts, starts[1:], shapes[i:])]
-                gathered = (params, layout.read_only[at : at + hi], back)
-            self.calls.append((i, stop - first, lo, hi, views, gathered))
+            self.calls.append((i, i + stop - first, lo, hi, layout.sizes[first], views))
         self.size = sum(hi - lo for _, _, lo, hi, _, _ in self.calls)
-        self.written: tuple[list[np.ndarray], dict[int, list[np.ndarray]] | None] | None = None
+        self.written: tuple[list[np.ndarray], list[np.ndarray], Owners] | None = None
+        self.clean: list[np.ndarray] = []
 
 
 def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: GradientTable) -> None:
@@ -211,29 +199,36 @@ def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: Grad
 
     ``params``: the run's writable C-contiguous arrays of one dtype in ``DTYPES``, of the
     shapes ``batch`` was built for; ``grads``: the step's gradient table, checked
-    (``first_nonfinite``). A gradient read alone that shares memory with anything
-    written is copied first.
+    (``first_nonfinite``). A gradient that shares memory with anything written is
+    copied first.
     """
-    kernel, calls = batch.kernel, batch.calls
-    flat_params: list[Any] = [None] * len(params)
-    flat_grads: list[Any] = [None] * len(params)
-    owners = _owners(batch, params)
-    for i, row in batch.rows:
-        flat_params[i] = params[i].reshape(-1)
-        g = grads.flat[row]
-        flat_grads[i] = _read_only(g.copy()) if _overlaps(g, owners, params, batch) else g
+    kernel, calls, pad = batch.kernel, batch.calls, batch.pad
+    flat_params, owners = _written(batch, params)
+    flat_grads = [grads.flat[row] for row in batch.rows]
+    if len(batch.clean) != len(flat_grads) or not all(map(_same, batch.clean, flat_grads)):
+        for i, g in enumerate(flat_grads):
+            if _overlaps(g, owners, params, batch):
+                flat_grads[i] = _read_only(g.copy())
+        batch.clean = flat_grads
 
     def call(k: int) -> None:
-        i, count, lo, hi, state, gathered = calls[k]
-        if gathered is None:
-            kernel(flat_params[i][lo:hi], flat_grads[i][lo:hi], *state, *coefficients)
-            return
-        p, g, back = gathered
-        np.concatenate(params[i : i + count], axis=None, out=p)
-        kernel(p, g, *state, *coefficients)
-        any(map(np.copyto, params[i : i + count], back))
+        first, stop, lo, hi, size, state = calls[k]
+        p = _rows(flat_params, first, stop, lo, hi, size)
+        g = _rows(flat_grads, first, stop, lo, hi, size)
+        filler = pad[GROUP - len(p)]
+        kernel(p + filler[0], g + filler[1], *state, *coefficients)
 
     _share(call, len(calls), batch.size)
+
+
+def _rows(
+    flat: list[np.ndarray], first: int, stop: int, lo: int, hi: int, size: int
+) -> tuple[np.ndarray, ...]:
+    """The arrays of rows ``first`` .. ``stop`` of ``flat``, or the part ``lo`` .. ``hi`` of
+    row ``first`` (of ``size`` elements)."""
+    if hi - lo == size or stop - first > 1:
+        return tuple(flat[first:stop])
+    return (flat[first][lo:hi],)
 
 
 def _span(buffer: np.ndarray, starts: np.ndarray, i: int, lo: int, hi: int) -> np.ndarray:
@@ -247,7 +242,9 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
     The one type the kernels are given what they only read: one specialisation each.
     """
-    flat = np.ascontiguousarray(a).reshape(-1)
+    flat = a.reshape(-1)
+    if not flat.flags.c_contiguous:  # a strided 1-D ``a`` is its own view
+        flat = flat.copy()
     if flat.flags.writeable:
         flat = flat.view()
         flat.flags.writeable = False
@@ -261,31 +258,27 @@ def _owner(a: np.ndarray) -> np.ndarray | None:
     return a if a.base is None else None
 
 
-def _owners(batch: Batch, params: list[np.ndarray]) -> dict[int, list[np.ndarray]] | None:
-    """``{id of an owner: the arrays written in its memory}`` for ``params`` and ``batch``'s
-    state; None where one of them lives in a foreign buffer. Kept while ``params`` are
-    the same arrays."""
+def _written(batch: Batch, params: list[np.ndarray]) -> tuple[list[np.ndarray], Owners]:
+    """The 1-D views of ``params`` and ``{id of an owner: the arrays written in its memory}``
+    for ``params`` and ``batch``'s state, None where one of them lives in a foreign
+    buffer; kept in ``batch.written`` for as long as ``params`` are the same arrays."""
     last = batch.written
-    if (
-        last is not None
-        and len(last[0]) == len(params)
-        and all(a is b for a, b in zip(last[0], params))
-    ):
-        return last[1]
-    owners: dict[int, list[np.ndarray]] | None = {}
+    if last is not None and len(last[0]) == len(params) and all(map(_same, last[0], params)):
+        return last[1], last[2]
+    owners: Owners = {}
     for a in [*params, *batch.buffers]:
         owner = _owner(a)
         if owner is None:
             owners = None
             break
         owners.setdefault(id(owner), []).append(a)
-    batch.written = (list(params), owners)
-    return owners
+    flat = [a.reshape(-1) for a in params]
+    batch.written = (list(params), flat, owners)
+    batch.clean = []
+    return flat, owners
 
 
-def _overlaps(
-    g: np.ndarray, owners: dict[int, list[np.ndarray]] | None, params: list, batch: Batch
-) -> bool:
+def _overlaps(g: np.ndarray, owners: Owners, params: list, batch: Batch) -> bool:
     """Whether the gradient ``g`` may share memory with a parameter or state buffer written."""
     owner = _owner(g)
     if owners is None or owner is None:

@@ -11,17 +11,20 @@ kernels on several threads. It is a well-kept, widely installed library; numexpr
 evaluates one expression into one output (an Adam step updates three arrays), and a
 C extension would need a compiler at install time.
 
-Arguments. An update kernel takes 1-D arrays of one dtype, the parameter ``p`` and
-gradient ``g`` (only read) followed by the rule's state tensors, then the rule's
-coefficients by name, in the order of the fields of its ``Coefficients`` tuple, so a
-caller passes ``kernel(p, g, *state, *coefficients)``. It raises ``ValueError`` before
-any write when an array it uses has another size than ``p`` (a state tensor the
-coefficients do not need is not read: pass an empty array), and numba refuses arrays
-of other dtypes or dimensions (``TypeError``). The scalars are rounded to the arrays'
-dtype once, so float32 arrays are computed in float32 and the loop vectorizes.
-``fused`` passes writable parameter and state arrays and read-only gradients, so each
-kernel compiles one specialisation per dtype. The caller guarantees that ``g`` shares
-no memory with what a kernel writes (``fused`` checks and copies).
+Arguments. An update kernel updates a few parameters at once, since a call costs
+microseconds: ``p`` and ``g`` are tuples of as many 1-D arrays, the parameters and their
+gradients (only read; ``p[r]`` and ``g[r]`` of one size), then come the rule's state
+tensors, each one 1-D array over the concatenation of the parameters, then the rule's
+coefficients by name, in the order of the fields of its ``Coefficients`` tuple: a caller
+passes ``kernel(p, g, *state, *coefficients)``. It raises ``ValueError`` before any
+write when a size differs (a state tensor the coefficients do not need is not read:
+pass an empty array); an array of another dtype or dimension is refused when the call
+is compiled (numba's ``TypingError``), so before any write too. The scalars are rounded
+to the arrays' dtype once, so float32 arrays are computed in float32 and the loop
+vectorizes. ``fused`` always passes tuples of ``fused.GROUP`` arrays (empty ones after
+the parameters), writable parameter and state arrays and read-only gradients, so each
+kernel compiles one specialisation per dtype. The caller guarantees that no ``g[r]``
+shares memory with what a kernel writes (``fused`` checks and copies).
 
 Arithmetic. Each kernel performs, per element, exactly the operations of its NumPy
 rule (``adam_rule``, ``sgd_rule``, ``rmsprop_rule``, ``adagrad_rule``) in the same order,
@@ -34,6 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numba import types
 from numba.core.errors import TypingError
 from numba.extending import overload
 
@@ -50,19 +54,48 @@ def _direction(p: Any, g: Any, l2: Any, use_l2: bool, maximize: bool) -> Any:
     return -g if maximize else g
 
 
-def _check(p: np.ndarray, other: np.ndarray, needed: bool) -> None:
-    """Refuse ``other`` unless it is a 1-D array of ``p``'s dtype (when compiled, so before
-    any write) and, when ``needed``, of ``p``'s size (``ValueError``)."""
+def _rows(p: tuple, g: tuple) -> int:
+    """The total size of the arrays ``p``; ``ValueError`` unless each ``g[r]`` has
+    ``p[r]``'s size. Compiled only for equally long tuples of 1-D arrays of one dtype."""
+
+
+@overload(_rows)
+def _rows_typed(p: Any, g: Any) -> Any:
+    if not (
+        isinstance(p, types.UniTuple)
+        and isinstance(g, types.UniTuple)
+        and len(p) == len(g)
+        and isinstance(p.dtype, types.Array)
+        and isinstance(g.dtype, types.Array)
+        and p.dtype.ndim == g.dtype.ndim == 1
+        and p.dtype.dtype == g.dtype.dtype
+    ):
+        raise TypingError(f"optimizer kernel: parameters {p} and gradients {g} do not match")
+
+    def rows(p: Any, g: Any) -> int:
+        n = 0
+        for r in range(len(p)):
+            if g[r].size != p[r].size:
+                raise ValueError("optimizer kernel: a gradient's size differs from its parameter's")
+            n += p[r].size
+        return n
+
+    return rows
+
+
+def _check(p: tuple, other: np.ndarray, needed: bool, n: int) -> None:
+    """Refuse ``other`` unless it is a 1-D array of ``p``'s dtype (when compiled) and,
+    when ``needed``, of size ``n`` (``ValueError``)."""
 
 
 @overload(_check)
-def _check_types(p: Any, other: Any, needed: Any) -> Any:
-    if other.ndim != 1 or other.dtype != p.dtype:
-        raise TypingError(f"optimizer kernel: {other} given where {p} is needed")
+def _check_typed(p: Any, other: Any, needed: Any, n: Any) -> Any:
+    if not isinstance(other, types.Array) or other.ndim != 1 or other.dtype != p.dtype.dtype:
+        raise TypingError(f"optimizer kernel: {other} given where {p.dtype} is needed")
 
-    def check(p: Any, other: Any, needed: Any) -> None:
-        if needed and other.size != p.size:
-            raise ValueError("optimizer kernel: an array's size differs from the parameter's")
+    def check(p: Any, other: Any, needed: Any, n: Any) -> None:
+        if needed and other.size != n:
+            raise ValueError("optimizer kernel: a state tensor's size differs from the parameters'")
 
     return check
 
@@ -70,8 +103,8 @@ def _check_types(p: Any, other: Any, needed: Any) -> Any:
 # -- Adam / AdamW -------------------------------------------------------------------------
 @_jit
 def adam(
-    p: np.ndarray,
-    g: np.ndarray,
+    p: tuple,
+    g: tuple,
     exp_avg: np.ndarray,
     exp_avg_sq: np.ndarray,
     max_exp_avg_sq: np.ndarray,
@@ -87,39 +120,43 @@ def adam(
     amsgrad: bool,
 ) -> None:
     """``adam_rule`` (``AdamCoefficients``); ``max_exp_avg_sq`` is read with amsgrad only."""
-    _check(p, g, True)
-    _check(p, exp_avg, True)
-    _check(p, exp_avg_sq, True)
-    _check(p, max_exp_avg_sq, amsgrad)
-    t = p.dtype.type
+    n = _rows(p, g)
+    _check(p, exp_avg, True, n)
+    _check(p, exp_avg_sq, True, n)
+    _check(p, max_exp_avg_sq, amsgrad, n)
+    t = p[0].dtype.type
     decoupled, use_l2, dec, l2_ = decay != 1.0, l2 != 0.0, t(decay), t(l2)
     b1, b2, omb1, omb2 = t(beta1), t(beta2), t(one_minus_beta1), t(one_minus_beta2)
     eps, step = t(eps_hat), t(step_hat)
-    m, v, vmax = exp_avg, exp_avg_sq, max_exp_avg_sq
-    if amsgrad:
-        for j in range(p.size):
-            pj = p[j] * dec if decoupled else p[j]
-            d = _direction(pj, g[j], l2_, use_l2, maximize)
-            mj = m[j] * b1 + d * omb1
-            vj = v[j] * b2 + (d * d) * omb2
-            wj = np.maximum(vmax[j], vj)
-            m[j], v[j], vmax[j] = mj, vj, wj
-            p[j] = pj + (mj / (np.sqrt(wj) + eps)) * step
-    else:
-        for j in range(p.size):
-            pj = p[j] * dec if decoupled else p[j]
-            d = _direction(pj, g[j], l2_, use_l2, maximize)
-            mj = m[j] * b1 + d * omb1
-            vj = v[j] * b2 + (d * d) * omb2
-            m[j], v[j] = mj, vj
-            p[j] = pj + (mj / (np.sqrt(vj) + eps)) * step
+    start = 0
+    for r in range(len(p)):
+        pr, gr, stop = p[r], g[r], start + p[r].size
+        m, v, vmax = exp_avg[start:stop], exp_avg_sq[start:stop], max_exp_avg_sq[start:stop]
+        start = stop
+        if amsgrad:
+            for j in range(pr.size):
+                pj = pr[j] * dec if decoupled else pr[j]
+                d = _direction(pj, gr[j], l2_, use_l2, maximize)
+                mj = m[j] * b1 + d * omb1
+                vj = v[j] * b2 + (d * d) * omb2
+                wj = np.maximum(vmax[j], vj)
+                m[j], v[j], vmax[j] = mj, vj, wj
+                pr[j] = pj + (mj / (np.sqrt(wj) + eps)) * step
+        else:
+            for j in range(pr.size):
+                pj = pr[j] * dec if decoupled else pr[j]
+                d = _direction(pj, gr[j], l2_, use_l2, maximize)
+                mj = m[j] * b1 + d * omb1
+                vj = v[j] * b2 + (d * d) * omb2
+                m[j], v[j] = mj, vj
+                pr[j] = pj + (mj / (np.sqrt(vj) + eps)) * step
 
 
 # -- SGD ----------------------------------------------------------------------------------
 @_jit
 def sgd(
-    p: np.ndarray,
-    g: np.ndarray,
+    p: tuple,
+    g: tuple,
     momentum_buffer: np.ndarray,
     lr: float,
     momentum: float,
@@ -130,30 +167,34 @@ def sgd(
     first: bool,
 ) -> None:
     """``sgd_rule`` (``SGDCoefficients``); ``momentum_buffer`` is read with momentum only."""
-    _check(p, g, True)
-    _check(p, momentum_buffer, momentum != 0.0)
-    t = p.dtype.type
+    n = _rows(p, g)
+    _check(p, momentum_buffer, momentum != 0.0, n)
+    t = p[0].dtype.type
     neg_lr, mom, undamped, l2 = t(-lr), t(momentum), t(1.0 - dampening), t(weight_decay)
     use_l2, dampen = weight_decay != 0.0, dampening != 0.0
-    b = momentum_buffer
-    if momentum != 0.0:
-        for j in range(p.size):
-            d = _direction(p[j], g[j], l2, use_l2, maximize)
-            bj = b[j] * mom
-            bj = d if first else (bj + d * undamped if dampen else bj + d)
-            b[j] = bj
-            u = bj * mom + d if nesterov else bj
-            p[j] = p[j] + u * neg_lr
-    else:
-        for j in range(p.size):
-            p[j] = p[j] + _direction(p[j], g[j], l2, use_l2, maximize) * neg_lr
+    start = 0
+    for r in range(len(p)):
+        pr, gr, stop = p[r], g[r], start + p[r].size
+        b = momentum_buffer[start:stop]
+        start = stop
+        if momentum != 0.0:
+            for j in range(pr.size):
+                d = _direction(pr[j], gr[j], l2, use_l2, maximize)
+                bj = b[j] * mom
+                bj = d if first else (bj + d * undamped if dampen else bj + d)
+                b[j] = bj
+                u = bj * mom + d if nesterov else bj
+                pr[j] = pr[j] + u * neg_lr
+        else:
+            for j in range(pr.size):
+                pr[j] = pr[j] + _direction(pr[j], gr[j], l2, use_l2, maximize) * neg_lr
 
 
 # -- RMSprop ------------------------------------------------------------------------------
 @_jit
 def rmsprop(
-    p: np.ndarray,
-    g: np.ndarray,
+    p: tuple,
+    g: tuple,
     square_avg: np.ndarray,
     momentum_buffer: np.ndarray,
     grad_avg: np.ndarray,
@@ -166,47 +207,44 @@ def rmsprop(
     centered: bool,
     maximize: bool,
 ) -> None:
-    """``rmsprop_rule`` (``RMSpropCoefficients``); ``momentum_buffer`` is read with momentum > 0
-    only, ``grad_avg`` when centered only."""
+    """``rmsprop_rule`` (``RMSpropCoefficients``); ``momentum_buffer`` is read with momentum
+    > 0 only, ``grad_avg`` when centered only."""
     use_momentum = momentum > 0.0
-    _check(p, g, True)
-    _check(p, square_avg, True)
-    _check(p, momentum_buffer, use_momentum)
-    _check(p, grad_avg, centered)
-    t = p.dtype.type
-    neg_lr, a, oma, e, l2, mom = (
-        t(-lr),
-        t(alpha),
-        t(one_minus_alpha),
-        t(eps),
-        t(weight_decay),
-        t(momentum),
-    )
-    use_l2 = weight_decay != 0.0
-    s, b, ga = square_avg, momentum_buffer, grad_avg
-    for j in range(p.size):
-        d = _direction(p[j], g[j], l2, use_l2, maximize)
-        sj = s[j] * a + (d * d) * oma
-        s[j] = sj
-        if centered:
-            aj = ga[j] * a + d * oma
-            ga[j] = aj
-            w = np.sqrt(sj - aj * aj)
-        else:
-            w = np.sqrt(sj)
-        w = d / (w + e)
-        if use_momentum:
-            bj = b[j] * mom + w
-            b[j] = bj
-            w = bj
-        p[j] = p[j] + w * neg_lr
+    n = _rows(p, g)
+    _check(p, square_avg, True, n)
+    _check(p, momentum_buffer, use_momentum, n)
+    _check(p, grad_avg, centered, n)
+    t = p[0].dtype.type
+    neg_lr, a, oma, e = t(-lr), t(alpha), t(one_minus_alpha), t(eps)
+    l2, mom, use_l2 = t(weight_decay), t(momentum), weight_decay != 0.0
+    start = 0
+    for r in range(len(p)):
+        pr, gr, stop = p[r], g[r], start + p[r].size
+        s, b, ga = square_avg[start:stop], momentum_buffer[start:stop], grad_avg[start:stop]
+        start = stop
+        for j in range(pr.size):
+            d = _direction(pr[j], gr[j], l2, use_l2, maximize)
+            sj = s[j] * a + (d * d) * oma
+            s[j] = sj
+            if centered:
+                aj = ga[j] * a + d * oma
+                ga[j] = aj
+                w = np.sqrt(sj - aj * aj)
+            else:
+                w = np.sqrt(sj)
+            w = d / (w + e)
+            if use_momentum:
+                bj = b[j] * mom + w
+                b[j] = bj
+                w = bj
+            pr[j] = pr[j] + w * neg_lr
 
 
 # -- Adagrad ------------------------------------------------------------------------------
 @_jit
 def adagrad(
-    p: np.ndarray,
-    g: np.ndarray,
+    p: tuple,
+    g: tuple,
     sum: np.ndarray,  # noqa: A002  (the state tensor's name)
     clr: float,
     eps: float,
@@ -214,28 +252,39 @@ def adagrad(
     maximize: bool,
 ) -> None:
     """``adagrad_rule`` (``AdagradCoefficients``)."""
-    _check(p, g, True)
-    _check(p, sum, True)
-    t = p.dtype.type
+    n = _rows(p, g)
+    _check(p, sum, True, n)
+    t = p[0].dtype.type
     neg_clr, e, l2, use_l2 = t(-clr), t(eps), t(weight_decay), weight_decay != 0.0
-    for j in range(p.size):
-        d = _direction(p[j], g[j], l2, use_l2, maximize)
-        sj = sum[j] + d * d
-        sum[j] = sj
-        p[j] = p[j] + (d / (np.sqrt(sj) + e)) * neg_clr
+    start = 0
+    for r in range(len(p)):
+        pr, gr, stop = p[r], g[r], start + p[r].size
+        s = sum[start:stop]
+        start = stop
+        for j in range(pr.size):
+            d = _direction(pr[j], gr[j], l2, use_l2, maximize)
+            sj = s[j] + d * d
+            s[j] = sj
+            pr[j] = pr[j] + (d / (np.sqrt(sj) + e)) * neg_clr
 
 
 # -- finiteness ---------------------------------------------------------------------------
 @_jit
-def nonfinite(x: np.ndarray) -> bool:
-    """Whether the float32 or float64 array ``x`` holds a NaN or an infinity.
+def nonfinite(x: tuple) -> int:
+    """The first ``r`` whose float32 or float64 1-D array ``x[r]`` holds a NaN or an
+    infinity, or -1.
 
-    ``x`` is read as unsigned integers of its width: an element is not finite exactly
-    when all its exponent bits are set.
+    Each array is read as unsigned integers of its width: an element is not finite
+    exactly when all its exponent bits are set.
     """
-    if x.itemsize == 4:
-        return _exponent_full(x.view(np.uint32), np.uint32(0x7F800000))
-    return _exponent_full(x.view(np.uint64), np.uint64(0x7FF0000000000000))
+    for r in range(len(x)):
+        if x[r].itemsize == 4:
+            hit = _exponent_full(x[r].view(np.uint32), np.uint32(0x7F800000))
+        else:
+            hit = _exponent_full(x[r].view(np.uint64), np.uint64(0x7FF0000000000000))
+        if hit:
+            return r
+    return -1
 
 
 @_jit

@@ -745,9 +745,7 @@ class Optimizer:
         run = program.runs[i]
         rows = np.array(run.slots, np.intp)
         state = {name: self._state.offsets(rows, name) for name in names}
-        shapes = [storage.shape for storage in run.storages]
-        layout = program.fused[run.key[3]]
-        return fused.Batch(rule, layout, i, run.rows, shapes, state)
+        return fused.Batch(rule, program.fused[run.key[3]], i, run.rows, state)
 
     def _update_fused(
         self, batch: fused.Batch, run: Run, grads: fused.GradientTable, c: Any
