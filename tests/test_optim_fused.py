@@ -221,6 +221,99 @@ def test_large_tensors_on_threads_match_torch(monkeypatch):
         np.testing.assert_allclose(p.value, t.detach().numpy(), rtol=0, atol=1e-10)
 
 
+# -- the kernels' arguments: named and checked ------------------------------------------
+def coefficients(cls, kwargs):
+    """``(coefficients of the first step, state names)`` of ``cls(**kwargs)``."""
+    opt = cls(ParamList.of_pack([np.ones(3)]), **kwargs)
+    hp = opt.param_groups[0]
+    names = opt._state_names(hp)
+    return opt._coefficients(hp, 1, frozenset(names)), names
+
+
+def kernel_call(cls, kwargs, dtype, sizes):
+    """``(kernel, p, g, state, coefficients)`` for parameters of ``sizes`` in GROUP-tuples;
+    the state tensors the coefficients do not need are empty."""
+    kernel = getattr(fused._kernels(), cls.fused_rule.kernel)
+    g = np.random.default_rng(7)
+    pad = fused.Layout([0], [1], [0], np.dtype(dtype)).pad[fused.GROUP - len(sizes)]
+    p = tuple(g.standard_normal(n).astype(dtype) for n in sizes) + pad[0]
+    grads = []
+    for n in sizes:
+        grads.append(g.standard_normal(n).astype(dtype))
+        grads[-1].flags.writeable = False
+    c, names = coefficients(cls, kwargs)
+    state = [
+        np.abs(g.standard_normal(sum(sizes) if name in names else 0)).astype(dtype)
+        for name in cls.fused_rule.state
+    ]
+    return kernel, p, tuple(grads) + pad[1], state, c
+
+
+def test_kernel_arguments_are_the_rule_state_then_the_coefficient_fields():
+    import inspect
+
+    for cls, kwargs in CASES:
+        rule = cls.fused_rule
+        kernel = getattr(fused._kernels(), rule.kernel)
+        names = list(inspect.signature(kernel.py_func).parameters)
+        assert names == ["p", "g", *rule.state, *type(coefficients(cls, kwargs)[0])._fields]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("cls, kwargs", CASES, ids=IDS)
+def test_a_kernel_refuses_a_size_mismatch_and_changes_nothing(cls, kwargs, dtype):
+    kernel, p, g, state, c = kernel_call(cls, kwargs, dtype, [5, 3])
+    before = [a.copy() for a in (*p, *state)]
+    short = g[1][:2]
+    with pytest.raises(ValueError, match="gradient's size differs"):
+        kernel(p, (g[0], short, *g[2:]), *state, *c)
+    for k in [k for k, a in enumerate(state) if a.size]:  # each tensor the coefficients need
+        with pytest.raises(ValueError, match="state tensor's size differs"):
+            kernel(p, g, *state[:k], state[k][:-1], *state[k + 1 :], *c)
+    for a, b in zip((*p, *state), before):
+        np.testing.assert_array_equal(a, b)
+    kernel(p, g, *state, *c)  # the same arrays, sized right: updated
+    assert not np.array_equal(p[0], before[0])
+
+
+def test_a_kernel_refuses_another_dtype_before_any_write():
+    errors = pytest.importorskip("numba.core.errors")
+    kernel, p, g, state, c = kernel_call(Adam, {"lr": 0.1}, np.float32, [4])
+    before = [a.copy() for a in (*p, *state)]
+    wide = (g[0].astype(np.float64), *(np.empty(0) for _ in g[1:]))
+    with pytest.raises(errors.TypingError, match="do not match"):
+        kernel(p, wide, *state, *c)
+    with pytest.raises(errors.TypingError, match="given where"):
+        kernel(p, g, state[0].astype(np.float64), *state[1:], *c)
+    with pytest.raises(errors.TypingError, match="given where"):
+        kernel(p, g, state[0].reshape(2, 2), *state[1:], *c)
+    for a, b in zip((*p, *state), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_each_kernel_compiles_one_specialisation_per_dtype():
+    # Writable and read-only gradients, float32 and float64, strided ones: the kernels
+    # always get GROUP-tuples of writable parameters and read-only C-contiguous gradients.
+    kernels = fused._kernels()
+    for dtype in (np.float32, np.float64):
+        for writable in (True, False):
+            for cls, kwargs in CASES:
+                plist = ParamList.of_pack([np.ones((3, 4), dtype), np.ones(5, dtype)])
+                grads = [np.ones((4, 3), dtype).T, np.ones(5, dtype)]
+                for gr in grads:
+                    gr.flags.writeable = writable
+                cls(plist, **kwargs).step(grads)
+    for name in ("adam", "sgd", "rmsprop", "adagrad", "nonfinite"):
+        signatures = getattr(kernels, name).signatures
+        assert 1 <= len(signatures) <= 2, (name, signatures)
+        for sig in signatures:
+            p, g = (sig[0], sig[0]) if name == "nonfinite" else (sig[0], sig[1])
+            assert len(p) == len(g) == fused.GROUP
+            assert p.dtype.layout == g.dtype.layout == "C" and p.dtype.ndim == 1
+            assert name == "nonfinite" or p.dtype.mutable
+            assert not g.dtype.mutable
+
+
 # -- the finiteness check (C6) ------------------------------------------------------------
 def first_nonfinite(arrays: list[np.ndarray]) -> int | None:
     n = len(arrays)

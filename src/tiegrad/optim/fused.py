@@ -6,15 +6,13 @@ paths compute the same values bit for bit (see ``kernels``); only the speed diff
 numba is the optional extra ``tiegrad[fast]``; ``kernels`` says why this dependency.
 
 Work. A step plan's program (``optim.plan``) gives each fused dtype a ``Layout``: its
-canonical slots (C5) in order, the rows, cut into ``Piece``s, one kernel call each. A
-row larger than ``CHUNK_MIN // 4`` elements is cut into pieces of at most
-``4 * CHUNK_MIN``; consecutive smaller rows of one run are gathered into one piece of at
-most ``CHUNK_MIN`` (copied into the layout's buffers, updated, copied back), since a
-kernel call costs microseconds. A step locates its gradients once per dtype
-(``GradientTable``), checks them all for NaN and infinity before any write (C6, one read,
-which also gathers the small ones), then hands ``run`` each run of slots that share
-coefficients with its ``Batch``: the run's pieces with their views of the state
-(``FlatState`` keeps it in one flat buffer per name and dtype), made once per program.
+canonical slots (C5) in order, cut into ``Piece``s of up to ``GROUP`` consecutive slots of
+one run (a slot larger than ``4 * CHUNK_MIN`` elements is cut into parts), one kernel
+call each, since a call costs microseconds. A step flattens its gradients once per
+dtype (``GradientTable``), checks them all for NaN and infinity before any write (C6, one
+read), then hands ``run`` each run of slots that share coefficients with its ``Batch``:
+the run's pieces with their views of the state (``FlatState`` keeps it in one flat
+buffer per name and dtype), made once per program.
 
 Threads. A run or check of at least ``2 * CHUNK_MIN`` elements shares its pieces among up
 to ``tiegrad._threads.count(CORES)`` threads (read at every step: ``TIEGRAD_NUM_THREADS``,
@@ -82,8 +80,7 @@ class Layout:
 
     ``sizes``: each slot's elements; ``runs``: the run each slot belongs to (pieces never
     mix runs: ``of_run`` lists each run's pieces). ``pad[k]``: the ``k`` empty writable
-    and read-only arrays that fill a tuple of ``GROUP - k`` rows. ``flat``: the latest
-    gradients and their read-only 1-D views (``GradientTable``).
+    and read-only arrays that fill a tuple of ``GROUP - k`` rows.
     """
 
     def __init__(
@@ -117,23 +114,17 @@ class Layout:
             self.of_run.setdefault(runs[piece.first], []).append(piece)
         empty = np.empty(0, dtype)
         self.pad = [((empty,) * k, (_read_only(empty),) * k) for k in range(GROUP + 1)]
-        self.flat: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
 
 
 class GradientTable:
-    """The validated gradients of one step's fused slots of one dtype (``arrays``, in order).
+    """The validated gradients of one step's fused slots of one dtype, in ``layout``'s order.
 
-    ``flat``: each as a read-only C-contiguous 1-D array (a strided one copied); the
-    same as the previous step's where the arrays are the same.
+    ``flat``: each as a read-only C-contiguous 1-D array (a strided one copied).
     """
 
     def __init__(self, layout: Layout, arrays: list[np.ndarray]) -> None:
         self.layout = layout
-        last, flat = layout.flat
-        if len(last) != len(arrays) or not all(map(_same, last, arrays)):
-            flat = list(map(_read_only, arrays))
-            layout.flat = (arrays, flat)
-        self.flat = flat
+        self.flat = list(map(_read_only, arrays))
 
     def first_nonfinite(self) -> int | None:
         """The first slot whose gradient holds a NaN or an infinity, or None (C6).
@@ -165,7 +156,7 @@ class Batch:
     first row and its state views (empty for a tensor that is absent). Valid for as long
     as those buffers and offsets are: the life of a step plan's program (``optim.plan``).
     ``written``: the latest parameter arrays, their 1-D views and the owners of the
-    memory a call writes; ``clean``: the latest gradients found not to share it.
+    memory a call writes.
     """
 
     def __init__(
@@ -191,7 +182,6 @@ class Batch:
             self.calls.append((i, i + stop - first, lo, hi, layout.sizes[first], views))
         self.size = sum(hi - lo for _, _, lo, hi, _, _ in self.calls)
         self.written: tuple[list[np.ndarray], list[np.ndarray], Owners] | None = None
-        self.clean: list[np.ndarray] = []
 
 
 def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: GradientTable) -> None:
@@ -205,11 +195,12 @@ def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: Grad
     kernel, calls, pad = batch.kernel, batch.calls, batch.pad
     flat_params, owners = _written(batch, params)
     flat_grads = [grads.flat[row] for row in batch.rows]
-    if len(batch.clean) != len(flat_grads) or not all(map(_same, batch.clean, flat_grads)):
-        for i, g in enumerate(flat_grads):
-            if _overlaps(g, owners, params, batch):
-                flat_grads[i] = _read_only(g.copy())
-        batch.clean = flat_grads
+    everything = [*params, *batch.buffers]
+    for i, g in enumerate(flat_grads):
+        owner = _owner(g)
+        near = everything if owners is None or owner is None else owners.get(id(owner), ())
+        if any(np.may_share_memory(g, a) for a in near):
+            flat_grads[i] = _read_only(g.copy())
 
     def call(k: int) -> None:
         first, stop, lo, hi, size, state = calls[k]
@@ -274,18 +265,7 @@ def _written(batch: Batch, params: list[np.ndarray]) -> tuple[list[np.ndarray], 
         owners.setdefault(id(owner), []).append(a)
     flat = [a.reshape(-1) for a in params]
     batch.written = (list(params), flat, owners)
-    batch.clean = []
     return flat, owners
-
-
-def _overlaps(g: np.ndarray, owners: Owners, params: list, batch: Batch) -> bool:
-    """Whether the gradient ``g`` may share memory with a parameter or state buffer written."""
-    owner = _owner(g)
-    if owners is None or owner is None:
-        candidates = [*params, *batch.buffers]
-    else:
-        candidates = owners.get(id(owner), [])
-    return any(np.may_share_memory(g, a) for a in candidates)
 
 
 def _share(work: Callable[[int], None], n: int, size: int) -> None:
