@@ -195,12 +195,11 @@ def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: Grad
     kernel, calls, pad = batch.kernel, batch.calls, batch.pad
     flat_params, owners = _written(batch, params)
     flat_grads = [grads.flat[row] for row in batch.rows]
-    everything = [*params, *batch.buffers]
     for i, g in enumerate(flat_grads):
-        owner = _owner(g)
-        near = everything if owners is None or owner is None else owners.get(id(owner), ())
-        if any(np.may_share_memory(g, a) for a in near):
-            flat_grads[i] = _read_only(g.copy())
+        if _may_overlap(g, owners):
+            near = owners.get(id(_owner(g)), ()) if owners and _owner(g) is not None else None
+            if any(np.may_share_memory(g, a) for a in near or [*params, *batch.buffers]):
+                flat_grads[i] = _read_only(g.copy())
 
     def call(k: int) -> None:
         first, stop, lo, hi, size, state = calls[k]
@@ -247,6 +246,21 @@ def _owner(a: np.ndarray) -> np.ndarray | None:
     while isinstance(a.base, np.ndarray):
         a = a.base
     return a if a.base is None else None
+
+
+def _may_overlap(g: np.ndarray, owners: Owners) -> bool:
+    """False where the view ``g`` certainly shares no memory with the arrays of ``owners``:
+    its base (NumPy collapses views to the array owning the memory) owns memory, but not
+    theirs. Checks no more than two attributes: it runs for every gradient."""
+    base = g.base
+    if base is None:
+        return False  # g owns its memory: a copy
+    return (
+        owners is None
+        or id(base) in owners
+        or not isinstance(base, np.ndarray)
+        or base.base is not None
+    )
 
 
 def _written(batch: Batch, params: list[np.ndarray]) -> tuple[list[np.ndarray], Owners]:

@@ -269,39 +269,42 @@ def adagrad(
 
 
 # -- finiteness ---------------------------------------------------------------------------
+def _bits(x: np.ndarray) -> tuple[np.ndarray, Any]:
+    """``x`` read as unsigned integers of its width, and its width's exponent bits."""
+
+
+@overload(_bits)
+def _bits_typed(x: Any) -> Any:
+    unsigned, exponent = {32: (np.uint32, 0x7F800000), 64: (np.uint64, 0x7FF << 52)}[
+        x.dtype.bitwidth
+    ]
+
+    def bits(x: Any) -> Any:
+        return x.view(unsigned), unsigned(exponent)
+
+    return bits
+
+
 @_jit
 def nonfinite(x: tuple) -> int:
     """The first ``r`` whose float32 or float64 1-D array ``x[r]`` holds a NaN or an
     infinity, or -1.
 
     Each array is read as unsigned integers of its width: an element is not finite
-    exactly when all its exponent bits are set.
+    exactly when all its exponent bits are set. An integer maximum vectorizes where a
+    float comparison chain would not, and each array is read as four interleaved
+    streams: one stream per thread leaves memory bandwidth unused.
     """
     for r in range(len(x)):
-        if x[r].itemsize == 4:
-            hit = _exponent_full(x[r].view(np.uint32), np.uint32(0x7F800000))
-        else:
-            hit = _exponent_full(x[r].view(np.uint64), np.uint64(0x7FF0000000000000))
-        if hit:
+        bits, e = _bits(x[r])
+        n = bits.size
+        q = n // 4
+        worst = e ^ e
+        for j in range(q):
+            a, b = bits[j] & e, bits[q + j] & e
+            worst = max(worst, a, b, bits[2 * q + j] & e, bits[3 * q + j] & e)
+        for j in range(4 * q, n):
+            worst = max(worst, bits[j] & e)
+        if worst == e:
             return r
     return -1
-
-
-@_jit
-def _exponent_full(bits: np.ndarray, exponent: Any) -> bool:
-    """Whether an element of ``bits`` has all of ``exponent``'s bits set.
-
-    An integer maximum vectorizes where a float comparison chain would not, and the
-    array is read as four interleaved streams: one stream per thread leaves memory
-    bandwidth unused.
-    """
-    n = bits.size
-    q = n // 4
-    worst = bits.dtype.type(0)
-    for j in range(q):
-        a, b = bits[j] & exponent, bits[q + j] & exponent
-        c, d = bits[2 * q + j] & exponent, bits[3 * q + j] & exponent
-        worst = max(worst, a, b, c, d)
-    for j in range(4 * q, n):
-        worst = max(worst, bits[j] & exponent)
-    return worst == exponent
