@@ -11,20 +11,18 @@ kernels on several threads. It is a well-kept, widely installed library; numexpr
 evaluates one expression into one output (an Adam step updates three arrays), and a
 C extension would need a compiler at install time.
 
-Arguments. An update kernel updates a few parameters at once, since a call costs
-microseconds: ``p`` and ``g`` are tuples of as many 1-D arrays, the parameters and their
-gradients (only read; ``p[r]`` and ``g[r]`` of one size), then come the rule's state
-tensors, each one 1-D array over the concatenation of the parameters, then the rule's
-coefficients by name, in the order of the fields of its ``Coefficients`` tuple: a caller
-passes ``kernel(p, g, *state, *coefficients)``. It raises ``ValueError`` before any
-write when a size differs (a state tensor the coefficients do not need is not read:
-pass an empty array); an array of another dtype or dimension is refused when the call
-is compiled (numba's ``TypingError``), so before any write too. The scalars are rounded
-to the arrays' dtype once, so float32 arrays are computed in float32 and the loop
-vectorizes. ``fused`` always passes tuples of ``fused.GROUP`` arrays (empty ones after
-the parameters), writable parameter and state arrays and read-only gradients, so each
-kernel compiles one specialisation per dtype. The caller guarantees that no ``g[r]``
-shares memory with what a kernel writes (``fused`` checks and copies).
+Arguments. An update kernel updates a few parameters per call (a call costs
+microseconds): ``p`` and ``g``, tuples of as many 1-D arrays (the parameters, and their
+gradients, only read), then the rule's state tensors, each one 1-D array over the
+parameters' concatenation, then the rule's coefficients by name, in the order of the
+fields of its ``Coefficients`` tuple: ``kernel(p, g, *state, *coefficients)``. A size
+that differs raises ``ValueError`` before any write (a state tensor the coefficients do
+not need is not read: pass it empty); another dtype or dimension is refused when the
+call compiles (numba's ``TypingError``). The scalars are rounded to the arrays' dtype
+once, so float32 arrays are computed in float32 and the loop vectorizes. ``fused``
+always passes tuples of ``fused.GROUP`` arrays (empty ones last), writable parameters
+and state and read-only gradients: one specialisation per dtype. The caller guarantees
+that no ``g[r]`` shares memory with what a kernel writes (``fused`` checks and copies).
 
 Arithmetic. Each kernel performs, per element, exactly the operations of its NumPy
 rule (``adam_rule``, ``sgd_rule``, ``rmsprop_rule``, ``adagrad_rule``) in the same order,
@@ -55,21 +53,24 @@ def _direction(p: Any, g: Any, l2: Any, use_l2: bool, maximize: bool) -> Any:
 
 
 def _rows(p: tuple, g: tuple) -> int:
-    """The total size of the arrays ``p``; ``ValueError`` unless each ``g[r]`` has
-    ``p[r]``'s size. Compiled only for equally long tuples of 1-D arrays of one dtype."""
+    """The total size of the arrays ``p``; ``ValueError`` unless each ``g[r]`` has ``p[r]``'s
+    size. Compiled only for equally long tuples of 1-D arrays of one dtype."""
+
+
+def _check(p: tuple, other: np.ndarray, needed: bool, n: int) -> None:
+    """``ValueError`` where ``needed`` and ``other`` is not of size ``n``. Compiled only for a
+    1-D array ``other`` of ``p``'s dtype."""
+
+
+def _one_d(t: Any, like: Any) -> bool:
+    """Whether the numba type ``t`` is a 1-D array of the array type ``like``'s dtype."""
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == like.dtype
 
 
 @overload(_rows)
 def _rows_typed(p: Any, g: Any) -> Any:
-    if not (
-        isinstance(p, types.UniTuple)
-        and isinstance(g, types.UniTuple)
-        and len(p) == len(g)
-        and isinstance(p.dtype, types.Array)
-        and isinstance(g.dtype, types.Array)
-        and p.dtype.ndim == g.dtype.ndim == 1
-        and p.dtype.dtype == g.dtype.dtype
-    ):
+    tuples = all(isinstance(t, types.UniTuple) for t in (p, g)) and len(p) == len(g)
+    if not (tuples and _one_d(p.dtype, p.dtype) and _one_d(g.dtype, p.dtype)):
         raise TypingError(f"optimizer kernel: parameters {p} and gradients {g} do not match")
 
     def rows(p: Any, g: Any) -> int:
@@ -83,14 +84,9 @@ def _rows_typed(p: Any, g: Any) -> Any:
     return rows
 
 
-def _check(p: tuple, other: np.ndarray, needed: bool, n: int) -> None:
-    """Refuse ``other`` unless it is a 1-D array of ``p``'s dtype (when compiled) and,
-    when ``needed``, of size ``n`` (``ValueError``)."""
-
-
 @overload(_check)
 def _check_typed(p: Any, other: Any, needed: Any, n: Any) -> Any:
-    if not isinstance(other, types.Array) or other.ndim != 1 or other.dtype != p.dtype.dtype:
+    if not _one_d(other, p.dtype):
         raise TypingError(f"optimizer kernel: {other} given where {p.dtype} is needed")
 
     def check(p: Any, other: Any, needed: Any, n: Any) -> None:
