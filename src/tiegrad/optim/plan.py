@@ -2,8 +2,8 @@
 
 Most of a step's Python work depends on the layout, not on the values: which slots are
 canonical (C5), which dtypes and shapes the gradients must have, the state each slot
-holds, how slots batch into runs sharing coefficients, where each fused batch's
-gradients begin. ``Optimizer`` keeps one plan and reuses every part while what it was
+holds, how slots batch into runs sharing coefficients, how fused slots are cut into
+kernel calls. ``Optimizer`` keeps one plan and reuses every part while what it was
 derived from holds, so a step over an unchanged layout does little per slot:
 
 - ``StepPlan`` is derived from the storage at every slot (``ParamList.optimizer_storage``,
