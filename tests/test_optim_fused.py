@@ -400,8 +400,11 @@ def two_steps(grads_of, copy: bool) -> list[np.ndarray]:
         lambda plist, opt: [p.value for p in plist],  # each its own storage's array
         lambda plist, opt: [plist[1].value, plist[0].value, plist[2].value],  # crossed
         lambda plist, opt: [opt.state[i]["exp_avg"] for i in range(3)],  # the state
+        lambda plist, opt: [
+            np.frombuffer(memoryview(plist[k].value), np.float32) for k in (1, 0, 2)
+        ],
     ],
-    ids=["own-value", "other-value", "state"],
+    ids=["own-value", "other-value", "state", "other-through-a-buffer"],
 )
 def test_gradients_that_alias_parameters_or_state_are_read_before_any_write(
     small_chunks, fused_calls, grads_of
