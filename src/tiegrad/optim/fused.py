@@ -176,8 +176,10 @@ class Batch:
         self.calls = []
         for first, stop, lo, hi in layout.of_run.get(run, []):
             i = index[first]
+            start = {name: int(offsets[i]) for name, (_, offsets) in state.items()}
             views = tuple(
-                _span(*state[name], i, lo, hi) if name in state else empty for name in rule.state
+                state[n][0][start[n] + lo : start[n] + hi] if n in state else empty
+                for n in rule.state
             )
             self.calls.append((i, i + stop - first, lo, hi, layout.sizes[first], views))
         self.size = sum(hi - lo for _, _, lo, hi, _, _ in self.calls)
@@ -195,11 +197,14 @@ def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: Grad
     kernel, calls, pad = batch.kernel, batch.calls, batch.pad
     flat_params, owners = _written(batch, params)
     flat_grads = [grads.flat[row] for row in batch.rows]
+    everything = [*params, *batch.buffers]
     for i, g in enumerate(flat_grads):
-        if _may_overlap(g, owners):
-            near = owners.get(id(_owner(g)), ()) if owners and _owner(g) is not None else None
-            if any(np.may_share_memory(g, a) for a in near or [*params, *batch.buffers]):
-                flat_grads[i] = _read_only(g.copy())
+        owner = _owner(g)
+        if owner is g:  # a copy
+            continue
+        near = everything if owners is None or owner is None else owners.get(id(owner), ())
+        if near and any(np.may_share_memory(g, a) for a in near):
+            flat_grads[i] = _read_only(g.copy())
 
     def call(k: int) -> None:
         first, stop, lo, hi, size, state = calls[k]
@@ -221,12 +226,6 @@ def _rows(
     return (flat[first][lo:hi],)
 
 
-def _span(buffer: np.ndarray, starts: np.ndarray, i: int, lo: int, hi: int) -> np.ndarray:
-    """Elements ``lo`` .. ``hi`` of the tensor in ``buffer`` that starts at ``starts[i]``."""
-    start = int(starts[i])
-    return buffer[start + lo : start + hi]
-
-
 def _read_only(a: np.ndarray) -> np.ndarray:
     """``a`` as a read-only C-contiguous 1-D array: a view, or a copy where ``a`` is strided.
 
@@ -242,25 +241,10 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 def _owner(a: np.ndarray) -> np.ndarray | None:
-    """The array owning ``a``'s memory, or None where another object does (a foreign buffer)."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a if a.base is None else None
-
-
-def _may_overlap(g: np.ndarray, owners: Owners) -> bool:
-    """False where the view ``g`` certainly shares no memory with the arrays of ``owners``:
-    its base (NumPy collapses views to the array owning the memory) owns memory, but not
-    theirs. Checks no more than two attributes: it runs for every gradient."""
-    base = g.base
-    if base is None:
-        return False  # g owns its memory: a copy
-    return (
-        owners is None
-        or id(base) in owners
-        or not isinstance(base, np.ndarray)
-        or base.base is not None
-    )
+    """The array owning ``a``'s memory (NumPy points a view's ``base`` at it), or None where
+    another object does (a foreign buffer)."""
+    owner = a if a.base is None else a.base
+    return owner if isinstance(owner, np.ndarray) and owner.base is None else None
 
 
 def _written(batch: Batch, params: list[np.ndarray]) -> tuple[list[np.ndarray], Owners]:
