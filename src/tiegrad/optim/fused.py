@@ -232,10 +232,9 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     The one type the kernels are given what they only read: one specialisation each.
     """
     flat = a.reshape(-1)
-    if not flat.flags.c_contiguous:  # a strided 1-D ``a`` is its own view
-        flat = flat.copy()
-    if flat.flags.writeable:
-        flat = flat.view()
+    flags = flat.flags
+    if flags.writeable or not flags.c_contiguous:  # a strided 1-D ``a`` is its own view
+        flat = (flat if flags.c_contiguous else flat.copy()).view()
         flat.flags.writeable = False
     return flat
 
