@@ -7,6 +7,8 @@ three ways, and reads the step times from the run's ``metrics.jsonl`` (``elapsed
 since the training loop started):
 
 - ``cold``: numba on, ``NUMBA_CACHE_DIR`` a fresh empty folder (a first run after install);
+- ``cold in-process``: the same with ``python -m tiegrad``, which starts no compile
+  children (``tiegrad.train.precompile``): the run compiles every kernel itself;
 - ``cached``: the same folder again (every later run);
 - ``numpy``: ``TIEGRAD_NO_NUMBA=1`` (the NumPy route, nothing to compile).
 
@@ -36,15 +38,19 @@ from typing import Any
 from . import thread_environment
 
 KERNEL_MODULES = ("tiegrad.backend.host_kernels", "tiegrad.optim.kernels")
-ROUTES = ("cold", "cached", "numpy")
+ROUTES = ("cold", "cold in-process", "cached", "numpy")
+LAUNCHER = "_tiegrad_launcher"  # the console script: starts the compile children
 TIMEOUT_S = 600
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_train(folder: Path, steps: int, env: dict[str, str]) -> dict[str, float]:
-    """One ``tiegrad train --steps steps`` in ``folder``: first/second step and wall seconds."""
+def run_train(
+    folder: Path, steps: int, env: dict[str, str], entry: str = LAUNCHER
+) -> dict[str, float]:
+    """One ``tiegrad train --steps steps`` (``python -m entry``) in ``folder``: the first
+    and second step and the wall clock, in seconds."""
     run = folder / f"run-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "_tiegrad_launcher", "train", "--steps", str(steps)]
+    command = [sys.executable, "-m", entry, "train", "--steps", str(steps)]
     command += ["--no-progress", "--run", str(run)]
     t0 = time.perf_counter()
     done = subprocess.run(
@@ -69,6 +75,8 @@ def measure(steps: int, repeats: int) -> dict[str, list[dict[str, float]]]:
             folder = Path(tmp)
             env = dict(base, NUMBA_CACHE_DIR=str(folder / "numba-cache"))
             results["cold"].append(run_train(folder, steps, env))
+            fresh = dict(env, NUMBA_CACHE_DIR=str(folder / "numba-cache-2"))
+            results["cold in-process"].append(run_train(folder, steps, fresh, "tiegrad"))
             results["cached"].append(run_train(folder, steps, env))
             results["numpy"].append(run_train(folder, steps, dict(env, TIEGRAD_NO_NUMBA="1")))
     return results

@@ -1,4 +1,4 @@
-"""numba, the optional compiler of tiegrad's fused host kernels (the extra ``tiegrad[fast]``).
+"""numba, the compiler of tiegrad's fused host kernels (a default dependency where it has wheels).
 
 Two kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates) and
 ``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows, and their C entry
@@ -38,7 +38,7 @@ def kernels(module: str) -> ModuleType | None:
 
     The switch is read at every call; the import (which compiles or loads the kernels)
     happens once. The first call for a module with a wait (``before_first_use``) runs
-    the wait first, and every other call for any module waits until it is done.
+    the wait before it loads the module; calls from other threads meanwhile wait too.
     """
     if not ENABLED:
         return None
