@@ -4,8 +4,8 @@ With an empty numba cache (a first run after install) the first training step us
 compile every kernel it calls, one after the other, in the training process. The
 ``tiegrad`` command (``_tiegrad_launcher``, its own process; importing tiegrad starts
 no process) instead starts, before it imports tiegrad, one child process per kernel
-module (``python -m tiegrad.train.precompile MODULE``): the child runs, on a small model
-of the ``tiegrad train`` kind, the part of a training step that calls that module's
+module (``python -m tiegrad.train.precompile MODULE``): the child runs, on the default model
+of ``tiegrad train``, the part of a training step that calls that module's
 kernels, which compiles them into numba's cache (or loads them from it: a child costs
 about one import of tiegrad when nothing is left to compile). The children run in
 parallel with each other and with the command's own start (imports, text, vocabulary,
@@ -60,58 +60,66 @@ def _waiter(child: subprocess.Popen[Any]) -> Callable[[], None]:
     return wait
 
 
-def _small_run() -> tuple[Any, Any, Any]:
-    """A small ``tiegrad train`` model, its optimizer and one batch (a synthetic text).
+def _default_run() -> tuple[Any, Any, Any]:
+    """The default ``tiegrad train`` model, its optimizer and one batch of the default
+    size, of a synthetic text.
 
-    Built by the functions ``tiegrad train`` uses (``tiegrad.train.job``), so its
-    kernels see the operand types, layouts and flags of a real run's; the kernels'
-    signatures do not depend on the sizes.
+    Built by the functions ``tiegrad train`` uses (``tiegrad.train.job``) and of the
+    default sizes, so that the kernels see the operand types, layouts and flags of a
+    default run's (the host backend chooses some code paths by size); another run may
+    need a kernel variant more, which it compiles itself.
     """
     from ..data import TextDataset
     from .config import DEFAULTS
     from .job import build_model, build_optimizer, model_config
 
-    config = dict(DEFAULTS, d_model=16, n_layers=1, n_heads=2, seq_len=8, steps=2)
-    text = "".join(chr(32 + k % 90) for k in range(256))
-    dataset = TextDataset(text, block_size=config["seq_len"], vocab="char", val_fraction=0.5)
-    model = build_model(model_config(config, dataset.vocab_size))
-    optimizer, _ = build_optimizer(config, model)
-    return model, optimizer, dataset.eval_batches("train", 2, 1)[0]
+    size, width = DEFAULTS["batch_size"], DEFAULTS["seq_len"]
+    text = "".join(chr(32 + k % 95) for k in range(2 * (size + 1) * width))
+    dataset = TextDataset(text, block_size=width, vocab="char", val_fraction=0.5)
+    model = build_model(model_config(DEFAULTS, dataset.vocab_size))
+    optimizer, _ = build_optimizer(DEFAULTS, model)
+    return model, optimizer, dataset.eval_batches("train", size, 1)[0]
 
 
-def _forward_backward() -> None:
-    """The model's kernels: a training forward and backward, then an evaluation forward."""
+def _gradients(model: Any, optimizer: Any, batch: Any) -> list[Any]:
+    """What a training step does before the update: forward, backward, the gradients
+    summed per canonical slot and clipped (``Trainer.train_step``)."""
+    from ..optim.clip import clip_grad_norm
     from ..session import EagerSession
 
-    model, _, batch = _small_run()
     s = EagerSession()
-    model.train()
-    s.backward(model.loss(s, *batch))
+    grads = optimizer.canonical_gradients(s.backward(model.loss(s, *batch)))
     s.reset()
+    clip_grad_norm(grads, 1.0)
+    return grads
+
+
+def _model_kernels() -> None:
+    """The host kernels: a training step up to the update, then an evaluation forward."""
+    from ..session import EagerSession
+
+    model, optimizer, batch = _default_run()
+    model.train()
+    _gradients(model, optimizer, batch)
     model.eval()
+    s = EagerSession()
     with s.no_grad():
         model.loss(s, *batch)
 
 
-def _optimizer_step() -> None:
-    """The optimizer's kernels: gradient clipping and one AdamW step (the gradients from
-    the NumPy code, so that this child compiles only the optimizer's kernels)."""
-    from ..optim.clip import clip_grad_norm
-    from ..session import EagerSession
-
-    model, optimizer, batch = _small_run()
-    s = EagerSession()
+def _optimizer_kernels() -> None:
+    """The optimizer's kernels: one AdamW step, from gradients computed by the NumPy
+    code (so that this child compiles only the optimizer's kernels)."""
+    model, optimizer, batch = _default_run()
     _numba.ENABLED = False
-    grads = optimizer.canonical_gradients(s.backward(model.loss(s, *batch)))
+    grads = _gradients(model, optimizer, batch)
     _numba.ENABLED = True
-    s.reset()
-    clip_grad_norm(grads, 1.0)
     optimizer.step(grads)
 
 
 PARTS: dict[str, Callable[[], None]] = {
-    "tiegrad.backend.host_kernels": _forward_backward,
-    "tiegrad.optim.kernels": _optimizer_step,
+    "tiegrad.backend.host_kernels": _model_kernels,
+    "tiegrad.optim.kernels": _optimizer_kernels,
 }
 
 
