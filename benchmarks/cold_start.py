@@ -2,9 +2,8 @@
 
 ``python -m benchmarks cold-start [--steps N] [--repeats R] [--kernels]``. Each repeat runs
 ``tiegrad train --steps N --no-progress`` (the default model; the console script's code,
-``python -m _tiegrad_launcher``) in a child process,
-three ways, and reads the step times from the run's ``metrics.jsonl`` (``elapsed``: seconds
-since the training loop started):
+``python -m _tiegrad_launcher``) in a child process four ways, and reads the step times
+from the run's ``metrics.jsonl`` (``elapsed``: seconds since the training loop started):
 
 - ``cold``: numba on, ``NUMBA_CACHE_DIR`` a fresh empty folder (a first run after install);
 - ``cold in-process``: the same with ``python -m tiegrad``, which starts no compile
@@ -12,9 +11,10 @@ since the training loop started):
 - ``cached``: the same folder again (every later run);
 - ``numpy``: ``TIEGRAD_NO_NUMBA=1`` (the NumPy route, nothing to compile).
 
-The table gives per route the median of the repeats: the first step, the second step and
-the process's wall clock (start to exit, imports and the end-of-run checkpoint included).
-The goal: the ``cold`` first step at most 2 s.
+The table gives per route the median of the repeats: the first step, the second step,
+the process's wall clock (start to exit, imports and the end-of-run checkpoint included)
+and the CPU seconds of the process and its compile children (``resource``'s children
+usage; Unix). The goal: the ``cold`` first step at most 2 s.
 
 ``--kernels`` prints instead where a cold compile spends its time: one child trains one
 step with an empty cache and records the signatures every kernel was compiled for, a
@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,17 +53,23 @@ def run_train(
     run = folder / f"run-{time.monotonic_ns()}"
     command = [sys.executable, "-m", entry, "train", "--steps", str(steps)]
     command += ["--no-progress", "--run", str(run)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu()
     done = subprocess.run(
         command, cwd=folder, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr}")
     lines = (run / "metrics.jsonl").read_text().splitlines()
     elapsed = [r["elapsed"] for r in map(json.loads, lines) if "train_loss" in r]
     second = elapsed[1] - elapsed[0] if len(elapsed) > 1 else float("nan")
-    return {"first": elapsed[0], "second": second, "wall": wall}
+    return {"first": elapsed[0], "second": second, "wall": wall, "cpu": cpu}
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children and theirs."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def measure(steps: int, repeats: int) -> dict[str, list[dict[str, float]]]:
@@ -84,12 +91,15 @@ def measure(steps: int, repeats: int) -> dict[str, list[dict[str, float]]]:
 
 def format_table(results: dict[str, list[dict[str, float]]]) -> str:
     """The medians per route, with the load average of the machine."""
-    rows = ["| route | first step s | second step s | wall s | repeats |", "|---|---|---|---|---|"]
+    rows = [
+        "| route | first step s | second step s | wall s | CPU s | repeats |",
+        "|---|---|---|---|---|---|",
+    ]
     for route, runs in results.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in ("first", "second", "wall")}
+        med = {k: statistics.median(r[k] for r in runs) for k in ("first", "second", "wall", "cpu")}
         rows.append(
             f"| {route} | {med['first']:.2f} | {med['second']:.3f} | {med['wall']:.2f} "
-            f"| {len(runs)} |"
+            f"| {med['cpu']:.2f} | {len(runs)} |"
         )
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return "\n".join([*rows, "", f"load average after the runs: {load} ({os.cpu_count()} CPUs)"])
