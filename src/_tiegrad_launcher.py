@@ -21,18 +21,20 @@ TRAINING_COMMANDS = ("train", "resume")
 PRECOMPILED = ("tiegrad.backend.host_kernels", "tiegrad.optim.kernels")
 # A child runs one small step: more threads than one would only slow the others.
 CHILD_THREADS = ("TIEGRAD_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+MIN_IDLE_CPUS = 1.0
 
 
 def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
     """The compile children for the command line ``argv`` (module name -> process):
     none but for a training command in this process (not ``--nproc``, which relaunches,
-    nor ``--help``) on a machine where this process may use two CPUs or more."""
+    nor ``--help``), and none unless a CPU is idle for them besides this process's own
+    (``idle_cpus``): on a busy machine they would only compete with the command for the
+    same CPUs, and the command compiles its kernels itself, as fast without them."""
     if not argv or argv[0] not in TRAINING_COMMANDS:
         return {}
     if any(a in ("-h", "--help") or a.startswith("--nproc") for a in argv[1:]):
         return {}
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if (cpus or 1) < 2:
+    if idle_cpus() < MIN_IDLE_CPUS:
         return {}
     env = dict(os.environ, **{name: "1" for name in CHILD_THREADS})
     command = [sys.executable, "-m", "tiegrad.train.precompile"]
@@ -43,6 +45,19 @@ def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
         )
         for module in PRECOMPILED
     }
+
+
+def idle_cpus() -> float:
+    """The CPUs this process may use less the 1-minute load average (where the system
+    has one), 0 on a single CPU."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cpus or 1) < 2:
+        return 0.0
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows
+        load = 0.0
+    return cpus - load
 
 
 def main() -> int:

@@ -72,13 +72,22 @@ def test_launcher_starts_no_child_but_for_a_training_command(argv, monkeypatch):
 def test_launcher_starts_one_single_threaded_child_per_kernel_module(monkeypatch):
     monkeypatch.setattr(launcher.subprocess, "Popen", _FakePopen)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(launcher.os, "getloadavg", lambda: (0.5, 0.5, 0.5), raising=False)
     children = launcher.start_precompile(["train", "--steps", "3"])
     assert set(children) == set(launcher.PRECOMPILED)
     for module, child in children.items():
         assert child.command == [sys.executable, "-m", "tiegrad.train.precompile", module]
         assert all(child.env[name] == "1" for name in launcher.CHILD_THREADS)
+
+
+def test_launcher_starts_no_child_without_an_idle_cpu(monkeypatch):
+    monkeypatch.setattr(launcher.subprocess, "Popen", _FakePopen)
+    monkeypatch.setattr(launcher.os, "getloadavg", lambda: (1.5, 0.5, 0.5), raising=False)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert launcher.start_precompile(["train"]) == {}  # busy: the command compiles itself
+    monkeypatch.setattr(launcher.os, "getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert launcher.start_precompile(["train"]) == {}  # one CPU: the command compiles itself
+    assert launcher.start_precompile(["train"]) == {}  # one CPU
 
 
 def test_first_use_of_a_module_waits_once_and_before_loading(monkeypatch):
@@ -150,11 +159,19 @@ def test_import_starts_no_thread_and_no_process():
 SHORT = ["--corpus-chars", "20000", "--steps", "2", "--eval-batches", "1", "--no-progress"]
 
 
+# The console script with its compile children, however busy the machine is.
+WITH_CHILDREN = [
+    "-c",
+    "import sys, _tiegrad_launcher as m; m.idle_cpus = lambda: 2.0; sys.exit(m.main())",
+]
+WITHOUT_CHILDREN = ["-m", "tiegrad"]
+
+
 def _train(command, folder, cache, run):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), NUMBA_DEBUG_CACHE="1")
     env.pop(_numba.ENV_SWITCH, None)
     proc = subprocess.run(
-        [sys.executable, "-m", command, "train", "--run", run, *SHORT],
+        [sys.executable, *command, "train", "--run", run, *SHORT],
         cwd=folder, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -167,11 +184,11 @@ def _train(command, folder, cache, run):
 def test_children_compile_every_kernel_and_the_run_computes_the_same(tmp_path):
     # The command with an empty cache: its children compile, the run itself compiles
     # nothing (numba's cache log of the run's own process shows no save).
-    out, cold = _train("_tiegrad_launcher", tmp_path, tmp_path / "cache", "cold")
+    out, cold = _train(WITH_CHILDREN, tmp_path, tmp_path / "cache", "cold")
     assert "data saved" not in out, out
     assert "data loaded" in out
     # Without children (the package's entry point) from the filled cache: the same bits.
-    _, cached = _train("tiegrad", tmp_path, tmp_path / "cache", "cached")
+    _, cached = _train(WITHOUT_CHILDREN, tmp_path, tmp_path / "cache", "cached")
     assert [(r["train_loss"], r["grad_norm"]) for r in cold] == [
         (r["train_loss"], r["grad_norm"]) for r in cached
     ]
