@@ -3,11 +3,12 @@
 With an empty numba cache (a first run after install) the first training step used to
 compile every kernel it calls, one after the other, in the training process. The
 ``tiegrad`` command (``_tiegrad_launcher``, its own process; importing tiegrad starts
-no process) instead starts, before it imports tiegrad, one child process per kernel
-module (``python -m tiegrad.train.precompile MODULE``): the child runs, on the default model
-of ``tiegrad train``, the part of a training step that calls that module's
-kernels, which compiles them into numba's cache (or loads them from it: a child costs
-about one import of tiegrad when nothing is left to compile). The children run in
+no process) instead starts, before it imports tiegrad and where a CPU is idle for them,
+one child process per kernel module (``python -m tiegrad.train.precompile MODULE``):
+the child runs, on the default model of ``tiegrad train``, the part of a training step
+that calls that module's kernels, which compiles them into numba's cache (or loads
+them from it: a child costs about one import of tiegrad when nothing is left to
+compile). The children run in
 parallel with each other and with the command's own start (imports, text, vocabulary,
 model, optimizer). ``attach`` hands them to ``tiegrad._numba``: the first use of a
 module's kernels in the command waits for that module's child, then loads the kernels
