@@ -39,9 +39,16 @@ def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
     env = dict(os.environ, **{name: "1" for name in CHILD_THREADS})
     command = [sys.executable, "-m", "tiegrad.train.precompile"]
     quiet = subprocess.DEVNULL
+    # A session of their own: Ctrl-C stops the run after its step (a checkpoint), and
+    # the children it waits for go on compiling instead of dying on the same SIGINT.
     return {
         module: subprocess.Popen(
-            [*command, module], stdin=quiet, stdout=quiet, stderr=quiet, env=env
+            [*command, module],
+            stdin=quiet,
+            stdout=quiet,
+            stderr=quiet,
+            env=env,
+            start_new_session=True,
         )
         for module in PRECOMPILED
     }

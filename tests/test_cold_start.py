@@ -53,7 +53,7 @@ class _FakePopen:
     started: list = []
 
     def __init__(self, command, **kw):
-        self.command, self.env = command, kw["env"]
+        self.command, self.env, self.session = command, kw["env"], kw["start_new_session"]
         _FakePopen.started.append(self)
 
 
@@ -78,6 +78,7 @@ def test_launcher_starts_one_single_threaded_child_per_kernel_module(monkeypatch
     for module, child in children.items():
         assert child.command == [sys.executable, "-m", "tiegrad.train.precompile", module]
         assert all(child.env[name] == "1" for name in launcher.CHILD_THREADS)
+        assert child.session  # the terminal's Ctrl-C reaches the run, not the children
 
 
 def test_launcher_starts_no_child_without_an_idle_cpu(monkeypatch):
