@@ -3,6 +3,9 @@
 ``python -m benchmarks profile W1 [SIDE] [--steps N] [--top K]`` prints a cProfile of
 one side's steps (default side ``tiegrad``).
 
+``python -m benchmarks cold-start [--steps N] [--repeats R] [--kernels]`` times the first
+steps of ``tiegrad train`` with an empty compile cache (``benchmarks.cold_start``).
+
 ``python -m benchmarks rss WORKLOAD SIDE [--quick]`` is the peak-RSS subprocess the
 runner spawns per side; it prints one JSON line.
 """
@@ -39,11 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("side", nargs="?", default="tiegrad")
     prof.add_argument("--steps", type=int, default=5)
     prof.add_argument("--top", type=int, default=15)
+    cold = sub.add_parser("cold-start", help="first steps of tiegrad train, empty compile cache")
+    cold.add_argument("--steps", type=int, default=2, help="steps per tiegrad train run")
+    cold.add_argument("--repeats", type=int, default=3, help="rounds of the three routes")
+    cold.add_argument("--kernels", action="store_true", help="per-kernel compile seconds instead")
     args = parser.parse_args(argv)
 
     if args.command == "rss":
         print(json.dumps(runner.rss_child(args.workload, args.side, args.quick)))
         return 0
+    if args.command == "cold-start":
+        from . import cold_start
+
+        return cold_start.main(args)
     if args.command == "profile":
         try:
             print(runner.profile_side(args.workload, args.side, args.steps, args.top))

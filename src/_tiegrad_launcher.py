@@ -1,22 +1,81 @@
 """The ``tiegrad`` console script, kept outside the package so that Ctrl-C while the
 package imports (NumPy, numba, the kernels) exits quietly with code 130, as Ctrl-C does
-at any later point, instead of printing a ``KeyboardInterrupt`` traceback."""
+at any later point, instead of printing a ``KeyboardInterrupt`` traceback.
+
+For ``tiegrad train`` and ``tiegrad resume`` it first starts the child processes that
+compile the kernels into numba's cache while the command imports tiegrad and builds its
+run (``tiegrad.train.precompile``; this file only starts them, with the standard
+library, before tiegrad's own import).
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from typing import Any
 
 EXIT_INTERRUPTED = 130
+TRAINING_COMMANDS = ("train", "resume")
+# The kernel modules a training step uses: one child each (tiegrad.train.precompile.PARTS).
+PRECOMPILED = ("tiegrad.backend.host_kernels", "tiegrad.optim.kernels")
+# A child runs one small step: more threads than one would only slow the others.
+CHILD_THREADS = ("TIEGRAD_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+MIN_IDLE_CPUS = 1.0
+
+
+def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
+    """The compile children for the command line ``argv`` (module name -> process):
+    none but for a training command in this process (not ``--nproc``, which relaunches,
+    nor ``--help``), and none unless a CPU is idle for them besides this process's own
+    (``idle_cpus``): on a busy machine they would only compete with the command for the
+    same CPUs, and the command compiles its kernels itself, as fast without them."""
+    if not argv or argv[0] not in TRAINING_COMMANDS:
+        return {}
+    if any(a in ("-h", "--help") or a.startswith("--nproc") for a in argv[1:]):
+        return {}
+    if idle_cpus() < MIN_IDLE_CPUS:
+        return {}
+    env = dict(os.environ, **{name: "1" for name in CHILD_THREADS})
+    command = [sys.executable, "-m", "tiegrad.train.precompile"]
+    quiet = subprocess.DEVNULL
+    # A session of their own: Ctrl-C stops the run after its step (a checkpoint), and
+    # the children it waits for go on compiling instead of dying on the same SIGINT.
+    return {
+        module: subprocess.Popen(
+            [*command, module],
+            stdin=quiet,
+            stdout=quiet,
+            stderr=quiet,
+            env=env,
+            start_new_session=True,
+        )
+        for module in PRECOMPILED
+    }
+
+
+def idle_cpus() -> float:
+    """The CPUs this process may use less the 1-minute load average (where the system
+    has one), 0 on a single CPU."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cpus or 1) < 2:
+        return 0.0
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows
+        load = 0.0
+    return cpus - load
 
 
 def main() -> int:
-    """Import and run ``tiegrad.cli.main``; returns its exit code."""
+    """Start the compile children, import and run ``tiegrad.cli.main``; its exit code."""
+    children = start_precompile(sys.argv[1:])
     try:
         from tiegrad.cli import main as cli_main
     except KeyboardInterrupt:
         print("tiegrad: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return cli_main()
+    return cli_main(precompiling=children)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""numba, the optional compiler of tiegrad's fused host kernels (the extra ``tiegrad[fast]``).
+"""numba, the compiler of tiegrad's fused host kernels (a default dependency where it has wheels).
 
 Two kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates) and
 ``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows, and their C entry
@@ -8,6 +8,10 @@ import), or when a program sets it to False; the NumPy code paths then run
 everywhere. ``kernels`` is how every caller asks: the kernel module, or None where the
 switch is off or numba is missing or fails to import (with one warning), so the library
 runs the same without it, only slower.
+
+``before_first_use`` lets the ``tiegrad`` command make the first ``kernels`` call for a
+module wait until a child process has compiled that module's kernels into numba's cache
+(``tiegrad.train.precompile``); nothing registers a wait on import.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -24,14 +29,31 @@ from typing import Any
 ENV_SWITCH = "TIEGRAD_NO_NUMBA"
 ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
 
+_first_use: dict[str, Callable[[], None]] = {}  # module -> what to wait for before using it
+_first_use_lock = threading.Lock()
+
 
 def kernels(module: str) -> ModuleType | None:
     """The kernel module ``module`` (absolute name) where ``ENABLED``, else None.
 
     The switch is read at every call; the import (which compiles or loads the kernels)
-    happens once.
+    happens once. The first call for a module with a wait (``before_first_use``) runs
+    the wait before it loads the module; calls from other threads meanwhile wait too.
     """
-    return _load(module) if ENABLED else None
+    if not ENABLED:
+        return None
+    if _first_use:
+        with _first_use_lock:
+            wait = _first_use.pop(module, None)
+            if wait is not None:
+                wait()
+    return _load(module)
+
+
+def before_first_use(module: str, wait: Callable[[], None]) -> None:
+    """Make the next ``kernels(module)`` call ``wait()`` (once) before it returns: the
+    command waits there for the child process compiling ``module``'s kernels."""
+    _first_use[module] = wait
 
 
 @functools.cache

@@ -198,14 +198,24 @@ def _add_no_progress(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, precompiling: dict[str, Any] | None = None) -> int:
     """Run the command line; returns the exit code (0, 2 bad input, 130 interrupted,
-    143 terminated). Ctrl-C at any point (the imports included) exits quietly with 130."""
+    143 terminated). Ctrl-C at any point (the imports included) exits quietly with 130.
+
+    ``precompiling``: the child processes compiling the kernels (``_tiegrad_launcher``,
+    ``tiegrad.train.precompile``), waited for at their kernels' first use and stopped
+    when the command ends."""
+    from .train import precompile
+
+    children = precompiling or {}
+    precompile.attach(children)
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("tiegrad: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        precompile.stop(children)
 
 
 def _main(argv: Sequence[str] | None) -> int:
