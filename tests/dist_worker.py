@@ -8,7 +8,9 @@ Rank 0 writes the final parameters and the gradient bytes reduced per step to
 raises in step 5), ``die`` (rank 1 exits at once in step 5; both write the time to
 ``OUT/failed_at``), ``perturb`` (rank 1
 perturbs a parameter before step 4, checksums every 2 steps), ``layout`` (rank 1
-unties the output), ``device`` (``train`` on the torch CPU device backend).
+unties the output), ``device`` (``train`` on the torch CPU device backend),
+``overlap`` (no trainer: each step's gradients averaged with and without overlap,
+compared in ``OUT/overlap.json``).
 """
 
 import json
@@ -33,6 +35,50 @@ def data() -> ArrayDataset:
     return ArrayDataset(ids[:, :-1], ids[:, 1:])
 
 
+def trainable_bytes(model) -> int:
+    plist = model.param_list()
+    canonical = plist.canonical_slot_indices()
+    return sum(plist[i].value.nbytes for i, c in enumerate(canonical) if c == i)
+
+
+def bits(grads) -> list:
+    return [None if g is None else g.tobytes() for g in grads]
+
+
+def compare_overlap(model, opt, out: str, steps: int) -> None:
+    """Each step's batch twice: ``DataParallel.backward`` with overlap, then ``average``
+    after a plain backward; rank 0 writes whether each step's averaged gradients were
+    equal bit for bit, the bytes reduced per step and the buckets launched early."""
+    from tiegrad import EagerSession
+
+    parallel = dist.DataParallel(model, bucket_mb=2e-3, overlap=True)  # several buckets
+    session = EagerSession()
+    batches = DataLoader(data(), BATCH, shuffle=True).epoch(np.random.default_rng(5))
+    equal, per_step = [], []
+    for _, batch in zip(range(steps), batches):
+        before = parallel.buckets.bytes_reduced
+        session.reset()
+        early = bits(parallel.backward(session, model.loss(session, *batch), opt))
+        per_step.append(parallel.buckets.bytes_reduced - before)
+        session.reset()
+        grads = opt.canonical_gradients(session.backward(model.loss(session, *batch)))
+        after = parallel.average(grads)
+        equal.append(early == bits(after))
+        session.reset()
+        opt.step(after)
+    if dist.is_main():
+        with open(os.path.join(out, "overlap.json"), "w") as f:
+            summary = {
+                "equal": equal,
+                "per_step": per_step,
+                "trainable_unique": trainable_bytes(model),
+                "buckets": len(parallel.buckets.buckets),
+                "launched_early": parallel.buckets.launched_early,
+            }
+            json.dump(summary, f)
+    dist.shutdown()
+
+
 def main(scenario: str, out: str, steps: int) -> None:
     launched = dist.in_launcher_environment()
     if launched:
@@ -42,6 +88,9 @@ def main(scenario: str, out: str, steps: int) -> None:
     if scenario == "layout" and dist.rank() == 1:
         untie(model, "lm_head.weight")
     opt = SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    if scenario == "overlap":
+        compare_overlap(model, opt, out, steps)
+        return
     parallel = None
     if launched:
         parallel = dist.DataParallel(model, check_every=2 if scenario == "perturb" else 100)
@@ -62,15 +111,13 @@ def main(scenario: str, out: str, steps: int) -> None:
 
     per_step = []
     if parallel is not None:
-        average = parallel.average
+        step = opt.step
 
         def counted(grads):
-            before = parallel.buckets.bytes_reduced
-            out = average(grads)
-            per_step.append(parallel.buckets.bytes_reduced - before)
-            return out
+            per_step.append(parallel.buckets.bytes_reduced - sum(per_step))
+            step(grads)
 
-        parallel.average = counted
+        opt.step = counted
     run = os.path.join(out, "run")
     trainer = Trainer(
         model,
@@ -89,12 +136,9 @@ def main(scenario: str, out: str, steps: int) -> None:
     )
     trainer.fit()
     if dist.is_main():
-        plist = model.param_list()
-        canonical = plist.canonical_slot_indices()
-        trainable = sum(plist[i].value.nbytes for i, c in enumerate(canonical) if c == i)
-        np.savez(os.path.join(out, "params.npz"), *plist.values())
+        np.savez(os.path.join(out, "params.npz"), *model.param_list().values())
         with open(os.path.join(out, "bytes.json"), "w") as f:
-            json.dump({"per_step": per_step, "trainable_unique": trainable}, f)
+            json.dump({"per_step": per_step, "trainable_unique": trainable_bytes(model)}, f)
     dist.shutdown()
 
 

@@ -115,6 +115,17 @@ def test_two_processes_match_one_and_reduce_each_trainable_storage_once(straight
     )
 
 
+def test_overlapped_all_reduces_equal_the_ones_after_backward_bit_for_bit(tmp_path):
+    results, _ = launch(2, ["overlap", tmp_path, 4])
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+    found = json.loads((tmp_path / "overlap.json").read_text())
+    assert found["equal"] == [True] * 4
+    assert found["per_step"] == [found["trainable_unique"]] * 4
+    # launched during the sweep: every bucket but the one the embedding (used first) ends
+    assert found["buckets"] > 2 and found["launched_early"] == 4 * (found["buckets"] - 1)
+
+
 @pytest.mark.slow
 def test_a_device_session_trains_the_same_on_two_processes(straight, tmp_path):
     assert_close(run_ok(2, "device", tmp_path), straight)

@@ -357,7 +357,9 @@ class Trainer:
 
         Each of the ``grad_accum`` batches is recorded on a fresh tape and its
         gradients are summed per canonical slot (``optimizer.canonical_gradients``:
-        the uses of one storage summed, C4), so only one tape is alive at a time.
+        the uses of one storage summed, C4), so only one tape is alive at a time. Data
+        parallel: one batch is averaged over the ranks by ``DataParallel.backward``
+        (during the sweep), several after the last one.
         """
         s = self.session
         total = 0.0
@@ -372,9 +374,12 @@ class Trainer:
             total += float(loss.item())
             if self.grad_accum > 1:
                 loss = loss * scale
+            elif self.parallel is not None:
+                grads = self.parallel.backward(s, loss, self.optimizer)
+                continue
             new = self.optimizer.canonical_gradients(s.backward(loss))
             grads = new if grads is None else _accumulate(grads, new, k == 1)
-        if self.parallel is not None:
+        if self.parallel is not None and self.grad_accum > 1:
             grads = self.parallel.average(grads)
         norm = None
         if self.clip_norm is not None:
