@@ -6,6 +6,7 @@ free on 127.0.0.1 and every process has a bounded wait.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -203,6 +204,42 @@ def test_torchrun_trains_end_to_end_and_one_process_resumes(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 20" in resumed.stdout and "done: 22 steps" in resumed.stdout
+
+
+def test_with_nproc_rank_0_alone_says_it_was_interrupted_or_is_finished(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i % 7}\n" for i in range(300)))
+    run = tmp_path / "run"
+    flags = ["--text", text, "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len"]
+    flags += ["16", "--batch-size", "4", "--eval-every", "1000", "--checkpoint-every", "1000"]
+    cmd = [sys.executable, "-m", "tiegrad", "train", "--nproc", "2", "--steps", "100000"]
+    cmd += [*flags, "--run-dir", run, "--no-progress"]
+    env = dict(base_env(), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        list(map(str, cmd)), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.count("SIGINT: finishing the current step") == 1, err[-3000:]
+    assert out.count("interrupted at step") == 1
+    (reached,) = [int(p.stem.split("_")[1]) for p in (run / "checkpoints").glob("step_*")]
+    again = ["resume", run, "--steps", reached, "--nproc", "2", "--no-progress"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tiegrad", *map(str, again)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(f"is finished: it reached step {reached} of {reached}") == 1
 
 
 def test_init_outside_torchrun_names_the_missing_variable(monkeypatch):

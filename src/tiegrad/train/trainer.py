@@ -146,9 +146,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class _Interrupt:
     """SIGINT and SIGTERM during ``fit``: the first sets a flag (the loop finishes its step
     and checkpoints), a second aborts (``KeyboardInterrupt``). The handlers are installed
-    only for the duration of ``fit`` and only on the main thread."""
+    only for the duration of ``fit`` and only on the main thread. ``announce``: whether
+    the first says so on stderr (rank 0 alone in a data-parallel run: torchrun passes
+    the signal to every rank)."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
+        self.announce = announce
         self.signal: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -166,8 +169,11 @@ class _Interrupt:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
-        name = signal.Signals(signum).name
-        print(f"\n{name}: finishing the current step, then saving a checkpoint", file=sys.stderr)
+        if self.announce:
+            name = signal.Signals(signum).name
+            print(
+                f"\n{name}: finishing the current step, then saving a checkpoint", file=sys.stderr
+            )
 
     def __exit__(self, *exc: Any) -> None:
         for sig, previous in self._previous.items():
@@ -579,7 +585,7 @@ class Trainer:
         try:
             for cb in self._active:
                 cb.on_train_begin(self)
-            with _Interrupt() as interrupt:
+            with _Interrupt(self.main) as interrupt:
                 while self.step < self.max_steps:
                     lr = self.current_lr()
                     started = time.perf_counter()
