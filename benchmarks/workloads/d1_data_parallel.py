@@ -154,6 +154,12 @@ def extras(stats: dict[str, SideStats]) -> tuple[dict[str, Any], list[str]]:
             + ", ".join(f"{kind} {ms:.1f}" for kind, ms in cpu[framework].items())
         )
     after, ddp = "tiegrad after backward", SIDES["torch"][0]
+    local, ddp_local = "tiegrad local", "torch DDP no_sync"
+    if local in stats and ddp_local in stats:
+        notes.append(
+            f"the steps without communication: {local} / {ddp_local} = "
+            f"{stats[local].median_ms / stats[ddp_local].median_ms:.2f} (medians)"
+        )
     if after in stats and ddp in stats:
         ratio = stats[after].median_ms / stats[ddp].median_ms
         notes.append(
