@@ -10,11 +10,14 @@ raises in step 5), ``die`` (rank 1 exits at once in step 5; both write the time 
 perturbs a parameter before step 4, checksums every 2 steps), ``layout`` (rank 1
 unties the output), ``device`` (``train`` on the torch CPU device backend),
 ``overlap`` (no trainer: each step's gradients averaged with and without overlap,
-compared in ``OUT/overlap.json``).
+compared in ``OUT/overlap.json``), ``late_signal`` (rank 1 signals itself after step
+3's end-of-step all-reduce). Every rank writes its result's status and step to
+``OUT/status_RANK``.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,7 +28,7 @@ from tiegrad.data import ArrayDataset, DataLoader
 from tiegrad.models import TiedLM
 from tiegrad.nn import untie
 from tiegrad.optim import SGD
-from tiegrad.train import Trainer
+from tiegrad.train import Callback, Trainer
 
 VOCAB, SEQ, BATCH = 16, 8, 8
 
@@ -33,6 +36,14 @@ VOCAB, SEQ, BATCH = 16, 8, 8
 def data() -> ArrayDataset:
     ids = np.random.default_rng(7).integers(0, VOCAB, size=(64, SEQ + 1))
     return ArrayDataset(ids[:, :-1], ids[:, 1:])
+
+
+class LateSignal(Callback):
+    """Rank 1 signals itself SIGINT after step 3's agreement on who was signalled."""
+
+    def on_step_end(self, trainer, logs) -> None:
+        if dist.rank() == 1 and logs["step"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def trainable_bytes(model) -> int:
@@ -133,8 +144,11 @@ def main(scenario: str, out: str, steps: int) -> None:
         plot=False,
         parallel=parallel,
         device="torch:cpu" if scenario == "device" else None,
+        callbacks=[LateSignal()] if scenario == "late_signal" else [],
     )
-    trainer.fit()
+    result = trainer.fit()
+    with open(os.path.join(out, f"status_{dist.rank()}"), "w") as f:
+        f.write(f"{result.status} {result.step}")
     if dist.is_main():
         np.savez(os.path.join(out, "params.npz"), *model.param_list().values())
         with open(os.path.join(out, "bytes.json"), "w") as f:

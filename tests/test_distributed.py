@@ -161,6 +161,13 @@ def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
     assert "rank 0: stopping: rank 1 died or did not answer within 30 s" in last
 
 
+def test_a_signal_after_the_step_agreement_stops_every_rank_at_the_next_step(tmp_path):
+    results, _ = launch(2, ["late_signal", tmp_path])
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+        assert (tmp_path / f"status_{rank}").read_text() == "interrupted 4"
+
+
 def test_the_checksum_catches_a_perturbed_parameter(tmp_path):
     results, _ = launch(2, ["perturb", tmp_path])
     for rc, _, err in results:
@@ -211,25 +218,24 @@ def test_with_nproc_rank_0_alone_says_it_was_interrupted_or_is_finished(tmp_path
     text.write_text("".join(f"def f{i}(x):\n    return x * {i % 7}\n" for i in range(300)))
     run = tmp_path / "run"
     flags = ["--text", text, "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len"]
-    flags += ["16", "--batch-size", "4", "--eval-every", "1000", "--checkpoint-every", "1000"]
+    flags += ["16", "--batch-size", "4", "--eval-every", "1000", "--checkpoint-every", "3"]
     cmd = [sys.executable, "-m", "tiegrad", "train", "--nproc", "2", "--steps", "100000"]
     cmd += [*flags, "--run-dir", run, "--no-progress"]
     env = dict(base_env(), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         list(map(str, cmd)), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+        if (run / "checkpoints" / "step_0000003.safetensors").exists():
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 130, err[-3000:]
     assert err.count("SIGINT: finishing the current step") == 1, err[-3000:]
-    assert out.count("interrupted at step") == 1
-    (reached,) = [int(p.stem.split("_")[1]) for p in (run / "checkpoints").glob("step_*")]
+    assert out.count("interrupted at step") == 1, out[-3000:] + err[-3000:]
+    reached = max(int(p.stem.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
     again = ["resume", run, "--steps", reached, "--nproc", "2", "--no-progress"]
     done = subprocess.run(
         [sys.executable, "-m", "tiegrad", *map(str, again)],

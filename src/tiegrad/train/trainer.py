@@ -155,10 +155,6 @@ class _Interrupt:
         self.signal: int | None = None
         self._previous: dict[int, Any] = {}
 
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
-
     def __enter__(self) -> _Interrupt:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
@@ -582,6 +578,7 @@ class Trainer:
         last_saved = self.resumed_from
         rate: float | None = None
         self._set_mode(True)
+        stop_signal: int | None = None
         try:
             for cb in self._active:
                 cb.on_train_begin(self)
@@ -590,8 +587,11 @@ class Trainer:
                     lr = self.current_lr()
                     started = time.perf_counter()
                     train_loss, norm, items = self.train_step()
+                    stop_signal = interrupt.signal
                     if self.parallel is not None:
-                        train_loss, items, interrupt.signal = self.parallel.end_step(
+                        # every rank stops on the signal agreed here, never on its own
+                        # flag: a signal that arrives later is agreed on at the next step
+                        train_loss, items, stop_signal = self.parallel.end_step(
                             self.step, train_loss, items, interrupt.signal
                         )
                     step_rate = items / max(time.perf_counter() - started, 1e-9)
@@ -621,7 +621,7 @@ class Trainer:
                             f"{self.patience} evaluations"
                         )
                         break
-                    if interrupt.requested:
+                    if stop_signal is not None:
                         status = "interrupted"
                         break
                 if (
@@ -638,7 +638,7 @@ class Trainer:
             for cb in self._active:
                 if isinstance(cb, FileCallback):
                     cb.close()
-        result = self._finish(status, last, first_step, interrupt.signal)
+        result = self._finish(status, last, first_step, stop_signal)
         for cb in self._active:
             cb.on_train_end(self, result)
         self._active = ()
