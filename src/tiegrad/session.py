@@ -441,7 +441,8 @@ class EagerSession:
         ``on_final`` lists ``(node, callback)`` pairs: the sweep calls each callback
         once, as soon as every node from ``node`` up has been differentiated, with the
         gradients found so far; those of the retained nodes >= ``node`` are final (an
-        unreached one is absent: its gradient is zeros). Callbacks read, never write.
+        unreached one is absent until the sweep has ended: its gradient is zeros; the
+        callbacks of node 0 run then). Callbacks read, never write.
         Data-parallel training reduces gradients during the sweep through it.
         """
         bk = self.backend
