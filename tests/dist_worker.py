@@ -8,11 +8,16 @@ Rank 0 writes the final parameters and the gradient bytes reduced per step to
 raises in step 5), ``die`` (rank 1 exits at once in step 5; both write the time to
 ``OUT/failed_at``), ``perturb`` (rank 1
 perturbs a parameter before step 4, checksums every 2 steps), ``layout`` (rank 1
-unties the output), ``device`` (``train`` on the torch CPU device backend).
+unties the output), ``device`` (``train`` on the torch CPU device backend),
+``overlap`` (no trainer: each step's gradients averaged with and without overlap,
+compared in ``OUT/overlap.json``), ``late_signal`` (rank 1 signals itself after step
+3's end-of-step all-reduce). Every rank writes its result's status and step to
+``OUT/status_RANK``.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -23,7 +28,7 @@ from tiegrad.data import ArrayDataset, DataLoader
 from tiegrad.models import TiedLM
 from tiegrad.nn import untie
 from tiegrad.optim import SGD
-from tiegrad.train import Trainer
+from tiegrad.train import Callback, Trainer
 
 VOCAB, SEQ, BATCH = 16, 8, 8
 
@@ -31,6 +36,58 @@ VOCAB, SEQ, BATCH = 16, 8, 8
 def data() -> ArrayDataset:
     ids = np.random.default_rng(7).integers(0, VOCAB, size=(64, SEQ + 1))
     return ArrayDataset(ids[:, :-1], ids[:, 1:])
+
+
+class LateSignal(Callback):
+    """Rank 1 signals itself SIGINT after step 3's agreement on who was signalled."""
+
+    def on_step_end(self, trainer, logs) -> None:
+        if dist.rank() == 1 and logs["step"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def trainable_bytes(model) -> int:
+    plist = model.param_list()
+    canonical = plist.canonical_slot_indices()
+    return sum(plist[i].value.nbytes for i, c in enumerate(canonical) if c == i)
+
+
+def bits(grads) -> list:
+    return [None if g is None else g.tobytes() for g in grads]
+
+
+def compare_overlap(model, opt, out: str, steps: int) -> None:
+    """Each step's batch twice: ``DataParallel.backward`` with overlap, then ``average``
+    after a plain backward; rank 0 writes whether each step's averaged gradients were
+    equal bit for bit, the bytes reduced per step and the buckets launched early."""
+    from tiegrad import EagerSession
+
+    parallel = dist.DataParallel(model, bucket_mb=2e-3, overlap=True)  # several buckets
+    session = EagerSession()
+    batches = DataLoader(data(), BATCH, shuffle=True).epoch(np.random.default_rng(5))
+    equal, per_step = [], []
+    for _, batch in zip(range(steps), batches):
+        before = parallel.buckets.bytes_reduced
+        session.reset()
+        early = bits(parallel.backward(session, model.loss(session, *batch), opt))
+        per_step.append(parallel.buckets.bytes_reduced - before)
+        session.reset()
+        grads = opt.canonical_gradients(session.backward(model.loss(session, *batch)))
+        after = parallel.average(grads)
+        equal.append(early == bits(after))
+        session.reset()
+        opt.step(after)
+    if dist.is_main():
+        with open(os.path.join(out, "overlap.json"), "w") as f:
+            summary = {
+                "equal": equal,
+                "per_step": per_step,
+                "trainable_unique": trainable_bytes(model),
+                "buckets": len(parallel.buckets.buckets),
+                "launched_early": parallel.buckets.launched_early,
+            }
+            json.dump(summary, f)
+    dist.shutdown()
 
 
 def main(scenario: str, out: str, steps: int) -> None:
@@ -42,6 +99,9 @@ def main(scenario: str, out: str, steps: int) -> None:
     if scenario == "layout" and dist.rank() == 1:
         untie(model, "lm_head.weight")
     opt = SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    if scenario == "overlap":
+        compare_overlap(model, opt, out, steps)
+        return
     parallel = None
     if launched:
         parallel = dist.DataParallel(model, check_every=2 if scenario == "perturb" else 100)
@@ -62,15 +122,13 @@ def main(scenario: str, out: str, steps: int) -> None:
 
     per_step = []
     if parallel is not None:
-        average = parallel.average
+        step = opt.step
 
         def counted(grads):
-            before = parallel.buckets.bytes_reduced
-            out = average(grads)
-            per_step.append(parallel.buckets.bytes_reduced - before)
-            return out
+            per_step.append(parallel.buckets.bytes_reduced - sum(per_step))
+            step(grads)
 
-        parallel.average = counted
+        opt.step = counted
     run = os.path.join(out, "run")
     trainer = Trainer(
         model,
@@ -86,15 +144,15 @@ def main(scenario: str, out: str, steps: int) -> None:
         plot=False,
         parallel=parallel,
         device="torch:cpu" if scenario == "device" else None,
+        callbacks=[LateSignal()] if scenario == "late_signal" else [],
     )
-    trainer.fit()
+    result = trainer.fit()
+    with open(os.path.join(out, f"status_{dist.rank()}"), "w") as f:
+        f.write(f"{result.status} {result.step}")
     if dist.is_main():
-        plist = model.param_list()
-        canonical = plist.canonical_slot_indices()
-        trainable = sum(plist[i].value.nbytes for i, c in enumerate(canonical) if c == i)
-        np.savez(os.path.join(out, "params.npz"), *plist.values())
+        np.savez(os.path.join(out, "params.npz"), *model.param_list().values())
         with open(os.path.join(out, "bytes.json"), "w") as f:
-            json.dump({"per_step": per_step, "trainable_unique": trainable}, f)
+            json.dump({"per_step": per_step, "trainable_unique": trainable_bytes(model)}, f)
     dist.shutdown()
 
 

@@ -202,5 +202,7 @@ def test_every_workload_declares_its_interface():
 def test_d1_reports_the_communication_share_of_both_sides(quick_report):
     (d1,) = [w for w in quick_report["workloads"] if w["id"] == "D1"]
     assert set(d1["extras"]["communication_share"]) == {"tiegrad", "torch"}
-    assert {"tiegrad local", "torch DDP no_sync"} <= set(d1["sides"])
+    assert {"tiegrad local", "tiegrad after backward", "torch DDP no_sync"} <= set(d1["sides"])
     assert any("communication share of the step (torch)" in n for n in d1["notes"])
+    assert set(d1["extras"]["cpu_ms"]["tiegrad"]) == {"step", "after", "local"}
+    assert any("tiegrad after backward (no overlap)" in n for n in d1["notes"])

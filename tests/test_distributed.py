@@ -6,6 +6,7 @@ free on 127.0.0.1 and every process has a bounded wait.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -115,6 +116,17 @@ def test_two_processes_match_one_and_reduce_each_trainable_storage_once(straight
     )
 
 
+def test_overlapped_all_reduces_equal_the_ones_after_backward_bit_for_bit(tmp_path):
+    results, _ = launch(2, ["overlap", tmp_path, 4])
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+    found = json.loads((tmp_path / "overlap.json").read_text())
+    assert found["equal"] == [True] * 4
+    assert found["per_step"] == [found["trainable_unique"]] * 4
+    # launched during the sweep: every bucket but the one the embedding (used first) ends
+    assert found["buckets"] > 2 and found["launched_early"] == 4 * (found["buckets"] - 1)
+
+
 @pytest.mark.slow
 def test_a_device_session_trains_the_same_on_two_processes(straight, tmp_path):
     assert_close(run_ok(2, "device", tmp_path), straight)
@@ -147,6 +159,13 @@ def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
     assert results[1][0] == 3 and results[0][0] != 0
     last = results[0][2].strip().splitlines()[-1]
     assert "rank 0: stopping: rank 1 died or did not answer within 30 s" in last
+
+
+def test_a_signal_after_the_step_agreement_stops_every_rank_at_the_next_step(tmp_path):
+    results, _ = launch(2, ["late_signal", tmp_path])
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+        assert (tmp_path / f"status_{rank}").read_text() == "interrupted 4"
 
 
 def test_the_checksum_catches_a_perturbed_parameter(tmp_path):
@@ -192,6 +211,41 @@ def test_torchrun_trains_end_to_end_and_one_process_resumes(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 20" in resumed.stdout and "done: 22 steps" in resumed.stdout
+
+
+def test_with_nproc_rank_0_alone_says_it_was_interrupted_or_is_finished(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i % 7}\n" for i in range(300)))
+    run = tmp_path / "run"
+    flags = ["--text", text, "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len"]
+    flags += ["16", "--batch-size", "4", "--eval-every", "1000", "--checkpoint-every", "3"]
+    cmd = [sys.executable, "-m", "tiegrad", "train", "--nproc", "2", "--steps", "100000"]
+    cmd += [*flags, "--run-dir", run, "--no-progress"]
+    env = dict(base_env(), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        list(map(str, cmd)), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "checkpoints" / "step_0000003.safetensors").exists():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.count("SIGINT: finishing the current step") == 1, err[-3000:]
+    assert out.count("interrupted at step") == 1, out[-3000:] + err[-3000:]
+    reached = max(int(p.stem.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
+    again = ["resume", run, "--steps", reached, "--nproc", "2", "--no-progress"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tiegrad", *map(str, again)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(f"is finished: it reached step {reached} of {reached}") == 1
 
 
 def test_init_outside_torchrun_names_the_missing_variable(monkeypatch):

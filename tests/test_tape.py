@@ -301,3 +301,25 @@ def test_an_op_needs_a_ref_operand_and_leaves_need_floats():
 def test_every_tape_error_is_a_tiegrad_error():
     for cls in (TapeError, ShapeError, DTypeError):
         assert issubclass(cls, TiegradError)
+
+
+def test_on_final_callbacks_run_once_each_when_every_later_node_is_done():
+    s = EagerSession()
+    a = s.leaf(np.array([1.0, 2.0]))  # node 0
+    unused = s.leaf(np.array([5.0]))  # node 1: never reached
+    b = s.leaf(np.array([3.0, 4.0]))  # node 2
+    loss = T.sum(T.mul(T.mul(a, b), a))  # a used first and last: final only at node 0
+    seen: list[tuple[int, dict]] = []
+
+    def record(node):
+        return node, lambda found: seen.append((node, {k: v.copy() for k, v in found.items()}))
+
+    beyond = len(s) + 3
+    grads = s.backward(loss, on_final=[record(0), record(2), record(beyond), record(1)])
+    assert [node for node, _ in seen] == [beyond, 2, 1, 0]
+    assert seen[0][1] == {}  # nothing above the output was differentiated
+    at_b, at_a = seen[1][1], seen[3][1]
+    np.testing.assert_array_equal(at_b[b.id], grads[b])  # b's gradient is final at node 2
+    assert a.id not in at_b and unused.id not in seen[2][1]  # unreached: absent, not zeros
+    np.testing.assert_array_equal(at_a[a.id], grads[a])
+    np.testing.assert_array_equal(grads[a], 2 * a.numpy() * b.numpy())

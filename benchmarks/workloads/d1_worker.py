@@ -2,11 +2,12 @@
 
 It joins the gloo group from torchrun's variables, builds W1's model, data and AdamW
 (``tiegrad``: ``DataParallel``; ``torch``: ``DistributedDataParallel``) on its 16 of
-each batch's 32 samples and answers each line on stdin (``ready``, ``step``: a
-data-parallel step, ``local``: a step without communication) with its loss and the
-milliseconds of the step spent communicating: tiegrad's ``average`` (pack, all-reduce,
-scale; nothing overlaps it), DDP's all-reduces from the comm hook's call to the
-result (overlapped with backward, so not all of it lengthens the step).
+each batch's 32 samples and answers each line on stdin (``ready``; ``step``: a
+data-parallel step, all-reduces overlapped with backward on both sides; ``after``:
+tiegrad's step averaging after backward; ``local``: a step without communication)
+with its loss, the milliseconds from the step's first all-reduce launch to its last
+result (the same span on both sides; overlapped with backward, so not all of it
+lengthens the step) and the process's CPU milliseconds of the step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 
 from . import w1_tied_lm as w1
 
-WORLD = 2
 BATCH = w1.BATCH  # global
 
 
@@ -37,24 +37,45 @@ def _tiegrad_worker(rank: int) -> Any:
     parallel = dist.DataParallel(model, check_every=2**62)
     session = EagerSession()
     batches = _shards(data["batches"], rank)
+    first = _first_all_reduce()
     i = 0
 
-    def step(average: bool) -> tuple[float, float]:
+    def step(kind: str) -> tuple[float, float]:
         nonlocal i
         x, y = batches[i % len(batches)]
         i += 1
+        first.clear()
         loss = w1.TIEGRAD.loss(model, session, x, y)
-        grads = optimizer.canonical_gradients(session.backward(loss))
-        t0 = time.perf_counter()
-        if average:
-            grads = parallel.average(grads)
-        comm = time.perf_counter() - t0 if average else 0.0
+        if kind == "step":
+            grads = parallel.backward(session, loss, optimizer)
+        else:
+            grads = optimizer.canonical_gradients(session.backward(loss))
+            if kind == "after":
+                grads = parallel.average(grads)
+        comm = time.perf_counter() - first[0] if first else 0.0
         value = float(loss.item())
         session.reset()
         optimizer.step(grads)
         return value, comm * 1e3
 
     return step
+
+
+def _first_all_reduce() -> list[float]:
+    """A list that holds the time of the first ``torch.distributed.all_reduce`` call
+    since it was last cleared (the tiegrad side launches through that function)."""
+    import torch.distributed as dist
+
+    calls: list[float] = []
+    all_reduce = dist.all_reduce
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if not calls:
+            calls.append(time.perf_counter())
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = timed
+    return calls
 
 
 def _torch_worker(rank: int) -> Any:
@@ -73,14 +94,15 @@ def _torch_worker(rank: int) -> Any:
     model = w1.TORCH.model()
     load_torch(model, data["weights"])
     ddp = DistributedDataParallel(model)
-    spans: list[float] = []
+    first: list[float] = []
+    last = [0.0]
 
     def timed_allreduce(state, bucket):  # DDP checks the annotations: none or its own
-
-        t0 = time.perf_counter()
+        if not first:
+            first.append(time.perf_counter())
 
         def done(fut):
-            spans.append(time.perf_counter() - t0)
+            last[0] = time.perf_counter()
             return fut.value()
 
         return default_hooks.allreduce_hook(state, bucket).then(done)
@@ -90,30 +112,31 @@ def _torch_worker(rank: int) -> Any:
     batches = torch_batches(_shards(data["batches"], rank))
     i = 0
 
-    def step(average: bool) -> tuple[float, float]:
+    def step(kind: str) -> tuple[float, float]:
         nonlocal i
         x, y = batches[i % len(batches)]
         i += 1
+        first.clear()
         optimizer.zero_grad(set_to_none=True)
-        with contextlib.nullcontext() if average else ddp.no_sync():
+        with contextlib.nullcontext() if kind == "step" else ddp.no_sync():
             loss = w1.TORCH.loss(ddp, x, y)
             loss.backward()
+        comm = last[0] - first[0] if first else 0.0
         optimizer.step()
-        comm = sum(spans)
-        spans.clear()
         return float(loss.item()), comm * 1e3
 
     return step
 
 
 def _shards(batches: list[Any], rank: int) -> list[Any]:
-    part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    world = int(os.environ["WORLD_SIZE"])
+    part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     return [(x[part].copy(), y[part].copy()) for x, y in batches]
 
 
 def _serve(framework: str) -> None:
-    """Answer ``ready``, ``step`` and ``local`` on stdin with the loss and the
-    communication milliseconds, until ``quit``."""
+    """Answer ``ready``, ``step``, ``after`` and ``local`` on stdin with the loss, the
+    communication milliseconds and the CPU milliseconds, until ``quit``."""
     rank = int(os.environ["RANK"])
     step = (_tiegrad_worker if framework == "tiegrad" else _torch_worker)(rank)
     out = sys.stdout
@@ -121,8 +144,9 @@ def _serve(framework: str) -> None:
         command = line.strip()
         if command == "quit":
             break
-        loss, comm = (0.0, 0.0) if command == "ready" else step(command == "step")
-        out.write(f"{loss!r} {comm!r}\n")
+        cpu = time.process_time()
+        loss, comm = (0.0, 0.0) if command == "ready" else step(command)
+        out.write(f"{loss!r} {comm!r} {(time.process_time() - cpu) * 1e3!r}\n")
         out.flush()
 
 

@@ -212,7 +212,8 @@ def main(argv: Sequence[str] | None = None, precompiling: dict[str, Any] | None 
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        print("tiegrad: aborted", file=sys.stderr)
+        if _main_process():
+            print("tiegrad: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         precompile.stop(children)
@@ -333,10 +334,11 @@ def _resume(args: argparse.Namespace) -> int:
         )
     steps = args.steps if args.steps is not None else config.get("steps", reached)
     if steps <= reached:
-        print(
-            f"run {folder} is finished: it reached step {reached} of {steps}; extend it "
-            f"with 'tiegrad resume {_quote(folder)} --steps {2 * reached}' (a new total)"
-        )
+        if _main_process():
+            print(
+                f"run {folder} is finished: it reached step {reached} of {steps}; extend it "
+                f"with 'tiegrad resume {_quote(folder)} --steps {2 * reached}' (a new total)"
+            )
         return 0
     config = {**DEFAULTS, **config, "run": folder, "steps": steps}
     if args.progress is not None:

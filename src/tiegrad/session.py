@@ -17,7 +17,7 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -421,6 +421,7 @@ class EagerSession:
         retain: Iterable[TensorRef | int] | None = None,
         *,
         retain_graph: bool = False,
+        on_final: Sequence[tuple[int, Callable[[Mapping[int, Array]], None]]] = (),
     ) -> Gradients:
         """Sparse reverse sweep from ``out``; returns a read-only map id -> gradient.
 
@@ -436,6 +437,13 @@ class EagerSession:
         node are summed (a value used by two ops receives both cotangents). Each
         gradient has its node's dtype: a cotangent promoted by a mixed-dtype op (a float32
         parameter times a float64 array) is cast back, as PyTorch does.
+
+        ``on_final`` lists ``(node, callback)`` pairs: the sweep calls each callback
+        once, as soon as every node from ``node`` up has been differentiated, with the
+        gradients found so far; those of the retained nodes >= ``node`` are final (an
+        unreached one is absent until the sweep has ended: its gradient is zeros; the
+        callbacks of node 0 run then). Callbacks read, never write.
+        Data-parallel training reduces gradients during the sweep through it.
         """
         bk = self.backend
         oid = self.check(out)
@@ -462,7 +470,14 @@ class EagerSession:
         result: dict[int, Array] = {}
         cot: dict[int, Array] = {oid: seed} if rg[oid] or oid in keep else {}
         owned: set[int] = set()
+        hooks = sorted(on_final, key=lambda h: -h[0])
+        k = 0
+        due = hooks[0][0] if hooks else -1
         for i in range(oid, -1, -1):
+            while i < due:  # every node >= due is done
+                hooks[k][1](result)
+                k += 1
+                due = hooks[k][0] if k < len(hooks) else -1
             g = cot.pop(i, None)
             if g is None:
                 continue
@@ -491,6 +506,8 @@ class EagerSession:
             if i not in result and rg[i]:
                 shape, dtype = meta[i]
                 result[i] = bk.zeros(tuple(shape), dtype)
+        for _, callback in hooks[k:]:
+            callback(result)
         _hand_out(bk, result)
         grads = Gradients(
             self, result, dict(self._params), dict(self._storages), frozenset(self._grad_leaves)

@@ -160,7 +160,10 @@ def world_size() -> int:
 
 
 def is_main() -> bool:
-    """Whether this is rank 0, the process that prints, writes metrics and checkpoints."""
+    """Whether this is rank 0, the process that prints, writes metrics and checkpoints:
+    of the group, or before ``init`` of the launch (torchrun's ``RANK``), else true."""
+    if _group is None and in_launcher_environment():
+        return os.environ["RANK"].strip() == "0"
     return rank() == 0
 
 

@@ -4,8 +4,10 @@ Wrapping checks that every rank holds the same slot layout (paths, shapes, dtype
 trainability, ties: the checkpoint schema's ``SlotRecord``, C5, C9) and shows both
 layouts when one differs; ``start`` broadcasts every storage from rank 0 and checks
 that the ranks agree on the trainer's position and data generator, so all ranks draw
-the same global batches. Each step, ``average`` replaces the canonical gradients by
-their mean over the ranks (``GradientBuckets``) and ``end_step`` averages the loss,
+the same global batches. Each step, ``backward`` (or ``average`` after a plain
+backward) gives the canonical gradients' mean over the ranks (``GradientBuckets``;
+with ``overlap`` each bucket's all-reduce starts during the backward sweep, equal bit
+for bit to averaging afterwards) and ``end_step`` averages the loss,
 sums the items and stops every rank when any was signalled; every
 ``check_every`` steps a checksum of every storage (Adler-32 of its bytes) is compared
 across ranks, and a mismatch is a ``DistributedError`` naming the first rank and slot
@@ -28,6 +30,7 @@ from .buckets import DEFAULT_BUCKET_MB, GradientBuckets
 from .group import collective, group, is_initialized, report_failure
 
 DEFAULT_CHECK_EVERY = 100
+DEFAULT_OVERLAP = True
 
 
 def _positive(what: str, value: Any) -> Any:
@@ -39,9 +42,11 @@ def _positive(what: str, value: Any) -> Any:
 class DataParallel:
     """Data-parallel training of ``model`` (a module or ``ParamList``) over the group.
 
-    ``bucket_mb`` is the bucket size (about 25 MB, like DDP); ``check_every`` the
-    steps between parameter checksums. Construction is a collective: every rank must
-    wrap the same layout, else each raises a ``DistributedError`` with both layouts.
+    ``bucket_mb`` is the bucket size (about 25 MB, like DDP; the first bucket at most
+    1 MB); ``check_every`` the steps between parameter checksums; ``overlap`` whether
+    ``backward`` starts each bucket's all-reduce during the sweep. Construction is a
+    collective: every rank must wrap the same layout, else each raises a
+    ``DistributedError`` with both layouts.
     """
 
     def __init__(
@@ -50,8 +55,11 @@ class DataParallel:
         *,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         check_every: int = DEFAULT_CHECK_EVERY,
+        overlap: bool = DEFAULT_OVERLAP,
     ) -> None:
         _positive("bucket_mb", bucket_mb)
+        if not isinstance(overlap, bool):
+            raise DistributedError(f"DataParallel: overlap must be True or False, got {overlap!r}")
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
             raise DistributedError(
                 f"DataParallel: check_every must be an integer >= 1, got {check_every!r}"
@@ -62,6 +70,7 @@ class DataParallel:
         self._check_layouts()
         self.buckets = GradientBuckets(self.plist, int(bucket_mb * 2**20))
         self.check_every = check_every
+        self.overlap = overlap
         self._storages = list(
             {id(p.storage): (i, p.storage) for i, p in enumerate(self.plist)}.values()
         )
@@ -144,7 +153,22 @@ class DataParallel:
     # -- each step -----------------------------------------------------------------------
     def average(self, gradients: list[Any]) -> list[Any]:
         """The canonical gradients averaged over the ranks (see ``GradientBuckets``)."""
-        return self.buckets.average(gradients, self.world_size, self.group.backend == "nccl")
+        return self.buckets.average(gradients, self.world_size, self._on_gpu)
+
+    def backward(self, session: Any, loss: Any, optimizer: Any) -> list[Any]:
+        """The averaged canonical gradients of ``loss``: bit for bit
+        ``average(optimizer.canonical_gradients(session.backward(loss)))``, which is what
+        runs without ``overlap``. With it, each bucket is packed and its all-reduce
+        launched during the sweep; the gradients are validated as ``optimizer`` does."""
+        if not self.overlap:
+            return self.average(optimizer.canonical_gradients(session.backward(loss)))
+        hooks = self.buckets.overlap_hooks(session, self.world_size, self._on_gpu)
+        optimizer.canonical_gradients(session.backward(loss, on_final=hooks))
+        return self.buckets.finish(self._on_gpu)
+
+    @property
+    def _on_gpu(self) -> bool:
+        return self.group.backend == "nccl"
 
     def end_step(
         self, step: int, loss: float, items: int, signum: int | None

@@ -146,15 +146,14 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class _Interrupt:
     """SIGINT and SIGTERM during ``fit``: the first sets a flag (the loop finishes its step
     and checkpoints), a second aborts (``KeyboardInterrupt``). The handlers are installed
-    only for the duration of ``fit`` and only on the main thread."""
+    only for the duration of ``fit`` and only on the main thread. ``announce``: whether
+    the first says so on stderr (rank 0 alone in a data-parallel run: torchrun passes
+    the signal to every rank)."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
+        self.announce = announce
         self.signal: int | None = None
         self._previous: dict[int, Any] = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
 
     def __enter__(self) -> _Interrupt:
         if threading.current_thread() is threading.main_thread():
@@ -166,8 +165,11 @@ class _Interrupt:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
-        name = signal.Signals(signum).name
-        print(f"\n{name}: finishing the current step, then saving a checkpoint", file=sys.stderr)
+        if self.announce:
+            name = signal.Signals(signum).name
+            print(
+                f"\n{name}: finishing the current step, then saving a checkpoint", file=sys.stderr
+            )
 
     def __exit__(self, *exc: Any) -> None:
         for sig, previous in self._previous.items():
@@ -357,7 +359,9 @@ class Trainer:
 
         Each of the ``grad_accum`` batches is recorded on a fresh tape and its
         gradients are summed per canonical slot (``optimizer.canonical_gradients``:
-        the uses of one storage summed, C4), so only one tape is alive at a time.
+        the uses of one storage summed, C4), so only one tape is alive at a time. Data
+        parallel: one batch is averaged over the ranks by ``DataParallel.backward``
+        (during the sweep), several after the last one.
         """
         s = self.session
         total = 0.0
@@ -372,9 +376,12 @@ class Trainer:
             total += float(loss.item())
             if self.grad_accum > 1:
                 loss = loss * scale
+            elif self.parallel is not None:
+                grads = self.parallel.backward(s, loss, self.optimizer)
+                continue
             new = self.optimizer.canonical_gradients(s.backward(loss))
             grads = new if grads is None else _accumulate(grads, new, k == 1)
-        if self.parallel is not None:
+        if self.parallel is not None and self.grad_accum > 1:
             grads = self.parallel.average(grads)
         norm = None
         if self.clip_norm is not None:
@@ -571,16 +578,20 @@ class Trainer:
         last_saved = self.resumed_from
         rate: float | None = None
         self._set_mode(True)
+        stop_signal: int | None = None
         try:
             for cb in self._active:
                 cb.on_train_begin(self)
-            with _Interrupt() as interrupt:
+            with _Interrupt(self.main) as interrupt:
                 while self.step < self.max_steps:
                     lr = self.current_lr()
                     started = time.perf_counter()
                     train_loss, norm, items = self.train_step()
+                    stop_signal = interrupt.signal
                     if self.parallel is not None:
-                        train_loss, items, interrupt.signal = self.parallel.end_step(
+                        # every rank stops on the signal agreed here, never on its own
+                        # flag: a signal that arrives later is agreed on at the next step
+                        train_loss, items, stop_signal = self.parallel.end_step(
                             self.step, train_loss, items, interrupt.signal
                         )
                     step_rate = items / max(time.perf_counter() - started, 1e-9)
@@ -610,7 +621,7 @@ class Trainer:
                             f"{self.patience} evaluations"
                         )
                         break
-                    if interrupt.requested:
+                    if stop_signal is not None:
                         status = "interrupted"
                         break
                 if (
@@ -627,7 +638,7 @@ class Trainer:
             for cb in self._active:
                 if isinstance(cb, FileCallback):
                     cb.close()
-        result = self._finish(status, last, first_step, interrupt.signal)
+        result = self._finish(status, last, first_step, stop_signal)
         for cb in self._active:
             cb.on_train_end(self, result)
         self._active = ()
