@@ -235,38 +235,38 @@ class TorchBackend(Backend):
 
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
-    ) -> tuple[Array, Array, Array] | None:
+    ) -> tuple[Array, Any, Array] | None:
+        """torch's fused layer norm; in place of ``xhat`` the input rows and their means,
+        from which ``layer_norm_backward_rows`` runs torch's fused backward (no ``xhat``
+        pass in the forward, as PyTorch's own autograd keeps them)."""
         if x.dtype not in _LAYER_NORM_DTYPES or any(
             p is not None and p.dtype != x.dtype for p in (w, b)
         ):
             return None  # one float32/float64 dtype; the generic path promotes the others
         out, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], w, b, eps)
-        xhat = out if w is None and b is None else (x - mean).mul_(rstd)
-        return out, xhat, rstd
+        return out, (x, mean), rstd
 
     def layer_norm_backward_rows(
-        self, g: Array, w: Array | None, xhat: Array, rstd: Array, wants: tuple[bool, bool, bool]
+        self, g: Array, w: Array | None, saved: Any, rstd: Array, wants: tuple[bool, bool, bool]
     ) -> tuple[Array | None, Array | None, Array | None] | None:
-        if (
-            g.dtype not in _LAYER_NORM_DTYPES
-            or g.dtype != xhat.dtype
-            or (w is not None and w.dtype != g.dtype)
-        ):
-            return None  # half precision: CUDA's kernel wants float32 statistics
-        # torch's fused backward applied to the normalized rows themselves (mean 0,
-        # rstd 1) gives gh - mean(gh) - xhat * mean(gh * xhat), which the true rstd
-        # scales, and the column sums of g * xhat and of g: one kernel for all three.
-        # It wants a weight and a bias (the bias's values are not used).
-        rows, d = xhat.shape
-        mean, unit = self._unit_statistics(rows, 1, xhat.dtype)
-        zeros, ones = self._unit_statistics(d, None, xhat.dtype)
+        """torch's fused backward from the rows and means ``layer_norm_rows`` kept: every
+        wanted cotangent (a wider cotangent runs it in the promoted dtype, as the
+        generic formula would compute). None after the generic forward (its ``xhat``)."""
+        if not isinstance(saved, tuple):
+            return None
+        x, mean = saved
+        dtype = torch.promote_types(g.dtype, x.dtype)
+        if g.dtype != dtype:
+            g = g.to(dtype)
+        if x.dtype != dtype:
+            x, mean, rstd = x.to(dtype), mean.to(dtype), rstd.to(dtype)
+            w = None if w is None else w.to(dtype)
+        d = x.shape[-1]
+        zeros, ones = self._unit_statistics(d, None, dtype)
         mask = [wants[0], wants[1] and w is not None, wants[2]]
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            g, xhat, [d], mean, unit, ones if w is None else w, zeros, mask
+        return torch.ops.aten.native_layer_norm_backward(
+            g, x, [d], mean, rstd, ones if w is None else w, zeros, mask
         )
-        if gx is not None:
-            gx.mul_(rstd)
-        return gx, gw, gb
 
     def _unit_statistics(self, n: int, cols: int | None, dtype: torch.dtype) -> tuple[Array, Array]:
         """Zeros and ones of shape (n, cols) or (n,), made once per shape and kept (read only)."""
