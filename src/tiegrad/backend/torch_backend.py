@@ -46,6 +46,8 @@ def torch_device_of(device: str) -> torch.device:
 
 
 _TORCH_DTYPES: dict[Any, torch.dtype] = {}
+_NO_REDUCTION = 0  # torch's reduction enum: "none"
+_NLL_BACKWARD = torch.ops.aten.nll_loss_backward.default  # the overload, resolved once
 _LAYER_NORM_DTYPES = (torch.float32, torch.float64)  # of the fused layer norm kernels
 
 
@@ -287,18 +289,19 @@ class TorchBackend(Backend):
         (what ``F.cross_entropy`` runs), without smoothing and in float32 or float64."""
         if label_smoothing or logits.dtype not in _LAYER_NORM_DTYPES:
             return None  # the generic path
-        targets = targets.to(torch.int64)
+        if targets.dtype != torch.int64:
+            targets = targets.to(torch.int64)
         logp = torch.log_softmax(logits, -1)
-        loss = F.nll_loss(logp, targets, reduction="none", ignore_index=ignore_index)
+        loss = torch._C._nn.nll_loss(logp, targets, None, _NO_REDUCTION, ignore_index)
         if not want:
             return loss, None
-        aten = torch.ops.aten
         total = self._unit_statistics(1, None, logits.dtype)[1][0]  # unused with no reduction
 
         def vjp(g: Array) -> Array:
-            g = g.to(logp.dtype)  # a wider cotangent: the kernels take one dtype
-            glogp = aten.nll_loss_backward(g, logp, targets, None, 0, ignore_index, total)
-            return aten._log_softmax_backward_data(glogp, logp, -1, logp.dtype)
+            if g.dtype != logp.dtype:  # a wider cotangent: the kernels take one dtype
+                g = g.to(logp.dtype)
+            glogp = _NLL_BACKWARD(g, logp, targets, None, _NO_REDUCTION, ignore_index, total)
+            return torch._log_softmax_backward_data(glogp, logp, -1, logp.dtype)
 
         return loss, vjp
 
