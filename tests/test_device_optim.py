@@ -371,3 +371,26 @@ def test_a_run_of_two_dtypes_takes_the_foreach_rule_and_follows_the_host():  # C
         results.append(pl.values_synced())
     for d, h in zip(*results):
         assert_close_ulps(d, h, OPTIMIZER_ULPS)
+
+
+@pytest.mark.parametrize("config", ["sgd-momentum", "adamw"])
+def test_strided_device_gradients_and_mirrors_step_like_the_host(config):  # C3, C7
+    """A strided gradient of a contiguous mirror, and a contiguous one of a strided mirror."""
+    cls, kw = CONFIGS[config]
+    base = np.arange(12, dtype=np.float32).reshape(4, 3)
+    results = []
+    for device in (False, True):
+        pl = ParamList([Param(base.T.copy()), Param(base.T + 1.0)])
+        if device:  # the second parameter's mirror is a transpose
+            pl[1].set_device_value(BK.asarray(base + 1.0).T)
+            assert not pl[1].storage.mirror.is_contiguous()
+        opt = cls(pl, **kw)
+        for k in range(3):
+            g = np.sin(base * (k + 1)).astype(np.float32)  # mixed signs and sizes
+            if device:
+                opt.step([BK.asarray(g).T, BK.asarray(g.T.copy())])
+                continue
+            opt.step([g.T.copy(), g.T.copy()])
+        results.append(pl.values_synced())
+    for d, h in zip(*results):
+        assert_close_ulps(d, h, OPTIMIZER_ULPS)

@@ -230,7 +230,6 @@ def _update(
     bk, ops = ds.backend, ds.ops
     storages = [opt.params[i].storage for i in run]
     params = [st.device_for_update(bk) for st in storages]
-    grads = list(grads)
     for k, (p, gk) in enumerate(zip(params, grads)):
         if p.untyped_storage().data_ptr() == gk.untyped_storage().data_ptr():
             grads[k] = gk.clone()

@@ -122,18 +122,28 @@ class ForeachOps:
         return self._apply("mul", out, a, a)
 
 
-def _fusable(xp: Any, name: str, params: Sequence[Any]) -> Any:
-    """torch's fused kernel ``name`` when it takes a run of ``params``: one float32 or
-    float64 dtype on a CPU or CUDA device; else None (the rule runs through foreach).
+def _fusable(xp: Any, name: str, params: Sequence[Any], grads: list[Any]) -> Any:
+    """torch's fused kernel ``name`` when it takes a run of ``params``: contiguous tensors of
+    one float32 or float64 dtype on a CPU or CUDA device; else None (the rule runs
+    through foreach).
 
-    The run's gradients and state were checked to have their parameter's dtype and device.
+    The kernels read every tensor as contiguous memory (torch's CPU kernels do not check),
+    so a strided gradient in ``grads`` is replaced by a contiguous copy (the caller's
+    tensor is only read). The run's gradients and state were checked to have their
+    parameter's dtype and device; the state tensors are contiguous (``DeviceState``).
     """
     kernel = getattr(xp, name, None)
     first = params[0]
     if kernel is None or first.device.type not in FUSED_DEVICES:
         return None
-    dtypes = {p.dtype for p in params}
-    return kernel if len(dtypes) == 1 and first.dtype in (xp.float32, xp.float64) else None
+    if first.dtype not in (xp.float32, xp.float64) or len({p.dtype for p in params}) != 1:
+        return None
+    if not all(p.is_contiguous() for p in params):
+        return None
+    for k, g in enumerate(grads):
+        if not g.is_contiguous():
+            grads[k] = g.contiguous()
+    return kernel
 
 
 def fused_sgd(
@@ -147,10 +157,11 @@ def fused_sgd(
 ) -> bool:
     """``sgd_rule`` over a run as ``torch._fused_sgd_``; False where it does not apply.
 
-    The gradients are only read; ``fresh`` holds ``momentum_buffer`` on the buffer's
-    first step (torch's ``is_first_step``: the buffer becomes the gradient).
+    The gradients are only read (``grads`` may get contiguous copies); ``fresh`` holds
+    ``momentum_buffer`` on the buffer's first step (torch's ``is_first_step``: the
+    buffer becomes the gradient).
     """
-    kernel = _fusable(xp, "_fused_sgd_", params)
+    kernel = _fusable(xp, "_fused_sgd_", params, grads)
     if kernel is None:
         return False
     kernel(
@@ -186,7 +197,7 @@ def fused_adam(decoupled: bool) -> Any:
         step: int,
         fresh: frozenset[str],
     ) -> bool:
-        fused = _fusable(xp, name, params)
+        fused = _fusable(xp, name, params, grads)
         if fused is None:
             return False
         steps = xp.full((), float(step), dtype=xp.float32, device=params[0].device)
