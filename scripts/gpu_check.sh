@@ -1,28 +1,40 @@
 #!/usr/bin/env bash
-# GPU check of the device backend (issue 8), for a machine with CUDA and PyTorch:
+# GPU check of the device backend (issues 8 and 21), for a machine with CUDA and PyTorch:
 #   1. the device tests (tests/test_device_*.py) with TIEGRAD_TEST_DEVICE=cuda, so every
-#      op, the mirror protocol (C7), group gradients (C8), the device optimizers and
-#      the TiedLM training check run on the GPU instead of torch's CPU;
-#   2. the W1 tied-LM benchmark on the GPU: tiegrad on EagerSession(device="cuda")
-#      against PyTorch eager on the same GPU, alternating steps.
+#      op, the mirror protocol (C7), group gradients (C8), the device optimizers (torch's
+#      fused kernels), the synchronisation counts and the TiedLM training check run on
+#      the GPU instead of torch's CPU;
+#   2. W1 tied-LM and W2 small-MLP on the GPU: tiegrad on EagerSession(device="cuda")
+#      against PyTorch eager on the same GPU, alternating steps (benchmarks.device_w1).
 # tiegrad is used from this checkout (src/ on PYTHONPATH), so nothing is installed.
-# Usage: bash scripts/gpu_check.sh [STEPS]      (STEPS of the benchmark, default 30)
+# With OUT set to a folder, the figures are also written there as JSON (gpu_W1.json, ...).
+# Each part has a time limit; the whole check takes a few minutes on one GPU.
+# Usage: bash scripts/gpu_check.sh [W1_STEPS] [W2_STEPS]     (defaults 30 and 200)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-STEPS="${1:-30}"
+DEVICE="${TIEGRAD_GPU_DEVICE:-cuda}"
+W1_STEPS="${1:-30}"
+W2_STEPS="${2:-200}"
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-"$PY" - <<'PY'
+if [ "$DEVICE" = cuda ]; then
+  "$PY" - <<'PY'
 import torch
 assert torch.cuda.is_available(), "CUDA is not available to this PyTorch"
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
 PY
+fi
 
-echo "== device tests on cuda"
-TIEGRAD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_device_*.py
+echo "== device tests on $DEVICE"
+TIEGRAD_TEST_DEVICE="$DEVICE" timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_*.py
 
-echo "== W1 tied-LM on cuda"
-"$PY" -m benchmarks.device_w1 --device cuda --steps "$STEPS"
+for spec in "W1 $W1_STEPS" "W2 $W2_STEPS"; do
+  set -- $spec
+  echo "== $1 on $DEVICE"
+  json=()
+  [ -n "${OUT:-}" ] && json=(--json "$OUT/gpu_$1.json")
+  timeout 90 "$PY" -m benchmarks.device_w1 --workload "$1" --device "$DEVICE" --steps "$2" "${json[@]}"
+done

@@ -282,6 +282,22 @@ def test_layer_norm_of_mixed_dtypes_on_device_promotes_like_numpy():
         np.testing.assert_allclose(dev, host, rtol=1e-5, atol=1e-6)
 
 
+def test_layer_norm_on_device_takes_a_wider_cotangent_like_the_host():
+    x, w, b = (
+        _r(*shape, seed=k).astype(np.float32) for k, shape in enumerate([(4, 6), (6,), (6,)])
+    )
+    weight = _r(4, 6, seed=3)  # float64: the layer norm's cotangent is float64
+    outs = []
+    for device in (None, DEVICE):
+        s = EagerSession(device=device)
+        refs = [s.leaf(a) for a in (x, w, b)]
+        grads = s.backward(ops.sum(ops.layer_norm(*refs) * weight))
+        outs.append([grads[r].cpu().numpy() if device else grads[r] for r in refs])
+    for host, dev in zip(*outs):
+        assert host.dtype == dev.dtype == np.float32
+        np.testing.assert_allclose(dev, host, rtol=1e-5, atol=1e-6)
+
+
 def test_gelu_on_device_takes_a_wider_cotangent_like_the_host():
     outs = []
     for device in (None, DEVICE):

@@ -21,6 +21,7 @@ from tiegrad.backend import device_backend
 from tiegrad.optim import SGD, Adagrad, Adam, AdamW, RMSprop
 
 torch = pytest.importorskip("torch")
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 DEVICE = os.environ.get("TIEGRAD_TEST_DEVICE", "torch:cpu")
 BK = device_backend(DEVICE)
@@ -320,3 +321,76 @@ def test_device_step_reads_a_gradient_that_is_its_parameters_mirror_before_writi
     p.to(DEVICE)
     opt.step([p.storage.mirror])  # AdamW decays p before it reads g
     np.testing.assert_allclose(p.value_synced(), want.value, rtol=1e-6)
+
+
+class _TorchCalls(TorchFunctionMode):
+    """The names of the torch functions called inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", ""))
+        return func(*args, **(kwargs or {}))
+
+
+FUSED = {"sgd-momentum": "_fused_sgd_", "sgd-nesterov": "_fused_sgd_", "adam": "_fused_adam_"}
+FUSED |= {"adam-amsgrad": "_fused_adam_", "adamw": "_fused_adamw_"}
+
+
+@pytest.mark.parametrize("config", sorted(FUSED))
+def test_device_step_is_one_fused_kernel_that_leaves_the_gradients_alone(config):  # C4, C6
+    cls, kw = CONFIGS[config]
+    pl = _plist()
+    opt = cls(pl, **kw)
+    slots = pl.canonical_slot_indices()
+    for k in range(2):  # the first step (new state) and a later one
+        grads = _dev(pl.canonical_gradients(slots, _grads(k)))
+        before = [None if g is None else g.clone() for g in grads]
+        with _TorchCalls() as calls:
+            opt.step(grads)
+        assert calls.names.count(FUSED[config]) == 1
+        assert [n for n in calls.names if n.startswith("_foreach_")] == ["_foreach_norm"]
+        for g, b in zip(grads, before):
+            assert (g is None) == (b is None) and (g is None or torch.equal(g, b))
+
+
+def test_a_run_of_two_dtypes_takes_the_foreach_rule_and_follows_the_host():  # C3
+    values = [np.arange(3, dtype=np.float32), np.ones(2, np.float64)]
+    grads = [np.full(3, 0.5, np.float32), np.full(2, -0.25, np.float64)]
+    results = []
+    for device in (False, True):
+        pl = ParamList([Param(v.copy()) for v in values])
+        opt = SGD(pl, lr=0.1, momentum=0.9)
+        with _TorchCalls() as calls:
+            for _ in range(3):
+                opt.step(_dev(grads) if device else [g.copy() for g in grads])
+        if device:
+            assert "_fused_sgd_" not in calls.names and "_foreach_add_" in calls.names
+        results.append(pl.values_synced())
+    for d, h in zip(*results):
+        assert_close_ulps(d, h, OPTIMIZER_ULPS)
+
+
+@pytest.mark.parametrize("config", ["sgd-momentum", "adamw"])
+def test_strided_device_gradients_and_mirrors_step_like_the_host(config):  # C3, C7
+    """A strided gradient of a contiguous mirror, and a contiguous one of a strided mirror."""
+    cls, kw = CONFIGS[config]
+    base = np.arange(12, dtype=np.float32).reshape(4, 3)
+    results = []
+    for device in (False, True):
+        pl = ParamList([Param(base.T.copy()), Param(base.T + 1.0)])
+        if device:  # the second parameter's mirror is a transpose
+            pl[1].set_device_value(BK.asarray(base + 1.0).T)
+            assert not pl[1].storage.mirror.is_contiguous()
+        opt = cls(pl, **kw)
+        for k in range(3):
+            g = np.sin(base * (k + 1)).astype(np.float32)  # mixed signs and sizes
+            if device:
+                opt.step([BK.asarray(g).T, BK.asarray(g.T.copy())])
+                continue
+            opt.step([g.T.copy(), g.T.copy()])
+        results.append(pl.values_synced())
+    for d, h in zip(*results):
+        assert_close_ulps(d, h, OPTIMIZER_ULPS)

@@ -188,7 +188,9 @@ class Backend:
         """``layer_norm`` of the rows of 2-D ``x``: ``(out, xhat, rstd)``, or None.
 
         ``xhat = (x - mean) * rstd``, ``rstd = 1 / sqrt(var + eps)`` of shape (rows, 1),
-        ``out = xhat * w + b`` (``w``, ``b`` may be None).
+        ``out = xhat * w + b`` (``w``, ``b`` may be None). A backend whose
+        ``layer_norm_backward_rows`` computes every wanted cotangent may return, in place
+        of ``xhat``, whatever that backward needs (torch: the rows and their means).
         """
         return None
 

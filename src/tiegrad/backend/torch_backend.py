@@ -46,6 +46,8 @@ def torch_device_of(device: str) -> torch.device:
 
 
 _TORCH_DTYPES: dict[Any, torch.dtype] = {}
+_NO_REDUCTION = 0  # torch's reduction enum: "none"
+_NLL_BACKWARD = torch.ops.aten.nll_loss_backward.default  # the overload, resolved once
 _LAYER_NORM_DTYPES = (torch.float32, torch.float64)  # of the fused layer norm kernels
 
 
@@ -235,38 +237,38 @@ class TorchBackend(Backend):
 
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
-    ) -> tuple[Array, Array, Array] | None:
+    ) -> tuple[Array, Any, Array] | None:
+        """torch's fused layer norm; in place of ``xhat`` the input rows and their means,
+        from which ``layer_norm_backward_rows`` runs torch's fused backward (no ``xhat``
+        pass in the forward, as PyTorch's own autograd keeps them)."""
         if x.dtype not in _LAYER_NORM_DTYPES or any(
             p is not None and p.dtype != x.dtype for p in (w, b)
         ):
             return None  # one float32/float64 dtype; the generic path promotes the others
         out, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], w, b, eps)
-        xhat = out if w is None and b is None else (x - mean).mul_(rstd)
-        return out, xhat, rstd
+        return out, (x, mean), rstd
 
     def layer_norm_backward_rows(
-        self, g: Array, w: Array | None, xhat: Array, rstd: Array, wants: tuple[bool, bool, bool]
+        self, g: Array, w: Array | None, saved: Any, rstd: Array, wants: tuple[bool, bool, bool]
     ) -> tuple[Array | None, Array | None, Array | None] | None:
-        if (
-            g.dtype not in _LAYER_NORM_DTYPES
-            or g.dtype != xhat.dtype
-            or (w is not None and w.dtype != g.dtype)
-        ):
-            return None  # half precision: CUDA's kernel wants float32 statistics
-        # torch's fused backward applied to the normalized rows themselves (mean 0,
-        # rstd 1) gives gh - mean(gh) - xhat * mean(gh * xhat), which the true rstd
-        # scales, and the column sums of g * xhat and of g: one kernel for all three.
-        # It wants a weight and a bias (the bias's values are not used).
-        rows, d = xhat.shape
-        mean, unit = self._unit_statistics(rows, 1, xhat.dtype)
-        zeros, ones = self._unit_statistics(d, None, xhat.dtype)
+        """torch's fused backward from the rows and means ``layer_norm_rows`` kept: every
+        wanted cotangent (a wider cotangent runs it in the promoted dtype, as the
+        generic formula would compute). None after the generic forward (its ``xhat``)."""
+        if not isinstance(saved, tuple):
+            return None
+        x, mean = saved
+        dtype = torch.promote_types(g.dtype, x.dtype)
+        if g.dtype != dtype:
+            g = g.to(dtype)
+        if x.dtype != dtype:
+            x, mean, rstd = x.to(dtype), mean.to(dtype), rstd.to(dtype)
+            w = None if w is None else w.to(dtype)
+        d = x.shape[-1]
+        zeros, ones = self._unit_statistics(d, None, dtype)
         mask = [wants[0], wants[1] and w is not None, wants[2]]
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            g, xhat, [d], mean, unit, ones if w is None else w, zeros, mask
+        return torch.ops.aten.native_layer_norm_backward(
+            g, x, [d], mean, rstd, ones if w is None else w, zeros, mask
         )
-        if gx is not None:
-            gx.mul_(rstd)
-        return gx, gw, gb
 
     def _unit_statistics(self, n: int, cols: int | None, dtype: torch.dtype) -> tuple[Array, Array]:
         """Zeros and ones of shape (n, cols) or (n,), made once per shape and kept (read only)."""
@@ -287,18 +289,19 @@ class TorchBackend(Backend):
         (what ``F.cross_entropy`` runs), without smoothing and in float32 or float64."""
         if label_smoothing or logits.dtype not in _LAYER_NORM_DTYPES:
             return None  # the generic path
-        targets = targets.to(torch.int64)
+        if targets.dtype != torch.int64:
+            targets = targets.to(torch.int64)
         logp = torch.log_softmax(logits, -1)
-        loss = F.nll_loss(logp, targets, reduction="none", ignore_index=ignore_index)
+        loss = torch._C._nn.nll_loss(logp, targets, None, _NO_REDUCTION, ignore_index)
         if not want:
             return loss, None
-        aten = torch.ops.aten
         total = self._unit_statistics(1, None, logits.dtype)[1][0]  # unused with no reduction
 
         def vjp(g: Array) -> Array:
-            g = g.to(logp.dtype)  # a wider cotangent: the kernels take one dtype
-            glogp = aten.nll_loss_backward(g, logp, targets, None, 0, ignore_index, total)
-            return aten._log_softmax_backward_data(glogp, logp, -1, logp.dtype)
+            if g.dtype != logp.dtype:  # a wider cotangent: the kernels take one dtype
+                g = g.to(logp.dtype)
+            glogp = _NLL_BACKWARD(g, logp, targets, None, _NO_REDUCTION, ignore_index, total)
+            return torch._log_softmax_backward_data(glogp, logp, -1, logp.dtype)
 
         return loss, vjp
 

@@ -43,7 +43,8 @@ def _affine(op: str, x: Any, weight: Any, bias: Any, out_in: bool) -> TensorRef:
         )
     n_out, n_in = ws if out_in else ws[::-1]
     refs, bv = affine_operands(s, op, x, xv, weight, wv, bias, n_out)
-    x2 = bk.reshape(xv, (-1, n_in))
+    flat = len(xs) == 2  # 2-D input: no reshapes around the products
+    x2 = xv if flat else bk.reshape(xv, (-1, n_in))
     wt = bk.transpose(wv, (1, 0))
     out2 = bk.matmul(x2, wt if out_in else wv)
     if bias is not None:
@@ -51,13 +52,16 @@ def _affine(op: str, x: Any, weight: Any, bias: Any, out_in: bool) -> TensorRef:
             out2 = bk.add_(out2, bv)
         else:
             out2 = out2 + bv  # keep NumPy's type promotion
-    out = bk.reshape(out2, xs[:-1] + (n_out,))
+    out = out2 if flat else bk.reshape(out2, xs[:-1] + (n_out,))
     want_x, want_w = needs_grad(s, refs[0]), needs_grad(s, refs[1])
     want_b = bias is not None and needs_grad(s, refs[2])
 
     def vjp(g):
-        g2 = bk.reshape(g, (-1, n_out))
-        gx = bk.reshape(bk.matmul(g2, wv if out_in else wt), xs) if want_x else None
+        g2 = g if flat else bk.reshape(g, (-1, n_out))
+        gx = None
+        if want_x:
+            gx = bk.matmul(g2, wv if out_in else wt)
+            gx = gx if flat else bk.reshape(gx, xs)
         gw = None
         if want_w:
             gt = bk.transpose(g2, (1, 0))

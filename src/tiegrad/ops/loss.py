@@ -54,11 +54,14 @@ def cross_entropy(
             f"{shape} (expected targets of shape logits.shape[:-1])"
         )
     c = shape[-1]
-    valid = t != ignore_index
-    t_safe = bk.where(valid, t, 0)
     host_safe, host_count = host_targets(targets, ignore_index)
     extra = f" or equal {ignore_index=}"
-    check_index_range(s, "cross_entropy", "targets", t_safe, c, extra, host=host_safe)
+    valid = t_safe = None  # on the device only where the targets are not a host array
+    if host_safe is None:
+        valid = t != ignore_index
+        t_safe = bk.where(valid, t, 0)
+    checked = t if t_safe is None else t_safe
+    check_index_range(s, "cross_entropy", "targets", checked, c, extra, host=host_safe)
     want = needs_grad(s, logits)
     rows = math.prod(shape[:-1])
     fused = bk.cross_entropy_rows(
@@ -66,6 +69,9 @@ def cross_entropy(
     )
     if fused is not None:
         return _fused_cross_entropy(s, logits, fused, valid, host_count, reduction)
+    if valid is None:
+        valid = t != ignore_index
+        t_safe = bk.where(valid, t, 0)
     shifted, probs, den = shifted_exp(bk, lv)
     log_den = bk.reshape(bk.log(den), shape[:-1])
     tgt = bk.expand_dims(t_safe, -1)

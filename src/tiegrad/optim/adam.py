@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from .foreach import fused_adam
 from .fused import FusedRule
 from .hyperparams import at_least_zero, betas, flag, learning_rate, positive
 from .optimizer import Optimizer, ParamsArg, l2_gradient
@@ -91,6 +92,7 @@ class Adam(Optimizer):
     work_buffers = 3
     rule = staticmethod(adam_rule)
     fused_rule = FusedRule("adam", ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+    device_kernel = staticmethod(fused_adam(decoupled=False))  # torch's (optim.device)
     decoupled = False
 
     def __init__(
@@ -144,6 +146,7 @@ class AdamW(Adam):
     """``torch.optim.AdamW``: Adam with decoupled weight decay (default 1e-2)."""
 
     kind = "AdamW"
+    device_kernel = staticmethod(fused_adam(decoupled=True))
     decoupled = True
 
     def __init__(

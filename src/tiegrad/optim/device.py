@@ -12,13 +12,16 @@ the host path's contract and arithmetic:
   host becomes stale until a sync (C7).
 - The summed gradient of a storage used several times is an owned temporary,
   released whether the step succeeds or raises (C8).
-- The optimizer's own rule (``adam_rule``, ``sgd_rule``...) runs once per run of slots
-  sharing hyperparameters and step count, with ``xp`` the ``ForeachOps`` of
-  ``tiegrad.optim.foreach``: each operation is one PyTorch ``foreach`` call over the
-  run's parameters, gradients and state (DESIGN: optimizers), nothing gathered or
-  scattered. The operations are the host's, each correctly rounded, so a device step
-  computes the host's update; torch's fused optimizer kernels are not used, since they
-  fold the bias corrections differently (another rounding, not the same update).
+- One update per run of slots sharing hyperparameters and step count. An optimizer
+  class with a ``device_kernel`` (``SGD``, ``Adam``, ``AdamW``: torch's fused kernels,
+  ``tiegrad.optim.foreach``) runs it: one call updates every parameter and its state,
+  one pass each, within ``OPTIMIZER_ULPS`` of the host's update (other roundings).
+  Otherwise, or where the kernel does not take the run (its dtypes, its device), the
+  optimizer's own rule (``adam_rule``, ``sgd_rule``...) runs with ``xp`` the
+  ``ForeachOps`` of ``tiegrad.optim.foreach``: each operation is one PyTorch
+  ``foreach`` call over the run's parameters, gradients and state (DESIGN:
+  optimizers), nothing gathered or scattered, each the host's correctly rounded
+  operation. A subclass that replaces ``rule`` sets ``device_kernel = None``.
 - Each parameter is updated in place in its mirror when no live device tape holds it,
   in a copy otherwise (copy-on-write, C2), as the host path does with host arrays.
 - The device is synchronised once per step, for the finiteness verdict of every
@@ -45,7 +48,7 @@ from ..backend import NUMPY, Backend, backend_of, dtype_name
 from ..errors import DeviceError, DTypeError, MissingGradientError, ShapeError
 from ..params.device import check_device_gradients, with_checked_device_sums
 from ..session import Gradients, latest_gradients
-from .foreach import ForeachOps, TensorList
+from .foreach import ForeachOps
 from .plan import StepPlan
 from .state import FlatState, SlotSpec
 
@@ -185,10 +188,8 @@ def _step(opt: Any, bk: Backend, plan: StepPlan, grads: Mapping[int, Any]) -> No
         names = specs[i][2]
         fresh = frozenset(n for n in names if (i, n) in created)
         runs.setdefault((opt._slot_group[i], steps[i], names, fresh), []).append(i)
-    ops = ds.ops
     for (gi, step, names, fresh), run in runs.items():
-        c = opt._coefficients(hps[gi], step, fresh)
-        _update(opt, ds, run, ops.tensors([grads[i] for i in run]), names, c)
+        _update(opt, ds, run, [grads[i] for i in run], names, hps[gi], step, fresh)
         opt._state.set_steps(run, step)
     if ds.views:
         ds.host_current = False
@@ -209,25 +210,36 @@ def _first_nonfinite(xp: Any, order: list[int], grads: Mapping[int, Any]) -> int
 
 
 def _update(
-    opt: Any, ds: DeviceState, run: list[int], g: TensorList, names: tuple[str, ...], c: Any
+    opt: Any,
+    ds: DeviceState,
+    run: list[int],
+    grads: list[Any],
+    names: tuple[str, ...],
+    hp: Mapping[str, Any],
+    step: int,
+    fresh: frozenset[str],
 ) -> None:
-    """One rule call over the slots of ``run`` through foreach kernels (see the module).
+    """One update of the slots of ``run``: the optimizer's ``device_kernel`` (torch's fused
+    kernel) where it applies, else its rule through foreach kernels (see the module).
 
     Each parameter starts from its current mirror (C3) and is written in place unless a
     live device tape holds it (then a copy, C2); the results become the mirrors (C7). A
     gradient that shares memory with its parameter (a list the caller built) is
-    copied first, since the rule reads it after writing the parameter.
+    copied first, since the update reads it after writing the parameter.
     """
     bk, ops = ds.backend, ds.ops
     storages = [opt.params[i].storage for i in run]
     params = [st.device_for_update(bk) for st in storages]
-    grads = g.tensors
     for k, (p, gk) in enumerate(zip(params, grads)):
         if p.untyped_storage().data_ptr() == gk.untyped_storage().data_ptr():
             grads[k] = gk.clone()
-    state = {name: ops.tensors([ds.views[i, name] for i in run]) for name in names}
-    work = [ops.scratch() for _ in range(opt.work_buffers)]
-    type(opt).rule(ops, ops.tensors(params), g, state, work, c)
+    state = {name: [ds.views[i, name] for i in run] for name in names}
+    kernel = getattr(type(opt), "device_kernel", None)
+    if kernel is None or not kernel(bk.xp, params, grads, state, hp, step, fresh):
+        work = [ops.scratch() for _ in range(opt.work_buffers)]
+        lists = {name: ops.tensors(views) for name, views in state.items()}
+        c = opt._coefficients(hp, step, fresh)
+        type(opt).rule(ops, ops.tensors(params), ops.tensors(grads), lists, work, c)
     for st, p in zip(storages, params):
         st.commit_device(p)
 

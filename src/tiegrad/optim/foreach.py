@@ -15,14 +15,23 @@ in place or only read) or *scratch* (a rule's work buffers): a scratch list that
 into them, so work buffers cost no allocation of their own and no extra pass. Rules
 write a work buffer before reading it, which is all a scratch list needs.
 
+``fused_sgd`` and ``fused_adam`` are the device kernels of ``SGD`` and ``Adam``/``AdamW``
+(their ``device_kernel``): PyTorch's fused optimizer kernels, one call per run updating
+every parameter and its state in one pass each, where the run allows them. They compute
+the rule's update with other roundings (torch folds the bias corrections into other
+operations and runs the first moment as a ``lerp``), within ``OPTIMIZER_ULPS`` of the
+host; the foreach rule remains for what they do not take.
+
 torch itself is reached through the backend's ``xp``: this module imports nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 Operand = Any  # TensorList or a Python number
+FUSED_DEVICES = ("cpu", "cuda")  # where torch has its fused SGD and Adam kernels
 
 
 class TensorList:
@@ -111,3 +120,103 @@ class ForeachOps:
     def square(self, a: TensorList, out: TensorList | None = None) -> TensorList:
         """``a * a``, as NumPy's and torch's ``square`` compute it."""
         return self._apply("mul", out, a, a)
+
+
+def _fusable(xp: Any, name: str, params: Sequence[Any], grads: list[Any]) -> Any:
+    """torch's fused kernel ``name`` when it takes a run of ``params``: contiguous tensors of
+    one float32 or float64 dtype on a CPU or CUDA device; else None (the rule runs
+    through foreach).
+
+    The kernels read every tensor as contiguous memory (torch's CPU kernels do not check),
+    so a strided gradient in ``grads`` is replaced by a contiguous copy (the caller's
+    tensor is only read). The run's gradients and state were checked to have their
+    parameter's dtype and device; the state tensors are contiguous (``DeviceState``).
+    """
+    kernel = getattr(xp, name, None)
+    first = params[0]
+    if kernel is None or first.device.type not in FUSED_DEVICES:
+        return None
+    if first.dtype not in (xp.float32, xp.float64) or len({p.dtype for p in params}) != 1:
+        return None
+    if not all(p.is_contiguous() for p in params):
+        return None
+    for k, g in enumerate(grads):
+        if not g.is_contiguous():
+            grads[k] = g.contiguous()
+    return kernel
+
+
+def fused_sgd(
+    xp: Any,
+    params: list[Any],
+    grads: list[Any],
+    state: Mapping[str, list[Any]],
+    hp: Mapping[str, Any],
+    step: int,
+    fresh: frozenset[str],
+) -> bool:
+    """``sgd_rule`` over a run as ``torch._fused_sgd_``; False where it does not apply.
+
+    The gradients are only read (``grads`` may get contiguous copies); ``fresh`` holds
+    ``momentum_buffer`` on the buffer's first step (torch's ``is_first_step``: the
+    buffer becomes the gradient).
+    """
+    kernel = _fusable(xp, "_fused_sgd_", params, grads)
+    if kernel is None:
+        return False
+    kernel(
+        params,
+        grads,
+        state.get("momentum_buffer", []),
+        weight_decay=hp["weight_decay"],
+        momentum=hp["momentum"],
+        lr=hp["lr"],
+        dampening=hp["dampening"],
+        nesterov=hp["nesterov"],
+        maximize=hp["maximize"],
+        is_first_step="momentum_buffer" in fresh,
+    )
+    return True
+
+
+def fused_adam(decoupled: bool) -> Any:
+    """The device kernel of ``Adam`` (``decoupled=False``) or ``AdamW``: ``adam_rule`` over a
+    run as ``torch._fused_adam_`` / ``torch._fused_adamw_``, False where it does not apply.
+
+    Every slot of a run has the same ``step``, read by the kernel from one tensor on the
+    run's device (made there, no transfer to wait for).
+    """
+    name = "_fused_adamw_" if decoupled else "_fused_adam_"
+
+    def kernel(
+        xp: Any,
+        params: list[Any],
+        grads: list[Any],
+        state: Mapping[str, list[Any]],
+        hp: Mapping[str, Any],
+        step: int,
+        fresh: frozenset[str],
+    ) -> bool:
+        fused = _fusable(xp, name, params, grads)
+        if fused is None:
+            return False
+        steps = xp.full((), float(step), dtype=xp.float32, device=params[0].device)
+        beta1, beta2 = hp["betas"]
+        fused(
+            params,
+            grads,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state.get("max_exp_avg_sq", []),
+            [steps] * len(params),
+            lr=hp["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=hp["weight_decay"],
+            eps=hp["eps"],
+            amsgrad=hp["amsgrad"],
+            maximize=hp["maximize"],
+        )
+        return True
+
+    return kernel

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import HyperparameterError
+from .foreach import fused_sgd
 from .fused import FusedRule
 from .hyperparams import at_least_zero, flag, learning_rate, unit_interval
 from .optimizer import Optimizer, ParamsArg, l2_gradient
@@ -85,6 +86,7 @@ class SGD(Optimizer):
     work_buffers = 3
     rule = staticmethod(sgd_rule)
     fused_rule = FusedRule("sgd", ("momentum_buffer",))
+    device_kernel = staticmethod(fused_sgd)  # torch's fused SGD on a device (optim.device)
 
     def __init__(
         self,

@@ -71,6 +71,7 @@ class ParameterStorage:
         "_host_current",
         "_pins",
         "_mirror_pins",
+        "_checked",
         "_uploads",
         "_downloads",
         "__weakref__",
@@ -87,6 +88,9 @@ class ParameterStorage:
         self._host_current = True
         self._pins: list[tuple[weakref.ref, int]] = []
         self._mirror_pins: list[tuple[weakref.ref, int]] = []
+        # (mirror, backend) of the latest mirror check that passed: reading the same
+        # mirror on the same backend again needs no new check (an identity compare).
+        self._checked: tuple[Any, Backend] | None = None
         self._uploads = 0
         self._downloads = 0
 
@@ -190,7 +194,10 @@ class ParameterStorage:
         """
         m = self._mirror
         if m is not None:
-            self._check_mirror("device value", m, backend)
+            checked = self._checked
+            if checked is None or checked[0] is not m or checked[1] is not backend:
+                self._check_mirror("device value", m, backend)
+                self._checked = (m, backend)
             return m
         if not self._host_current:
             raise DeviceError(
@@ -201,6 +208,7 @@ class ParameterStorage:
         self._uploads += 1
         self._mirror = m
         self._mirror_pins = []
+        self._checked = (m, backend)
         return m
 
     def device_for_update(self, backend: Backend) -> Any:
@@ -220,6 +228,7 @@ class ParameterStorage:
         """
         if value is not self._mirror:
             self._mirror_pins = []
+            self._checked = None
         self._mirror = value
         self._host_current = False
 
@@ -279,6 +288,7 @@ class ParameterStorage:
         """Drop the mirror reference (never freed in place: leaves may share it, C7)."""
         self._mirror = None
         self._mirror_pins = []
+        self._checked = None
 
     # -- tape side -------------------------------------------------------------------
     def _value_for(self, session: Any) -> Any:
