@@ -10,11 +10,11 @@ cuts an op's rows into cache-sized blocks, run one after the other (they call BL
 With numba installed, float32 GELU and its VJP, ReLU and its VJP, large sums (``add``,
 ``add_``), the embedding's scatter-add (``index_add``), layer norm and the attention
 softmax run as single-pass kernels (``host_kernels``) instead; all but the scatter-add
-run their blocks on ``tiegrad._threads.count()`` threads, read at every call
-(``TIEGRAD_NUM_THREADS``, else the size of MKL's OpenMP team where MKL runs the
-products, else 1): on that team through the kernels' C entry points
-(``_rows_parallel``), else on ``tiegrad._threads``' pool. Like MKL's products, the
-kernels do not report overflow or invalid operations to ``np.errstate``.
+run their blocks on ``tiegrad._threads.count(CORES)`` threads, read at every call
+(``TIEGRAD_NUM_THREADS``, else the cores capped by the BLAS libraries' current thread
+counts, ``threadpoolctl`` limits included), through ``tiegrad._threads.share``'s
+pool (``_rows_parallel``). Like MKL's products, the kernels do not report overflow or
+invalid operations to ``np.errstate``.
 Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
 """
 
@@ -133,8 +133,8 @@ _F32_MAX = float(np.finfo(np.float32).max)
 # whose batched GEMM pays a fixed cost per call and splits a batch across its threads,
 # fewer, larger blocks won (W1: 60.4 against 64.3 ms per step at 32768).
 def _block() -> int:
-    """Elements per block (above); loads MKL on the first call, as a product would."""
-    return 1 << 19 if blas.LIBRARY else 32768
+    """Elements per block (above); loads nothing (MKL loads at the first product)."""
+    return 1 << 19 if blas.MAY_LOAD else 32768
 
 
 _GELU_BLOCK = 65536  # the GELU kernel's block: six float32 buffers of it fit in L2 cache
@@ -187,7 +187,7 @@ def _gelu32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = xf.size
     y = np.empty(n, np.float32)
     d = np.empty(n, np.float32)
-    _ranges_parallel(_gelu_range, n, _GELU_BLOCK, _threads.count(), xf, y, d)
+    _ranges_parallel(_gelu_range, n, _GELU_BLOCK, _threads.count(_threads.CORES), xf, y, d)
     return y.reshape(x.shape), d.reshape(x.shape)
 
 
@@ -303,24 +303,14 @@ def _rows_parallel(
     On several threads the blocks are also small enough for ``_SHARES`` of them per
     thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
     A block holds a multiple of ``align`` rows.
-    Where MKL has lent its OpenMP team (``tiegrad._threads.TEAM``), every call runs the
-    kernel's C entry point (``host_kernels.entries``), on one thread or several, and
-    on the caller alone in a forked child that gave the team up: one code path whatever
-    the call's size, the threads and a fork.
     """
-    threads = _threads.count()
+    threads = _threads.count(_threads.CORES)
     per_block = _rows_per_block(row_size)
     if threads > 1:
         least = -(-_SHARE_MIN // max(1, row_size))
         per_block = min(per_block, max(least, -(-rows // (threads * _SHARES))))
     per_block = -(-per_block // align) * align
-    entry = kernels.entries().get(name) if _threads.TEAM is not None else None
-    if entry is None:
-        _ranges_parallel(getattr(kernels, name), rows, per_block, threads, *args)
-        return
-    n_blocks = -(-rows // per_block)
-    job = kernels.job(n_blocks, per_block, rows, row_size, args)
-    _threads.launch(entry, kernels.address(job), max(1, min(threads, n_blocks)))
+    _ranges_parallel(getattr(kernels, name), rows, per_block, threads, *args)
 
 
 _add_reduce = np.add.reduce
