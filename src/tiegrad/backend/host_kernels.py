@@ -136,9 +136,9 @@ def _lanes(typingctx: Any, a: Any, b: Any, products: Any) -> Any:
     (the tail after the last whole group of eight goes to lane 0), and the lanes
     combine as ``((0+1)+(2+3))+((4+5)+(6+7))``. The order is written out in the machine
     code, one 8-wide vector add per group, not licensed by fast-math: under ``reassoc``
-    the compiler chooses it, and a kernel's entry point compiled in the running process
-    summed in another order than the same entry point loaded from numba's cache (a
-    resumed run then missed a straight one's bits). The same loop written with eight
+    the compiler chooses it, and a kernel compiled in the running process summed in
+    another order than the same kernel loaded from numba's cache (a resumed run then
+    missed a straight one's bits). The same loop written with eight
     scalar accumulators gives these bits, three times slower (LLVM keeps it scalar).
     """
     vector = types.Array(types.float32, 1, "C")
