@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import threadpoolctl
 
 from tiegrad import _numba, _threads
 from tiegrad.backend import NUMPY, blas
@@ -138,6 +137,7 @@ def test_the_blas_libraries_cap_the_default(monkeypatch):
 
 
 def test_threadpoolctl_limits_apply_at_once(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
     monkeypatch.delenv("TIEGRAD_NUM_THREADS", raising=False)
     with threadpoolctl.threadpool_limits(1):
         assert _threads.count(8) == 1
@@ -153,6 +153,7 @@ def test_threadpoolctl_limits_apply_at_once(monkeypatch):
 
 @pytest.mark.skipif(_numba.kernels("tiegrad.backend.host_kernels") is None, reason="no kernels")
 def test_a_limit_puts_the_host_kernels_on_one_thread(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
     asked = []
     share = _threads.share
     monkeypatch.setattr(_threads, "share", lambda run, n, t: (asked.append(t), share(run, n, t)))

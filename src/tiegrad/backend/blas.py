@@ -33,7 +33,8 @@ MKL's documented service functions, each because the products here need it:
 
 The threading layer is MKL's own choice (Intel OpenMP, or GNU OpenMP where that is
 loaded already, e.g. by ``import torch``, or where ``MKL_THREADING_LAYER`` asks);
-it is only read (``MKL_Set_Threading_Layer(-1)`` returns it and sets nothing).
+it is only read (``MKL_Set_Threading_Layer(-1)`` returns it and sets nothing, the
+query threadpoolctl makes too).
 GNU OpenMP's threads do not survive ``fork``, and a forked child's first
 multithreaded product would wait for them forever: in a child of the process that
 loaded MKL (told by the process id; no fork hook), MKL on GNU OpenMP runs on one
