@@ -152,7 +152,7 @@ def test_threadpoolctl_limits_apply_at_once(monkeypatch):
 
 
 @pytest.mark.skipif(_numba.kernels("tiegrad.backend.host_kernels") is None, reason="no kernels")
-def test_a_limit_puts_the_host_kernels_on_one_thread(monkeypatch):
+def test_the_host_kernels_share_their_blocks_only_where_the_environment_asks(monkeypatch):
     threadpoolctl = pytest.importorskip("threadpoolctl")
     asked = []
     share = _threads.share
@@ -162,9 +162,10 @@ def test_a_limit_puts_the_host_kernels_on_one_thread(monkeypatch):
     want = NUMPY.gelu(x)
     assert asked == [2]  # shared between two threads
     monkeypatch.delenv("TIEGRAD_NUM_THREADS")
-    del asked[:]
-    with threadpoolctl.threadpool_limits(1):
-        got = NUMPY.gelu(x)
-    assert asked == []  # one thread: the caller runs every block
-    for a, b in zip(want, got):
-        np.testing.assert_array_equal(a, b)
+    for limit in (None, 1):
+        del asked[:]
+        with threadpoolctl.threadpool_limits(limit):
+            got = NUMPY.gelu(x)
+        assert asked == []  # one thread: the caller runs every block
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)

@@ -25,10 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 ENV_THREADS = "TIEGRAD_NUM_THREADS"
-CORES: int = (
-    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-)
-"""The cores this process may run on (at import): the host kernels' default ``count``."""
 _POOL_THREADS = 32  # enough for several callers sharing at once
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()

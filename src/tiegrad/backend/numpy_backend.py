@@ -10,11 +10,14 @@ cuts an op's rows into cache-sized blocks, run one after the other (they call BL
 With numba installed, float32 GELU and its VJP, ReLU and its VJP, large sums (``add``,
 ``add_``), the embedding's scatter-add (``index_add``), layer norm and the attention
 softmax run as single-pass kernels (``host_kernels``) instead; all but the scatter-add
-run their blocks on ``tiegrad._threads.count(CORES)`` threads, read at every call
-(``TIEGRAD_NUM_THREADS``, else the cores capped by the BLAS libraries' current thread
-counts, ``threadpoolctl`` limits included), through ``tiegrad._threads.share``'s
-pool (``_rows_parallel``). Like MKL's products, the kernels do not report overflow or
-invalid operations to ``np.errstate``.
+run their blocks on ``tiegrad._threads.count()`` threads, read at every call: one
+(the caller) unless ``TIEGRAD_NUM_THREADS`` asks for more, which then share the
+blocks through ``tiegrad._threads.share``'s pool (``_rows_parallel``). One, because
+BLAS's threads own the other cores: on 2 cores with MKL on 2 threads, W1 and W3 ran
+10-15% slower with the kernels' blocks shared between two pool threads (ratios to
+PyTorch 1.09-1.11 and 1.18-1.19 against 1.04 and 1.13 on one thread, load ~1).
+Like MKL's products, the kernels do not report overflow or invalid operations to
+``np.errstate``.
 Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
 """
 
@@ -190,7 +193,7 @@ def _gelu32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = xf.size
     y = np.empty(n, np.float32)
     d = np.empty(n, np.float32)
-    _ranges_parallel(_gelu_range, n, _GELU_BLOCK, _threads.count(_threads.CORES), xf, y, d)
+    _ranges_parallel(_gelu_range, n, _GELU_BLOCK, _threads.count(), xf, y, d)
     return y.reshape(x.shape), d.reshape(x.shape)
 
 
@@ -307,7 +310,7 @@ def _rows_parallel(
     thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
     A block holds a multiple of ``align`` rows.
     """
-    threads = _threads.count(_threads.CORES)
+    threads = _threads.count()
     per_block = _rows_per_block(row_size)
     if threads > 1:
         least = -(-_SHARE_MIN // max(1, row_size))
