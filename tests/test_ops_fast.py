@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import tiegrad.backend.numpy_backend as nb
 import tiegrad.ops as T
-from tiegrad import EagerSession, _threads
+from tiegrad import EagerSession
 from tiegrad.backend import NUMPY, Backend, NumpyBackend
 from tiegrad.ops import _core
 
@@ -268,16 +267,3 @@ def test_layer_norm_and_linear_promote_mixed_dtypes_like_numpy():
     np.testing.assert_allclose(ln.value, want, rtol=1e-5, atol=1e-6)  # float32 rows
     lin = T.linear(xr, s.leaf(rng.standard_normal((3, 6)).astype(np.float32)), s.leaf(np.ones(3)))
     assert lin.dtype == np.float64
-
-
-def test_kernel_threads_follow_the_environment(monkeypatch):
-    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "3")
-    assert _threads.count() == 3
-    monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    for unset in ("", "0", "many"):
-        monkeypatch.setenv("TIEGRAD_NUM_THREADS", unset)
-        monkeypatch.setattr(_threads, "TEAM", None)
-        assert _threads.count() == 1  # no OpenMP team: BLAS's threads own the cores
-        assert _threads.count(6) == 6  # the caller's default
-        monkeypatch.setattr(_threads, "TEAM", SimpleNamespace(size=lambda: 4, survives_fork=True))
-        assert _threads.count() == 4  # BLAS's own team, at its current size

@@ -1,6 +1,5 @@
-"""``tiegrad._threads.share``: the threads behind the host kernels and the fused optimizer.
-
-Every test runs on both routes: MKL's OpenMP team (where MKL is loaded) and the pool.
+"""``tiegrad._threads``: the pool behind the host kernels and the fused optimizer, and the
+thread count, read at every call (``TIEGRAD_NUM_THREADS``, ``threadpoolctl`` limits).
 """
 
 from __future__ import annotations
@@ -8,21 +7,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from tiegrad import _threads
-from tiegrad.backend import blas
-
-_LENT = _threads.TEAM if blas.LIBRARY else None  # the team MKL lent as it loaded, or None
-
-
-@pytest.fixture(autouse=True, params=["team", "pool"])
-def route(request, monkeypatch):
-    if request.param == "team" and _LENT is None:
-        pytest.skip("no OpenMP team: oneMKL is not loaded")
-    monkeypatch.setattr(_threads, "TEAM", _LENT if request.param == "team" else None)
-    return request.param
+from tiegrad import _numba, _threads
+from tiegrad.backend import NUMPY, blas
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -120,3 +111,61 @@ def test_a_forked_child_gets_threads_of_its_own():
     _, status = os.waitpid(pid, 0)
     assert status == 0 and os.read(read, 8) == b"ok"
     os.close(read)
+
+
+def test_the_environment_sets_the_count_and_a_bad_value_is_ignored(monkeypatch):
+    monkeypatch.setattr(_threads, "_blas_libraries", lambda: ())
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "3")
+    assert _threads.count() == 3 and _threads.count(8) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # not tiegrad's variable
+    for unset in ("", "0", "many", "-2"):
+        monkeypatch.setenv("TIEGRAD_NUM_THREADS", unset)
+        assert _threads.count() == 1 and _threads.count(6) == 6  # the caller's default
+
+
+def test_the_blas_libraries_cap_the_default(monkeypatch):
+    monkeypatch.delenv("TIEGRAD_NUM_THREADS", raising=False)
+    libraries = [SimpleNamespace(get_num_threads=lambda: 4)]
+    monkeypatch.setattr(_threads, "_blas_libraries", lambda: tuple(libraries))
+    assert _threads.count(8) == 4 and _threads.count(2) == 2
+    libraries.append(SimpleNamespace(get_num_threads=lambda: 3))
+    assert _threads.count(8) == 3  # the smallest count, read at this call
+    libraries.append(SimpleNamespace(get_num_threads=lambda: None))  # a count it cannot read
+    assert _threads.count(8) == 3
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "6")
+    assert _threads.count(8) == 6  # the environment decides over the libraries
+
+
+def test_threadpoolctl_limits_apply_at_once(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    monkeypatch.delenv("TIEGRAD_NUM_THREADS", raising=False)
+    with threadpoolctl.threadpool_limits(1):
+        assert _threads.count(8) == 1
+        monkeypatch.setenv("TIEGRAD_NUM_THREADS", "2")
+        assert _threads.count(8) == 2
+    monkeypatch.delenv("TIEGRAD_NUM_THREADS")
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        assert _threads.count(8) == 1
+    if blas.LIBRARY:  # loads MKL: the products' library, looked up as it loads
+        with threadpoolctl.threadpool_limits({"libmkl_rt": 1}):
+            assert _threads.count(8) == 1
+
+
+@pytest.mark.skipif(_numba.kernels("tiegrad.backend.host_kernels") is None, reason="no kernels")
+def test_the_host_kernels_share_their_blocks_only_where_the_environment_asks(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    asked = []
+    share = _threads.share
+    monkeypatch.setattr(_threads, "share", lambda run, n, t: (asked.append(t), share(run, n, t)))
+    x = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+    monkeypatch.setenv("TIEGRAD_NUM_THREADS", "2")
+    want = NUMPY.gelu(x)
+    assert asked == [2]  # shared between two threads
+    monkeypatch.delenv("TIEGRAD_NUM_THREADS")
+    for limit in (None, 1):
+        del asked[:]
+        with threadpoolctl.threadpool_limits(limit):
+            got = NUMPY.gelu(x)
+        assert asked == []  # one thread: the caller runs every block
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)

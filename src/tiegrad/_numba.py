@@ -85,13 +85,6 @@ def jit(**options: Any) -> Any:
     return _cached(lambda cache: numba.njit(cache=cache, **options))
 
 
-def cfunc(signature: Any) -> Any:
-    """A decorator: ``numba.cfunc(signature)`` (a C function), cached as ``jit`` is."""
-    import numba
-
-    return _cached(lambda cache: numba.cfunc(signature, nopython=True, cache=cache))
-
-
 def _cached(decorator: Callable[[bool], Any]) -> Any:
     """A decorator applying ``decorator(True)``, or ``decorator(False)`` without a cache."""
 

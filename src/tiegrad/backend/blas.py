@@ -16,29 +16,31 @@ are new and C-contiguous, where NumPy's may follow the operands' memory order. T
 agree with OpenBLAS's to rounding, since the two libraries sum in different orders. MKL's
 products do not report overflow or invalid operations to ``np.errstate`` as NumPy's do.
 
-Integer width: the signatures below pass 32-bit integers (MKL's LP64 interface).
-``libmkl_rt`` would follow ``MKL_INTERFACE_LAYER=ILP64`` and read 64-bit ones, so the
-loader sets LP64 before any other MKL call, and leaves MKL unused where an earlier caller
-in this process has already fixed ILP64.
-
 Loading: nothing happens at import. The first product (or the first read of
-``LIBRARY``) loads MKL and sets, through MKL's documented service functions, what its
-products need: the LP64 interface, the reproducible mode below, a handler that
-records refused arguments (``mkl_set_xerbla``), the threading layer.
+``LIBRARY``) loads ``libmkl_rt`` and makes these process-wide settings, each through
+MKL's documented service functions, each because the products here need it:
 
-Repeatability: unless the environment sets ``MKL_CBWR``, MKL runs in its conditional
-numerical reproducibility mode for the CPU it finds (``MKL_CBWR_AUTO``), so a product
-repeats bit for bit on one machine with one thread count, whatever the alignment of its
-operands; exact resumption from a checkpoint relies on that.
+- ``MKL_Set_Interface_Layer(LP64)``, first: the signatures below pass 32-bit integers,
+  and ``libmkl_rt`` would read 64-bit ones under ``MKL_INTERFACE_LAYER=ILP64``. Where
+  an earlier caller in this process has already fixed ILP64, MKL stays unused.
+- ``MKL_CBWR_Set(MKL_CBWR_AUTO)``, unless the environment sets ``MKL_CBWR``: MKL's
+  conditional numerical reproducibility for the CPU it finds, so a product repeats bit
+  for bit on one machine with one thread count, whatever the alignment of its
+  operands; exact resumption from a checkpoint relies on that.
+- ``mkl_set_xerbla``: a handler that records an argument MKL refuses (it then returns
+  without writing the result), so ``matmul`` has NumPy compute that product instead
+  of returning an uninitialized array; MKL's own handler only prints.
 
-Threads: MKL runs on Intel OpenMP, or on GNU OpenMP where that is loaded already
-(``import torch`` before tiegrad; MKL never mixes the two) or where
-``MKL_THREADING_LAYER=GNU`` asks for it. The loader lends that runtime's team to
-``tiegrad._threads`` (its docstring says why), so the host kernels and the fused
-optimizer share MKL's threads. GNU OpenMP's threads do not survive ``fork``: a forked
-child waiting for them would hang in its first product, so there (a process id other
-than the loader's; no fork hook) MKL runs on one thread and ``tiegrad._threads`` on its
-own pool.
+The threading layer is MKL's own choice (Intel OpenMP, or GNU OpenMP where that is
+loaded already, e.g. by ``import torch``, or where ``MKL_THREADING_LAYER`` asks);
+it is only read (``MKL_Set_Threading_Layer(-1)`` returns it and sets nothing, the
+query threadpoolctl makes too).
+GNU OpenMP's threads do not survive ``fork``, and a forked child's first
+multithreaded product would wait for them forever: in a child of the process that
+loaded MKL (told by the process id; no fork hook), MKL on GNU OpenMP runs on one
+thread (``MKL_Set_Num_Threads(1)``) from its first product on. Loading also has
+``tiegrad._threads`` look the BLAS libraries up again, so MKL's current thread count
+(``threadpoolctl`` limits included) caps the host kernels' threads.
 
 ``TIEGRAD_BLAS`` chooses, read once at import: unset or ``auto`` uses MKL when its
 ``libmkl_rt`` lies in this Python environment's ``lib`` folder, ``numpy`` never uses it,
@@ -70,8 +72,8 @@ _NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _CBWR_AUTO = 2
 _LP64 = 0  # MKL_INTERFACE_LP64
-_INTEL_OPENMP, _GNU_OPENMP = 0, 3  # MKL_THREADING_INTEL, MKL_THREADING_GNU
-_OPENMP_RUNTIMES = {_INTEL_OPENMP: "libiomp5.so", _GNU_OPENMP: "libgomp.so.1"}
+_GNU_OPENMP = 3  # MKL_THREADING_GNU
+_QUERY = -1  # not a layer: MKL_Set_Threading_Layer only returns the current one
 _INT_MAX = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes and strides
 _XERBLA = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
 _refusals = threading.local()  # .calls: (routine, argument position) MKL refused, per thread
@@ -144,7 +146,7 @@ MAY_LOAD = bool(_CANDIDATES)
 @functools.cache
 def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
     """The MKL library's file name and its kernels per dtype, loaded on the first call."""
-    global _loader_pid
+    global _loader_pid, _one_thread_in_a_child
     _loader_pid = os.getpid()
     lib = None
     for path in _CANDIDATES:
@@ -176,7 +178,9 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
         )
     lib.mkl_set_xerbla.restype = ctypes.c_void_p
     lib.mkl_set_xerbla(_record_refusal)  # a refused call warns instead of printing
-    _lend_openmp_team(lib)
+    if lib.MKL_Set_Threading_Layer(_QUERY) == _GNU_OPENMP:  # reads the layer, sets none
+        _one_thread_in_a_child = functools.partial(lib.MKL_Set_Num_Threads, 1)
+    _threads.rescan()  # MKL's thread count caps tiegrad's own kernels' from now on
     i, vp = ctypes.c_int, ctypes.c_void_p
     kernels = {}
     for dtype, scalar, prefix in (
@@ -201,42 +205,22 @@ def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
     return loaded, kernels
 
 
-def _lend_openmp_team(lib: ctypes.CDLL) -> None:
-    """Lend the team of MKL's OpenMP runtime to ``tiegrad._threads`` (module docstring)."""
-    asked = os.environ.get("MKL_THREADING_LAYER", "INTEL").upper()
-    if asked == "INTEL":  # MKL answers with its GNU layer where GNU OpenMP is loaded
-        layer = lib.MKL_Set_Threading_Layer(_INTEL_OPENMP)
-    else:
-        layer = _GNU_OPENMP if asked == "GNU" else None
-    if layer not in _OPENMP_RUNTIMES:
-        return
-    lib.MKL_Get_Max_Threads()  # loads the runtime
-    try:  # the runtime MKL has loaded, never a second one
-        runtime = ctypes.CDLL(_OPENMP_RUNTIMES[layer], mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        return
-    survives_fork = layer == _INTEL_OPENMP
-    if not survives_fork:
-        _fork_children.append(lambda: lib.MKL_Set_Num_Threads(1))
-    _threads.lend_team(runtime, lib.MKL_Get_Max_Threads, survives_fork)
-
-
-_fork_children: list[Callable[[], None]] = []  # run once in a forked child, before MKL
 _loader_pid = 0  # the process that loaded MKL
+_one_thread_in_a_child: Callable[[], None] | None = None  # where MKL runs on GNU OpenMP
 
 
 def _kernels() -> dict[np.dtype, _Kernels]:
     """MKL's kernels per dtype (loading MKL on the first call); empty without MKL.
 
-    In a forked child the GNU OpenMP team's threads are gone: MKL runs on one thread
-    there (``_fork_children``) before its first product.
+    In a forked child of a process whose MKL runs on GNU OpenMP, MKL runs on one thread
+    from its first product on (module docstring).
     """
     global _loader_pid
     kernels = _load()[1]
     if _loader_pid != os.getpid():  # a forked child
         _loader_pid = os.getpid()
-        for fix in _fork_children:
-            fix()
+        if _one_thread_in_a_child is not None:
+            _one_thread_in_a_child()
     return kernels
 
 

@@ -1,12 +1,14 @@
 """Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU and its VJP,
-products and sums, a scatter-add of rows, layer norm, softmax; and entry points of the
-elementwise and row kernels for an OpenMP team.
+products and sums, a scatter-add of rows, layer norm, softmax.
 
 Imported only through ``tiegrad._numba.kernels``, by ``numpy_backend``, which decides when
 to use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
-``blas`` for ``address``. Every kernel
-takes the range ``lo .. hi`` of elements or rows it handles and releases the GIL, so
-its blocks can run on several threads. Each one reads its inputs once and writes its
+``blas`` for ``address``. Every kernel takes arrays and scalars, and the elementwise
+and row kernels the range ``lo .. hi`` of elements or rows they handle; they release
+the GIL, so ``numpy_backend`` runs the blocks of one call on several threads of
+``tiegrad._threads``' pool. A kernel raises ``ValueError`` before it writes anything
+where its operands' sizes or its range disagree (numba checks no index): a mismatch
+never reads or writes outside an array. Each one reads its inputs once and writes its
 outputs once, where NumPy needs a pass over memory per ufunc; numba turns the loops
 into 8-wide vector loops. ``exp_neg`` is a vectorizable exponential (libm's ``expf``
 is a call per element that stops the vectorizer).
@@ -23,39 +25,14 @@ elementwise kernels allow only ``contract`` (fused multiply-adds); the row kerne
 sums run in the order ``_lanes`` writes out, so their bits are the same in every
 process, however the kernel was compiled, and can differ from NumPy's sums in the last
 bits. NaN propagates through every kernel.
-
-On an OpenMP team. ``numpy_backend`` shares a kernel call between the threads of MKL's
-OpenMP team (``tiegrad._threads.Team.launch``): every thread of the team calls the
-kernel's entry point (``entries``) with the address of one job, and the threads claim
-the job's blocks with an atomic counter until none is left. A thread of the team never
-enters Python, so a shared call costs a few microseconds instead of the tens that a
-Python callback per thread costs (each needs the GIL, and waking a thread that waits
-for it is slow), and calls of 64k elements gain from the second thread.
-
-A job is a C-contiguous int64 array, built by ``job``:
-
-====  ====================================================================
- 0    the next block to claim (the counter; 0 when the job starts)
- 1    the number of blocks
- 2    the rows (or elements) of a block
- 3    the rows (or elements) of the call
- 4    the row size (1 for an elementwise kernel)
- 5..  the operands in the kernel's order: an array's data address, a float
-      scalar's float32 bit pattern
-====  ====================================================================
-
-The caller keeps every operand alive until the region ends and guarantees the layout
-the kernel expects (float32, C-contiguous, shapes as the kernel's).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -159,9 +136,9 @@ def _lanes(typingctx: Any, a: Any, b: Any, products: Any) -> Any:
     (the tail after the last whole group of eight goes to lane 0), and the lanes
     combine as ``((0+1)+(2+3))+((4+5)+(6+7))``. The order is written out in the machine
     code, one 8-wide vector add per group, not licensed by fast-math: under ``reassoc``
-    the compiler chooses it, and a kernel's entry point compiled in the running process
-    summed in another order than the same entry point loaded from numba's cache (a
-    resumed run then missed a straight one's bits). The same loop written with eight
+    the compiler chooses it, and a kernel compiled in the running process summed in
+    another order than the same kernel loaded from numba's cache (a resumed run then
+    missed a straight one's bits). The same loop written with eight
     scalar accumulators gives these bits, three times slower (LLVM keeps it scalar).
     """
     vector = types.Array(types.float32, 1, "C")
@@ -226,6 +203,8 @@ def relu(x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     NaN stays NaN and ``-0.0`` becomes ``0.0`` (NumPy's answer on a tie is its second
     operand).
     """
+    if x.size != out.size:
+        raise ValueError("relu: x and out differ in size")
     x, out = x[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         v = x[i]
@@ -239,6 +218,8 @@ def relu_vjp(g: np.ndarray, y: np.ndarray, out: np.ndarray, lo: int, hi: int) ->
     A product with 0 or 1, as NumPy's ``g * (y > 0)``: NaN or infinite ``g`` gives NaN
     where ``y`` is not positive.
     """
+    if g.size != out.size or y.size != out.size:
+        raise ValueError("relu_vjp: g, y and out differ in size")
     g, y, out = g[lo:hi], y[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         out[i] = g[i] * (_F(1.0) if y[i] > _F(0.0) else _F(0.0))
@@ -247,6 +228,8 @@ def relu_vjp(g: np.ndarray, y: np.ndarray, out: np.ndarray, lo: int, hi: int) ->
 @_kernel
 def multiply(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     """``out = a * b`` on flat elements ``lo .. hi``."""
+    if a.size != out.size or b.size != out.size:
+        raise ValueError("multiply: a, b and out differ in size")
     a, b, out = a[lo:hi], b[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         out[i] = a[i] * b[i]
@@ -255,6 +238,8 @@ def multiply(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) ->
 @_kernel
 def add(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     """``out = a + b`` on flat elements ``lo .. hi`` (``out`` may be ``a``)."""
+    if a.size != out.size or b.size != out.size:
+        raise ValueError("add: a, b and out differ in size")
     a, b, out = a[lo:hi], b[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         out[i] = a[i] + b[i]
@@ -264,6 +249,8 @@ def add(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None
 def add_row_vector(x: np.ndarray, v: np.ndarray, lo: int, hi: int) -> None:
     """Rows ``lo .. hi`` of ``(rows, n)`` ``x`` plus the vector ``v`` of ``n``, in place."""
     n = x.shape[1]
+    if v.size != n or not 0 <= lo <= hi <= x.shape[0]:
+        raise ValueError("add_row_vector: v is not a row of x, or lo .. hi not rows of x")
     for r in range(lo, hi):
         row = x[r]  # a row view: the inner loop indexes from 0
         for j in range(n):
@@ -274,9 +261,15 @@ def add_row_vector(x: np.ndarray, v: np.ndarray, lo: int, hi: int) -> None:
 def index_add_rows(out: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
     """``out[ids[i]] += values[i]`` for every row ``i``, in order (``np.add.at``'s sums).
 
-    The caller guarantees ``0 <= ids < len(out)`` (there is no bounds check).
+    Raises ``ValueError`` before any write where an id is not a row of ``out`` or the
+    shapes disagree.
     """
     d = out.shape[1]
+    if values.shape[0] != ids.size or values.shape[1] != d:
+        raise ValueError("index_add_rows: values is not one row of out per id")
+    for i in range(ids.size):
+        if not 0 <= ids[i] < out.shape[0]:
+            raise ValueError("index_add_rows: an id is not a row of out")
     for i in range(ids.size):
         row, add_row = out[ids[i]], values[i]  # row views: the inner loop indexes from 0
         for j in range(d):
@@ -290,6 +283,8 @@ def gelu(x: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
     ``x Phi(x) = max(x, 0) - |x| Phi(-|x|)``: no ``1 + erf`` cancellation for negative
     ``x`` (the NumPy backend's ``_gelu32`` formula, one pass instead of a dozen).
     """
+    if x.size != y.size or d.size != y.size:
+        raise ValueError("gelu: x, y and d differ in size")
     x, y, d = x[lo:hi], y[lo:hi], d[lo:hi]  # indices from 0: plain vector loads
     for i in range(y.size):
         v = x[i]
@@ -326,7 +321,16 @@ def layer_norm(
     ``xhat = (x - mean) * rstd``, ``rstd = 1 / sqrt(var + eps)`` (biased variance, two
     passes over the row), ``out = xhat * w + b``; ``out`` may be ``xhat`` itself.
     """
-    n = x.shape[1]
+    rows, n = x.shape
+    if (
+        w.size != n
+        or b.size != n
+        or xhat.shape != x.shape
+        or out.shape != x.shape
+        or rstd.shape != (rows, 1)
+        or not 0 <= lo <= hi <= rows
+    ):
+        raise ValueError("layer_norm: operand shapes differ from x's, or lo .. hi not rows of x")
     inv_n = _F(1.0) / _F(n)
     epsf = _F(eps)
     for r in range(lo, hi):
@@ -366,7 +370,20 @@ def layer_norm_backward(
     of those rows, the same bits however the rows are cut into blocks, as long as
     ``lo`` is a multiple of ``COLUMN_CHUNK``.
     """
-    n = g.shape[1]
+    rows, n = g.shape
+    chunks = (rows + COLUMN_CHUNK - 1) // COLUMN_CHUNK
+    if (
+        w.size != n
+        or xhat.shape != g.shape
+        or gx.shape != g.shape
+        or rstd.shape != (rows, 1)
+        or pw.shape != (chunks, n)
+        or pb.shape != (chunks, n)
+        or not 0 <= lo <= hi <= rows
+    ):
+        raise ValueError(
+            "layer_norm_backward: operand shapes differ from g's, or lo .. hi not rows of g"
+        )
     inv_n = _F(1.0) / _F(n)
     for r in range(lo, hi):
         gr, hr, gxr = g[r], xhat[r], gx[r]  # row views: the inner loops index from 0
@@ -390,6 +407,8 @@ def softmax(x: np.ndarray, lo: int, hi: int) -> None:
     key) becomes zeros, a row with a NaN becomes NaN; the row sum is ``_sum``'s.
     """
     n = x.shape[1]
+    if not 0 <= lo <= hi <= x.shape[0]:
+        raise ValueError("softmax: lo .. hi are not rows of x")
     for r in range(lo, hi):
         row = x[r]
         m = _F(-np.inf)
@@ -412,196 +431,10 @@ def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
     ``gs = p * (gp - sum(gp * p))`` row by row, in place.
     """
     n = p.shape[1]
+    if gp.shape != p.shape or not 0 <= lo <= hi <= p.shape[0]:
+        raise ValueError("softmax_backward: gp and p differ in shape, or lo .. hi not rows")
     for r in range(lo, hi):
         gr, pr = gp[r], p[r]  # row views: the inner loops index from 0
         dot = _dot(gr, pr)
         for j in range(n):
             gr[j] = pr[j] * (gr[j] - dot)
-
-
-# -- the kernels as bodies of an OpenMP parallel region ------------------------------------
-# C functions (numba cfuncs): no Python, no GIL. They live in this module so that numba's
-# on-disk cache, which it keys by the source file, never pairs an entry point with an
-# older kernel. One plain function per kernel: entry points made by a closure factory
-# missed numba's cache in every new process (each compiled anew, about 4 s in all), and
-# a shared generator of blocks failed to compile once it was loaded from the cache.
-@intrinsic
-def _claim(typingctx: Any, counter: Any) -> Any:
-    """Atomically add 1 to the int64 at ``counter``; the value before."""
-    sig = types.int64(types.CPointer(types.int64))
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.atomic_rmw("add", args[0], ir.Constant(ir.IntType(64), 1), "monotonic")
-
-    return sig, codegen
-
-
-@intrinsic
-def _floats(typingctx: Any, address: Any) -> Any:
-    """The int64 ``address`` as a pointer to float32."""
-    sig = types.CPointer(types.float32)(types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
-
-
-@_inline
-def _flat(job: Any, k: int) -> Any:
-    """Operand ``k`` of ``job`` as a flat float32 array of the call's elements."""
-    return numba.carray(_floats(job[5 + k]), job[3])
-
-
-@_inline
-def _rows(job: Any, k: int, width: int) -> Any:
-    """Operand ``k`` of ``job`` as a (rows, width) float32 array."""
-    return numba.carray(_floats(job[5 + k]), (job[3], width))
-
-
-@_inline
-def _vector(job: Any, k: int) -> Any:
-    """Operand ``k`` of ``job`` as a float32 vector of the row size."""
-    return numba.carray(_floats(job[5 + k]), job[4])
-
-
-@_inline
-def _next(job: Any) -> Any:
-    """The next block ``(lo, hi)`` of ``job``, claimed for this thread; ``lo == hi`` at the end."""
-    b = _claim(job)
-    if b >= job[1]:
-        return 0, 0
-    lo = b * job[2]
-    return lo, min(job[3], lo + job[2])
-
-
-def _team_gelu(job: Any) -> None:
-    """``gelu``; operands x, y, d."""
-    x, y, d = _flat(job, 0), _flat(job, 1), _flat(job, 2)
-    lo, hi = _next(job)
-    while lo < hi:
-        gelu(x, y, d, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_relu(job: Any) -> None:
-    """``relu``; operands x, out."""
-    x, out = _flat(job, 0), _flat(job, 1)
-    lo, hi = _next(job)
-    while lo < hi:
-        relu(x, out, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_relu_vjp(job: Any) -> None:
-    """``relu_vjp``; operands g, y, out."""
-    g, y, out = _flat(job, 0), _flat(job, 1), _flat(job, 2)
-    lo, hi = _next(job)
-    while lo < hi:
-        relu_vjp(g, y, out, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_multiply(job: Any) -> None:
-    """``multiply``; operands a, b, out."""
-    a, b, out = _flat(job, 0), _flat(job, 1), _flat(job, 2)
-    lo, hi = _next(job)
-    while lo < hi:
-        multiply(a, b, out, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_add(job: Any) -> None:
-    """``add``; operands a, b, out."""
-    a, b, out = _flat(job, 0), _flat(job, 1), _flat(job, 2)
-    lo, hi = _next(job)
-    while lo < hi:
-        add(a, b, out, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_add_row_vector(job: Any) -> None:
-    """``add_row_vector``; operands x, v."""
-    x, v = _rows(job, 0, job[4]), _vector(job, 1)
-    lo, hi = _next(job)
-    while lo < hi:
-        add_row_vector(x, v, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_layer_norm(job: Any) -> None:
-    """``layer_norm``; operands x, w, b, eps, xhat, rstd, out."""
-    d = job[4]
-    x, w, b = _rows(job, 0, d), _vector(job, 1), _vector(job, 2)
-    eps = float_from_bits(np.int32(job[8]))
-    xhat, rstd, out = _rows(job, 4, d), _rows(job, 5, 1), _rows(job, 6, d)
-    lo, hi = _next(job)
-    while lo < hi:
-        layer_norm(x, w, b, eps, xhat, rstd, out, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_layer_norm_backward(job: Any) -> None:
-    """``layer_norm_backward``; operands g, w, xhat, rstd, gx, pw, pb."""
-    d = job[4]
-    g, w, xhat = _rows(job, 0, d), _vector(job, 1), _rows(job, 2, d)
-    rstd, gx = _rows(job, 3, 1), _rows(job, 4, d)
-    chunks = (job[3] + COLUMN_CHUNK - 1) // COLUMN_CHUNK
-    pw = numba.carray(_floats(job[10]), (chunks, d))
-    pb = numba.carray(_floats(job[11]), (chunks, d))
-    lo, hi = _next(job)
-    while lo < hi:
-        layer_norm_backward(g, w, xhat, rstd, gx, pw, pb, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_softmax(job: Any) -> None:
-    """``softmax``; operand x."""
-    x = _rows(job, 0, job[4])
-    lo, hi = _next(job)
-    while lo < hi:
-        softmax(x, lo, hi)
-        lo, hi = _next(job)
-
-
-def _team_softmax_backward(job: Any) -> None:
-    """``softmax_backward``; operands gp, p."""
-    gp, p = _rows(job, 0, job[4]), _rows(job, 1, job[4])
-    lo, hi = _next(job)
-    while lo < hi:
-        softmax_backward(gp, p, lo, hi)
-        lo, hi = _next(job)
-
-
-@functools.cache
-def entries() -> dict[str, int]:
-    """The address of each kernel's C entry point by name (the module docstring's team).
-
-    Compiled (or loaded from numba's cache) on the first call: only a process with a
-    team needs them.
-    """
-    names = (
-        "gelu",
-        "relu",
-        "relu_vjp",
-        "multiply",
-        "add",
-        "add_row_vector",
-        "layer_norm",
-        "layer_norm_backward",
-        "softmax",
-        "softmax_backward",
-    )
-    entry = _numba.cfunc(types.void(types.CPointer(types.int64)))
-    return {name: entry(globals()[f"_team_{name}"]).address for name in names}
-
-
-def job(n_blocks: int, per_block: int, items: int, row_size: int, operands: Any) -> np.ndarray:
-    """The job array of one call (module docstring); ``operands`` in the kernel's order."""
-    words = [0, n_blocks, per_block, items, row_size]
-    for op in operands:
-        if isinstance(op, np.ndarray):
-            words.append(address(op))
-        else:
-            words.append(int(np.float32(op).view(np.int32)))
-    return np.array(words, np.int64)

@@ -10,11 +10,14 @@ cuts an op's rows into cache-sized blocks, run one after the other (they call BL
 With numba installed, float32 GELU and its VJP, ReLU and its VJP, large sums (``add``,
 ``add_``), the embedding's scatter-add (``index_add``), layer norm and the attention
 softmax run as single-pass kernels (``host_kernels``) instead; all but the scatter-add
-run their blocks on ``tiegrad._threads.count()`` threads, read at every call
-(``TIEGRAD_NUM_THREADS``, else the size of MKL's OpenMP team where MKL runs the
-products, else 1): on that team through the kernels' C entry points
-(``_rows_parallel``), else on ``tiegrad._threads``' pool. Like MKL's products, the
-kernels do not report overflow or invalid operations to ``np.errstate``.
+run their blocks on ``tiegrad._threads.count()`` threads, read at every call: one
+(the caller) unless ``TIEGRAD_NUM_THREADS`` asks for more, which then share the
+blocks through ``tiegrad._threads.share``'s pool (``_rows_parallel``). One, because
+BLAS's threads own the other cores: on 2 cores with MKL on 2 threads, W1 and W3 ran
+10-15% slower with the kernels' blocks shared between two pool threads (ratios to
+PyTorch 1.09-1.11 and 1.18-1.19 against 1.04 and 1.13 on one thread, load ~1).
+Like MKL's products, the kernels do not report overflow or invalid operations to
+``np.errstate``.
 Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
 """
 
@@ -133,8 +136,8 @@ _F32_MAX = float(np.finfo(np.float32).max)
 # whose batched GEMM pays a fixed cost per call and splits a batch across its threads,
 # fewer, larger blocks won (W1: 60.4 against 64.3 ms per step at 32768).
 def _block() -> int:
-    """Elements per block (above); loads MKL on the first call, as a product would."""
-    return 1 << 19 if blas.LIBRARY else 32768
+    """Elements per block (above); loads nothing (MKL loads at the first product)."""
+    return 1 << 19 if blas.MAY_LOAD else 32768
 
 
 _GELU_BLOCK = 65536  # the GELU kernel's block: six float32 buffers of it fit in L2 cache
@@ -159,7 +162,10 @@ def _normal_tail(a: np.ndarray, t: np.ndarray, e: np.ndarray, out: np.ndarray) -
 
 
 _SHARES = 2  # blocks per thread when a kernel call is shared
-_SHARE_MIN = 1 << 15  # elements of the smallest shared block
+# Elements of the smallest shared block: about 30 us of GELU, three times what handing
+# blocks to a pool thread costs (``_threads.share`` of 2 items on 2 threads: 6 us at
+# best, 10 us median, 2 cores under load).
+_SHARE_MIN = 1 << 16
 
 
 def _parallel(run: Callable[[int, int], None], n_blocks: int, threads: int) -> None:
@@ -259,7 +265,7 @@ def _shared_elementwise(a: np.ndarray, b: np.ndarray) -> Any:
     """The host kernels for an elementwise op of ``a`` and ``b`` worth sharing, else None.
 
     Both float32, C-contiguous, of one shape, and large enough for two threads; a
-    smaller call is faster in one NumPy loop than through a kernel's job.
+    smaller call is faster in one NumPy loop than through the kernel's blocks.
     """
     if a.shape != b.shape or a.size < 2 * _SHARE_MIN:
         return None
@@ -303,10 +309,6 @@ def _rows_parallel(
     On several threads the blocks are also small enough for ``_SHARES`` of them per
     thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
     A block holds a multiple of ``align`` rows.
-    Where MKL has lent its OpenMP team (``tiegrad._threads.TEAM``), every call runs the
-    kernel's C entry point (``host_kernels.entries``), on one thread or several, and
-    on the caller alone in a forked child that gave the team up: one code path whatever
-    the call's size, the threads and a fork.
     """
     threads = _threads.count()
     per_block = _rows_per_block(row_size)
@@ -314,13 +316,7 @@ def _rows_parallel(
         least = -(-_SHARE_MIN // max(1, row_size))
         per_block = min(per_block, max(least, -(-rows // (threads * _SHARES))))
     per_block = -(-per_block // align) * align
-    entry = kernels.entries().get(name) if _threads.TEAM is not None else None
-    if entry is None:
-        _ranges_parallel(getattr(kernels, name), rows, per_block, threads, *args)
-        return
-    n_blocks = -(-rows // per_block)
-    job = kernels.job(n_blocks, per_block, rows, row_size, args)
-    _threads.launch(entry, kernels.address(job), max(1, min(threads, n_blocks)))
+    _ranges_parallel(getattr(kernels, name), rows, per_block, threads, *args)
 
 
 _add_reduce = np.add.reduce

@@ -1,14 +1,12 @@
-"""The host kernels on MKL's OpenMP team (``host_kernels.entries``, issue 9).
+"""The host kernels on several threads (``numpy_backend._rows_parallel``, issue 17).
 
-Where MKL lends its team, every float32 kernel call of the NumPy backend runs the
-kernel's C entry point. Its results must not depend on the number of threads or on how
-the call is cut into blocks, must agree with the jitted kernels (the route without a
-team) to float32 rounding, and bad layouts must still take the NumPy path.
+Every float32 kernel call of the NumPy backend runs its blocks on the pool of
+``tiegrad._threads``. Its results must not depend on the number of threads or on how
+the call is cut into blocks, bad layouts must still take the NumPy path, and a kernel
+called with operands that disagree raises before it writes anything.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,14 +14,9 @@ import pytest
 numba = pytest.importorskip("numba")
 
 import tiegrad.backend.numpy_backend as nb  # noqa: E402
-from tiegrad import _threads  # noqa: E402
-from tiegrad.backend import NUMPY, blas  # noqa: E402
+from tiegrad.backend import NUMPY  # noqa: E402
 
-_LENT = _threads.TEAM if blas.LIBRARY else None  # MKL lends its team as it loads
-pytestmark = [
-    pytest.mark.skipif(_LENT is None, reason="no OpenMP team: oneMKL is not loaded"),
-    pytest.mark.skipif(not nb._numba.ENABLED, reason="the kernels are switched off"),
-]
+pytestmark = pytest.mark.skipif(not nb._numba.ENABLED, reason="the kernels are switched off")
 
 D = 96  # the row size of the row kernels
 
@@ -61,49 +54,26 @@ def operands():
     return x, g.standard_normal(D).astype(np.float32), g.standard_normal(D).astype(np.float32)
 
 
-def _route(monkeypatch, threads, team, share_min=1 << 15):
+def _route(monkeypatch, threads, share_min=nb._SHARE_MIN):
     monkeypatch.setenv("TIEGRAD_NUM_THREADS", str(threads))
-    monkeypatch.setattr(_threads, "TEAM", team)
     monkeypatch.setattr(nb, "_SHARE_MIN", share_min)
 
 
 def test_results_do_not_depend_on_threads_or_blocks(monkeypatch, operands):
-    _route(monkeypatch, 1, _LENT)
+    _route(monkeypatch, 1)
     want = _calls(*operands)
     for threads, share_min in ((2, 1 << 15), (2, 500), (3, 97)):
-        _route(monkeypatch, threads, _LENT, share_min)
+        _route(monkeypatch, threads, share_min)
         got = _calls(*operands)
         for name, arrays in want.items():
             for a, b in zip(arrays, got[name]):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name} on {threads} threads")
 
 
-def test_a_process_without_its_team_keeps_the_bits(monkeypatch, operands):
-    # a forked child that gave a GNU OpenMP team up runs the entry points on its own thread
-    _route(monkeypatch, 2, _LENT, 500)
-    want = _calls(*operands)
-    gone = SimpleNamespace(size=_LENT.size, survives_fork=False, pid=-1)  # lent by a parent
-    _route(monkeypatch, 2, gone, 500)
-    got = _calls(*operands)
-    for name, arrays in want.items():
-        for a, b in zip(arrays, got[name]):
-            np.testing.assert_array_equal(a, b, err_msg=name)
-
-
-def test_the_team_agrees_with_the_jitted_kernels(monkeypatch, operands):
-    _route(monkeypatch, 1, None)
-    want = _calls(*operands)
-    _route(monkeypatch, 2, _LENT, 500)
-    got = _calls(*operands)
-    for name, arrays in want.items():
-        for a, b in zip(arrays, got[name]):
-            np.testing.assert_allclose(b, a, rtol=2e-6, atol=1e-6, err_msg=name)
-
-
 def test_gelu_vjp_is_the_exact_product(monkeypatch, operands):
     x = operands[0]
     saved = NUMPY.gelu(x)[1]
-    _route(monkeypatch, 2, _LENT, 500)
+    _route(monkeypatch, 2, 500)
     np.testing.assert_array_equal(NUMPY.gelu_vjp(x, saved), x * saved)
     wide = x.astype(np.float64)  # another dtype: NumPy's promotion, no kernel
     assert NUMPY.gelu_vjp(wide, saved).dtype == np.float64
@@ -111,19 +81,8 @@ def test_gelu_vjp_is_the_exact_product(monkeypatch, operands):
     np.testing.assert_array_equal(NUMPY.gelu_vjp(strided, saved[::2]), strided * saved[::2])
 
 
-def test_a_job_holds_addresses_and_float32_bits():
-    from tiegrad.backend import host_kernels
-
-    a = np.zeros((4, 3), np.float32)
-    job = host_kernels.job(2, 3, 4, 3, (a, 1e-5))
-    assert job.dtype == np.int64 and job.flags.c_contiguous
-    assert list(job[:5]) == [0, 2, 3, 4, 3]
-    assert job[5] == a.ctypes.data
-    assert np.int32(job[6]).view(np.float32) == np.float32(1e-5)
-
-
 def test_kernels_never_write_into_read_only_arrays(monkeypatch):
-    _route(monkeypatch, 2, _LENT, 500)
+    _route(monkeypatch, 2, 500)
     x = np.random.default_rng(3).standard_normal((1000, D)).astype(np.float32)
     before = x.copy()
     x.flags.writeable = False
@@ -135,7 +94,7 @@ def test_kernels_never_write_into_read_only_arrays(monkeypatch):
 
 
 def test_layer_norm_column_sums_are_the_weight_and_bias_cotangents(monkeypatch):
-    _route(monkeypatch, 2, _LENT, 500)
+    _route(monkeypatch, 2, 500)
     g = np.random.default_rng(5)
     rows = g.standard_normal((1001, D)).astype(np.float32)
     w = g.standard_normal(D).astype(np.float32)
@@ -149,3 +108,53 @@ def test_layer_norm_column_sums_are_the_weight_and_bias_cotangents(monkeypatch):
         None,
         None,
     )
+
+
+def _mismatched():
+    """Calls of every kernel with one operand too short: (name, call, arrays it may write)."""
+    f = np.float32
+    a, short = np.ones(64, f), np.ones(63, f)
+    rows, few = np.ones((8, 4), f), np.ones((7, 4), f)
+    vec, col = np.ones(4, f), np.ones((8, 1), f)
+    part = np.zeros((1, 4), f)
+    out = np.zeros(64, f)
+    return [
+        ("relu", lambda k: k.relu(a, short, 0, 64), short),
+        ("relu_vjp", lambda k: k.relu_vjp(a, short, out, 0, 64), out),
+        ("multiply", lambda k: k.multiply(short, a, out, 0, 64), out),
+        ("add", lambda k: k.add(a, a, short, 0, 64), short),
+        ("gelu", lambda k: k.gelu(a, out, short, 0, 64), out),
+        ("add_row_vector", lambda k: k.add_row_vector(rows, short, 0, 8), rows),
+        ("add_row_vector", lambda k: k.add_row_vector(rows, vec, 0, 9), rows),
+        ("index_add_rows", lambda k: k.index_add_rows(rows, np.array([0, 8]), few[:2]), rows),
+        ("index_add_rows", lambda k: k.index_add_rows(rows, np.array([0, 1]), few[:1]), rows),
+        ("layer_norm", lambda k: k.layer_norm(rows, vec, vec, 1e-5, few, col, rows, 0, 8), few),
+        (
+            "layer_norm",
+            lambda k: k.layer_norm(rows, vec, vec, 1e-5, rows, col[:7], rows, 0, 8),
+            rows,
+        ),  # fmt: skip
+        (
+            "layer_norm_backward",
+            lambda k: k.layer_norm_backward(rows, vec, rows, col, few, part, part, 0, 8),
+            few,
+        ),
+        (
+            "layer_norm_backward",
+            lambda k: k.layer_norm_backward(rows, vec, rows, col, rows, part[:0], part, 0, 8),
+            rows,
+        ),  # fmt: skip
+        ("softmax", lambda k: k.softmax(few, 0, 8), few),
+        ("softmax_backward", lambda k: k.softmax_backward(rows, few, 0, 8), rows),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_mismatched())))
+def test_a_kernel_raises_on_operands_that_disagree_and_writes_nothing(case):
+    from tiegrad.backend import host_kernels
+
+    name, call, written = _mismatched()[case]
+    before = written.copy()
+    with pytest.raises(ValueError, match=name):
+        call(host_kernels)
+    np.testing.assert_array_equal(written, before)
