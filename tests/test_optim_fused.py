@@ -452,9 +452,8 @@ def test_a_forked_child_steps_after_its_parent_used_the_threads(small_chunks):
         try:
             opt.step([grad])
             right = np.array_equal(plist[0].value, expected)
-            if _threads.team() is None:  # the pool route: the child's own pool, threads alive
-                threads = _threads._pool._threads
-                right = right and bool(threads) and all(t.is_alive() for t in threads)
+            threads = _threads._pool._threads  # the child's own pool, its threads alive
+            right = right and bool(threads) and all(t.is_alive() for t in threads)
             os.write(write, b"ok" if right else b"bad")
         finally:
             os._exit(0)

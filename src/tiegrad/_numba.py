@@ -1,8 +1,8 @@
 """numba, the compiler of tiegrad's fused host kernels (a default dependency where it has wheels).
 
 Two kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates) and
-``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows, and their C entry
-points for an OpenMP team). ``ENABLED`` is the one switch for compiled kernels: false
+``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows and their VJPs).
+``ENABLED`` is the one switch for compiled kernels: false
 when the environment sets ``TIEGRAD_NO_NUMBA`` to anything but ``""`` or ``"0"`` (read at
 import), or when a program sets it to False; the NumPy code paths then run
 everywhere. ``kernels`` is how every caller asks: the kernel module, or None where the

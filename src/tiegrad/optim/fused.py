@@ -3,7 +3,7 @@
 ``Optimizer.step`` uses it for every parameter of a dtype in ``DTYPES`` where
 ``tiegrad._numba`` has the kernels (its ``ENABLED`` switch, ``TIEGRAD_NO_NUMBA``). Both
 paths compute the same values bit for bit (see ``kernels``); only the speed differs.
-numba is the optional extra ``tiegrad[fast]``; ``kernels`` says why this dependency.
+numba is a default dependency where it has wheels; ``kernels`` says why this dependency.
 
 Work. A step plan's program (``optim.plan``) gives each fused dtype a ``Layout``: its
 canonical slots (C5) in order, cut into ``Piece``s of up to ``GROUP`` consecutive slots of
@@ -16,7 +16,8 @@ buffer per name and dtype), made once per program.
 
 Threads. A run or check of at least ``2 * CHUNK_MIN`` elements shares its pieces among up
 to ``tiegrad._threads.count(CORES)`` threads (read at every step: ``TIEGRAD_NUM_THREADS``,
-else the threads the host backend has, else the cores), the caller's among them (the
+else the cores capped by the BLAS libraries' current thread counts, ``threadpoolctl``
+limits included), the caller's among them (the
 kernels release the GIL), through ``tiegrad._threads.share``.
 """
 
