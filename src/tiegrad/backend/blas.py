@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _numba, _threads
+from .. import _threads
 from ..errors import ConfigError
 from .base import scale_into
 
@@ -287,14 +287,8 @@ def _byte_offsets(strides: tuple[int, ...], batch: tuple[int, ...], item: int) -
     return offsets
 
 
-def address_of() -> Callable[[np.ndarray], int]:
-    """``x -> x.ctypes.data``, compiled by numba where it loads (a tenth of the time)."""
-    kernels = _numba.kernels("tiegrad.backend.host_kernels")
-    return kernels.address if kernels is not None else _ctypes_address
-
-
-def _ctypes_address(x: np.ndarray) -> int:
-    """``x.ctypes.data``."""
+def _address(x: np.ndarray) -> int:
+    """The address of ``x``'s first element (NumPy's documented ``ctypes.data``)."""
     return x.ctypes.data
 
 
@@ -384,10 +378,9 @@ def _matrix_product(
     lc = _matrix(m, n, out.strides[-2] // item, out.strides[-1] // item)
     if lc is None or lc[0] != _NO_TRANS or lc[1] > _INT_MAX:
         return None
-    address = address_of()
     if a.ndim == 2 and b.ndim == 2:
-        kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, address(a), la[1],
-             address(b), lb[1], 0.0, address(out), lc[1])  # fmt: skip
+        kernels.gemm(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, _address(a), la[1],
+             _address(b), lb[1], 0.0, _address(out), lc[1])  # fmt: skip
         return None if _refused() else out
     count = math.prod(batch)
     strides_c = _batch_strides(batch, out.strides[:-2], batch, item)
@@ -400,22 +393,22 @@ def _matrix_product(
     if sc is not None and sc < lc[1] * m:  # MKL's strided call rejects it
         sc = lc[1] * m if count == 1 else None  # interleaved destinations: by address
     if sa is not None and sb is not None and sc is not None and max(sa, sb, sc) <= _INT_MAX:
-        kernels.gemm_batch_strided(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, address(a),
-                                   la[1], sa, address(b), lb[1], sb, 0.0, address(out),
+        kernels.gemm_batch_strided(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, _address(a),
+                                   la[1], sa, _address(b), lb[1], sb, 0.0, _address(out),
                                    lc[1], sc, count)  # fmt: skip
         return None if _refused() else out
     # One group of ``count`` products given by address: any batch strides, one call.
-    pa = _addresses(address(a), strides_a, batch, item)
-    pb = _addresses(address(b), strides_b, batch, item)
-    pc = _addresses(address(out), strides_c, batch, item)
+    pa = _addresses(_address(a), strides_a, batch, item)
+    pb = _addresses(_address(b), strides_b, batch, item)
+    pc = _addresses(_address(out), strides_c, batch, item)
     sizes = np.array([la[0], lb[0], m, n, k, la[1], lb[1], lc[1], count], np.int32)
     scalars = np.array([alpha, 0.0], a.dtype)
-    at = address(sizes)
-    ax = address(scalars)
+    at = _address(sizes)
+    ax = _address(scalars)
     i4, f = 4, a.itemsize
     kernels.gemm_batch(_ROW_MAJOR, at, at + i4, at + 2 * i4, at + 3 * i4, at + 4 * i4, ax,
-                       address(pa), at + 5 * i4, address(pb), at + 6 * i4, ax + f,
-                       address(pc), at + 7 * i4, 1, at + 8 * i4)  # fmt: skip
+                       _address(pa), at + 5 * i4, _address(pb), at + 6 * i4, ax + f,
+                       _address(pc), at + 7 * i4, 1, at + 8 * i4)  # fmt: skip
     return None if _refused() else out
 
 
@@ -428,8 +421,7 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
         ia, ib = a.strides[0] // item, b.strides[0] // item
         if min(ia, ib) <= 0 or max(ia, ib, a.size) > _INT_MAX:
             return None
-        address = address_of()
-        value = kernels.dot(a.size, address(a), ia, address(b), ib)
+        value = kernels.dot(a.size, _address(a), ia, _address(b), ib)
         return None if _refused() else a.dtype.type(value)
     mat, vec = (a, b) if b.ndim == 1 else (b, a)
     rows, cols = mat.shape
@@ -442,7 +434,6 @@ def _vector_product(kernels: _Kernels, a: np.ndarray, b: np.ndarray) -> Any:
         trans = _TRANS if trans == _NO_TRANS else _NO_TRANS
     stored_rows, stored_cols = (rows, cols) if layout[0] == _NO_TRANS else (cols, rows)
     out = np.empty(cols if mat is b else rows, a.dtype)
-    address = address_of()
-    kernels.gemv(_ROW_MAJOR, trans, stored_rows, stored_cols, 1.0, address(mat), ld,
-                 address(vec), inc, 0.0, address(out), 1)  # fmt: skip
+    kernels.gemv(_ROW_MAJOR, trans, stored_rows, stored_cols, 1.0, _address(mat), ld,
+                 _address(vec), inc, 0.0, _address(out), 1)  # fmt: skip
     return None if _refused() else out

@@ -2,8 +2,9 @@
 products and sums, a scatter-add of rows, layer norm, softmax.
 
 Imported only through ``tiegrad._numba.kernels``, by ``numpy_backend``, which decides when
-to use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
-``blas`` for ``address``. Every kernel takes arrays and scalars, and the elementwise
+to use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``). numba
+compiles each kernel on its first call, so a kernel a process never calls costs it no
+compile time. Every kernel takes arrays and scalars, and the elementwise
 and row kernels the range ``lo .. hi`` of elements or rows they handle; they release
 the GIL, so ``numpy_backend`` runs the blocks of one call on several threads of
 ``tiegrad._threads``' pool. A kernel raises ``ValueError`` before it writes anything
@@ -73,12 +74,6 @@ _TAIL_C = (
 )
 _INV_SQRT_2PI = _F(1.0 / math.sqrt(2.0 * math.pi))
 _F32_MAX = _F(np.finfo(np.float32).max)
-
-
-@_numba.jit()
-def address(x: np.ndarray) -> int:
-    """The address of ``x``'s first element: ``x.ctypes.data``, about 0.5 instead of 1.7 us."""
-    return x.ctypes.data
 
 
 @intrinsic

@@ -264,10 +264,11 @@ def _outputs_apart(x: np.ndarray, count: int) -> list[np.ndarray]:
 def _shared_elementwise(a: np.ndarray, b: np.ndarray) -> Any:
     """The host kernels for an elementwise op of ``a`` and ``b`` worth sharing, else None.
 
-    Both float32, C-contiguous, of one shape, and large enough for two threads; a
-    smaller call is faster in one NumPy loop than through the kernel's blocks.
+    Both float32, C-contiguous, of one shape, large enough for two threads, and more
+    than one thread asked for: NumPy's one loop computes the same bits as fast on one
+    thread, and a kernel never called is never compiled (a shorter cold start).
     """
-    if a.shape != b.shape or a.size < 2 * _SHARE_MIN:
+    if a.shape != b.shape or a.size < 2 * _SHARE_MIN or _threads.count() < 2:
         return None
     return _fused_kernels(a, b)
 
@@ -414,7 +415,7 @@ class NumpyBackend(Backend):
 
     def add_(self, x: Array, b: Array) -> Array:
         n = x.shape[-1] if x.ndim else 0
-        if b.ndim == 1 and b.shape[0] == n and x.size >= 2 * _SHARE_MIN:
+        if b.ndim == 1 and b.shape[0] == n and _shared_elementwise(x, x) is not None:
             kernels = _fused_kernels(b, written=x)
             if kernels is not None:
                 _rows_parallel(kernels, "add_row_vector", x.size // n, n, x.reshape(-1, n), b)
@@ -423,7 +424,7 @@ class NumpyBackend(Backend):
         return x
 
     def gelu_vjp(self, g: Array, saved: Array) -> Array:
-        kernels = _fused_kernels(g, saved) if g.shape == saved.shape else None
+        kernels = _shared_elementwise(g, saved)
         if kernels is None:
             return super().gelu_vjp(g, saved)
         return _elementwise(kernels, "multiply", g, saved)
