@@ -12,6 +12,7 @@ lengthens the step) and the process's CPU milliseconds of the step.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -36,14 +37,11 @@ def _tiegrad_worker(rank: int) -> Any:
     # no checksum: the local steps let the replicas drift apart on purpose
     parallel = dist.DataParallel(model, check_every=2**62)
     session = EagerSession()
-    batches = _shards(data["batches"], rank)
+    batches = itertools.cycle(_shards(data["batches"], rank))
     first = _first_all_reduce()
-    i = 0
 
     def step(kind: str) -> tuple[float, float]:
-        nonlocal i
-        x, y = batches[i % len(batches)]
-        i += 1
+        x, y = next(batches)
         first.clear()
         loss = w1.TIEGRAD.loss(model, session, x, y)
         if kind == "step":
@@ -109,13 +107,10 @@ def _torch_worker(rank: int) -> Any:
 
     ddp.register_comm_hook(dist.group.WORLD, timed_allreduce)
     optimizer = w1.TORCH.optimizer(ddp.parameters())
-    batches = torch_batches(_shards(data["batches"], rank))
-    i = 0
+    batches = itertools.cycle(torch_batches(_shards(data["batches"], rank)))
 
     def step(kind: str) -> tuple[float, float]:
-        nonlocal i
-        x, y = batches[i % len(batches)]
-        i += 1
+        x, y = next(batches)
         first.clear()
         optimizer.zero_grad(set_to_none=True)
         with contextlib.nullcontext() if kind == "step" else ddp.no_sync():

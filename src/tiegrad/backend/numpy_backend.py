@@ -268,9 +268,15 @@ def _shared_elementwise(a: np.ndarray, b: np.ndarray) -> Any:
     than one thread asked for: NumPy's one loop computes the same bits as fast on one
     thread, and a kernel never called is never compiled (a shorter cold start).
     """
-    if a.shape != b.shape or a.size < 2 * _SHARE_MIN or _threads.count() < 2:
+    if a.shape != b.shape or not _worth_sharing(a):
         return None
     return _fused_kernels(a, b)
+
+
+def _worth_sharing(a: np.ndarray) -> bool:
+    """Whether an elementwise call over ``a`` is large enough for two threads, and more
+    than one thread is asked for."""
+    return a.size >= 2 * _SHARE_MIN and _threads.count() >= 2
 
 
 def _elementwise(kernels: Any, name: str, *inputs: np.ndarray, outputs: int = 1) -> Any:
@@ -415,8 +421,8 @@ class NumpyBackend(Backend):
 
     def add_(self, x: Array, b: Array) -> Array:
         n = x.shape[-1] if x.ndim else 0
-        if b.ndim == 1 and b.shape[0] == n and _shared_elementwise(x, x) is not None:
-            kernels = _fused_kernels(b, written=x)
+        if b.ndim == 1 and b.shape[0] == n and _worth_sharing(x):
+            kernels = _fused_kernels(x, b, written=x)
             if kernels is not None:
                 _rows_parallel(kernels, "add_row_vector", x.size // n, n, x.reshape(-1, n), b)
                 return x
