@@ -60,13 +60,16 @@ class ParameterStorage:
     """One mutable parameter cell: host value, optional device mirror, host-current flag.
 
     ``shape`` and ``dtype`` are fixed at creation. Create storages through ``Param``;
-    the constructor takes ownership of ``value`` without copying it.
+    the constructor takes ownership of ``value`` without copying it (as ``commit_host``
+    does): the storage keeps that array writable for in-place updates and hands out
+    ``host``, a read-only view of it, so that an update needs no flag change.
     """
 
     __slots__ = (
         "shape",
         "dtype",
         "_host",
+        "_owned",
         "_mirror",
         "_host_current",
         "_pins",
@@ -82,8 +85,7 @@ class ParameterStorage:
             raise DTypeError(f"a parameter needs a floating dtype, got {value.dtype.name}")
         self.shape: tuple[int, ...] = tuple(value.shape)
         self.dtype: np.dtype = value.dtype
-        value.flags.writeable = False
-        self._host = value
+        self._owned, self._host = _owned_and_view(value)
         self._mirror: Any = None
         self._host_current = True
         self._pins: list[tuple[weakref.ref, int]] = []
@@ -165,9 +167,7 @@ class ParameterStorage:
         self.sync()
         if self._pinned():
             return self._host.copy()
-        arr = self._host
-        arr.flags.writeable = True
-        return arr
+        return self._owned
 
     def commit_host(self, arr: np.ndarray) -> None:
         """Install an owned array of the right shape and dtype as the host value.
@@ -180,10 +180,9 @@ class ParameterStorage:
         self._host_current = True
 
     def _install_host(self, arr: np.ndarray) -> None:
-        if arr is not self._host:
+        if arr is not self._owned:
             self._pins = []
-        arr.flags.writeable = False
-        self._host = arr
+            self._owned, self._host = _owned_and_view(arr)
 
     # -- device side (C7) -------------------------------------------------------------
     def device_value(self, backend: Backend) -> Any:
@@ -313,6 +312,19 @@ class ParameterStorage:
     def _mirror_to_numpy(self) -> np.ndarray:
         m = self._mirror
         return m.detach().cpu().numpy() if hasattr(m, "detach") else np.asarray(m)
+
+
+def _owned_and_view(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``arr`` made writable (a copy where it cannot be) and a read-only view of it: a
+    storage updates the first in place and hands out the second."""
+    if not arr.flags.writeable:
+        try:
+            arr.setflags(write=True)
+        except ValueError:  # a view of read-only memory
+            arr = arr.copy()
+    view = arr.view()
+    view.setflags(write=False)
+    return arr, view
 
 
 def _prune(pins: list[tuple[weakref.ref, int]]) -> bool:
