@@ -205,6 +205,20 @@ def test_resume_continues_exactly(tmp_path, job):
     assert [s for s in steps if s] == sorted(steps)  # no duplicated steps after resume
 
 
+def test_resuming_a_finished_run_takes_no_step_and_evaluates_nothing(tmp_path):
+    first, trained, _ = text_job(tmp_path, max_steps=5, eval_every=3)
+    done = first.fit()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    again, model, _ = text_job(tmp_path, max_steps=5, eval_every=3, resume=True)
+    evaluations = []
+    again.evaluate = lambda: evaluations.append(1)
+    result = again.fit()
+    assert evaluations == [] and result.process_steps == 0 and result.step == 5
+    assert result.best_val_loss == done.best_val_loss
+    assert_same(values(model), values(trained))
+    assert read_metrics(tmp_path / "metrics.jsonl") == records  # nothing written twice
+
+
 def test_early_stopping_after_patience(tmp_path):
     trainer, _, opt = mlp_job(tmp_path, max_steps=100, eval_every=2, patience=2)
     opt.param_groups[0]["lr"] = 0.0  # the validation loss can never improve

@@ -624,8 +624,9 @@ class Trainer:
                     if stop_signal is not None:
                         status = "interrupted"
                         break
-                if (
+                if (  # a resumed run that was already finished takes no step: no eval
                     status != "interrupted"
+                    and self.step > first_step
                     and self.val_data is not None
                     and (self.eval_every is None or self.step % self.eval_every != 0)
                 ):
