@@ -115,7 +115,7 @@ def test_a_module_with_the_numpy_bits_is_none_until_ready(loads):
     assert _numba._deferred == {}
 
 
-def test_the_first_use_of_another_module_waits_until_ready(loads):
+def test_the_first_use_of_a_waited_for_module_waits_until_ready(loads):
     ready = threading.Event()
     _numba.defer("pkg.a", ready, wait=True)
     threading.Timer(0.2, ready.set).start()
@@ -237,14 +237,16 @@ def test_without_compiled_kernels_the_children_are_stopped(monkeypatch):
     assert compiling.loaders == [] and _numba._deferred == {}
 
 
-def test_only_the_optimizer_kernels_run_on_numpy_meanwhile():
+@pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
+def test_the_run_waits_for_the_host_kernels_and_steps_on_numpy_for_the_optimizer(monkeypatch):
     # The optimizer's kernels give the NumPy code's bytes (test_optim_fused); the host
     # kernels round differently from it (test_host_kernels compares within a tolerance).
-    assert precompile.SAME_BITS == {"tiegrad.optim.kernels"}
-    assert {part.module for part in precompile.PARTS.values()} == {
-        "tiegrad.optim.kernels",
-        "tiegrad.backend.host_kernels",
-    }
+    monkeypatch.setattr(_numba, "ENABLED", True)
+    monkeypatch.setattr(_numba, "_deferred", {})
+    compiling = precompile.Precompiling({part: _child("pass") for part in precompile.PARTS})
+    waits = {module: wait for module, (_, wait) in _numba._deferred.items()}
+    compiling.stop()
+    assert waits == {"tiegrad.backend.host_kernels": True, "tiegrad.optim.kernels": False}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
