@@ -155,7 +155,9 @@ def _manifest_path(kernels: Any, part: str) -> str | None:
     """Where the child of ``part`` lists the signatures it compiled into numba's cache:
     in the cache folder of the module ``kernels``, under a name that changes with
     numba's version, the Python's and the module's source (numba's own index of the
-    cached code changes with them too); None where the module's kernels have no cache."""
+    cached code changes with them too); None where the module's kernels have no cache.
+    A list that misses a signature the run needs (a changed caller) only costs time: the
+    run compiles it itself."""
     dispatchers = [obj for obj in vars(kernels).values() if _is_kernel(obj)]
     folder = dispatchers[0].stats.cache_path if dispatchers else None
     if not folder:
@@ -177,7 +179,8 @@ def _is_kernel(obj: Any) -> bool:
 
 def _read_signatures(path: str | None) -> dict[str, list[Any]]:
     """The signatures listed at ``path`` (kernel name -> numba signatures), or none where
-    there is no such file or it is incomplete."""
+    there is no such file or it is incomplete. A pickle, as numba's own index files in
+    that folder are."""
     if path is None:
         return {}
     try:
