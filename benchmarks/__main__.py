@@ -3,8 +3,8 @@
 ``python -m benchmarks profile W1 [SIDE] [--steps N] [--top K]`` prints a cProfile of
 one side's steps (default side ``tiegrad``).
 
-``python -m benchmarks cold-start [--steps N] [--repeats R] [--kernels]`` times the first
-steps of ``tiegrad train`` with an empty compile cache (``benchmarks.cold_start``).
+``python -m benchmarks cold-start [--steps N] [--repeats R] [--children] [--kernels]`` times
+the first steps of ``tiegrad train`` with an empty compile cache (``benchmarks.cold_start``).
 
 ``python -m benchmarks rss WORKLOAD SIDE [--quick]`` is the peak-RSS subprocess the
 runner spawns per side; it prints one JSON line.
@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     cold = sub.add_parser("cold-start", help="first steps of tiegrad train, empty compile cache")
     cold.add_argument("--steps", type=int, default=2, help="steps per tiegrad train run")
     cold.add_argument("--repeats", type=int, default=3, help="rounds of the three routes")
+    cold.add_argument(
+        "--children",
+        action="store_true",
+        help="the command starts its compile children whatever the load (an idle machine)",
+    )
     cold.add_argument("--kernels", action="store_true", help="per-kernel compile seconds instead")
     args = parser.parse_args(argv)
 

@@ -1,11 +1,14 @@
 """The cold start of ``tiegrad train``: the first step with an empty compile cache (issue 17).
 
-``python -m benchmarks cold-start [--steps N] [--repeats R] [--kernels]``. Each repeat runs
-``tiegrad train --steps N --no-progress`` (the default model; the console script's code,
-``python -m _tiegrad_launcher``) in a child process four ways, and reads the step times
+``python -m benchmarks cold-start [--steps N] [--repeats R] [--children] [--kernels]``.
+Each repeat runs ``tiegrad train --steps N --no-progress`` (the default model; the
+console script's code, ``python -m _tiegrad_launcher``) in a child process four ways,
+and reads the step times
 from the run's ``metrics.jsonl`` (``elapsed``: seconds since the training loop started):
 
 - ``cold``: numba on, ``NUMBA_CACHE_DIR`` a fresh empty folder (a first run after install);
+  the command starts its compile children only where a CPU is idle (the load average),
+  ``--children`` makes it start them whatever the load (the command on an idle machine);
 - ``cold in-process``: the same with ``python -m tiegrad``, which starts no compile
   children (``tiegrad.train.precompile``): the run compiles every kernel itself;
 - ``cached``: the same folder again (every later run);
@@ -40,18 +43,24 @@ from . import thread_environment
 
 KERNEL_MODULES = ("tiegrad.backend.host_kernels", "tiegrad.optim.kernels")
 ROUTES = ("cold", "cold in-process", "cached", "numpy")
-LAUNCHER = "_tiegrad_launcher"  # the console script: starts the compile children
+LAUNCHER = ["-m", "_tiegrad_launcher"]  # the console script: starts the compile children
+# The console script as on an idle machine: it starts its children whatever the load.
+WITH_CHILDREN = [
+    "-c",
+    "import sys, _tiegrad_launcher as m; m.idle_cpus = lambda: 2.0; sys.exit(m.main())",
+]
+IN_PROCESS = ["-m", "tiegrad"]  # the package's entry point: no compile children
 TIMEOUT_S = 600
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_train(
-    folder: Path, steps: int, env: dict[str, str], entry: str = LAUNCHER
+    folder: Path, steps: int, env: dict[str, str], entry: list[str] = LAUNCHER
 ) -> dict[str, float]:
-    """One ``tiegrad train --steps steps`` (``python -m entry``) in ``folder``: the first
+    """One ``tiegrad train --steps steps`` (``python *entry``) in ``folder``: the first
     and second step and the wall clock, in seconds."""
     run = folder / f"run-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", entry, "train", "--steps", str(steps)]
+    command = [sys.executable, *entry, "train", "--steps", str(steps)]
     command += ["--no-progress", "--run", str(run)]
     t0, cpu0 = time.perf_counter(), _children_cpu()
     done = subprocess.run(
@@ -72,8 +81,9 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(steps: int, repeats: int) -> dict[str, list[dict[str, float]]]:
-    """``repeats`` rounds of the three routes, each cold run with its own empty cache."""
+def measure(steps: int, repeats: int, children: bool = False) -> dict[str, list[dict[str, float]]]:
+    """``repeats`` rounds of the four routes, each cold run with its own empty cache;
+    ``children``: the command starts its compile children whatever the load."""
     results: dict[str, list[dict[str, float]]] = {route: [] for route in ROUTES}
     base = thread_environment()
     base.pop("TIEGRAD_NO_NUMBA", None)
@@ -81,11 +91,13 @@ def measure(steps: int, repeats: int) -> dict[str, list[dict[str, float]]]:
         with tempfile.TemporaryDirectory(prefix="tiegrad-cold-") as tmp:
             folder = Path(tmp)
             env = dict(base, NUMBA_CACHE_DIR=str(folder / "numba-cache"))
-            results["cold"].append(run_train(folder, steps, env))
+            command = WITH_CHILDREN if children else LAUNCHER
+            results["cold"].append(run_train(folder, steps, env, command))
             fresh = dict(env, NUMBA_CACHE_DIR=str(folder / "numba-cache-2"))
-            results["cold in-process"].append(run_train(folder, steps, fresh, "tiegrad"))
-            results["cached"].append(run_train(folder, steps, env))
-            results["numpy"].append(run_train(folder, steps, dict(env, TIEGRAD_NO_NUMBA="1")))
+            results["cold in-process"].append(run_train(folder, steps, fresh, IN_PROCESS))
+            results["cached"].append(run_train(folder, steps, env, command))
+            numpy = dict(env, TIEGRAD_NO_NUMBA="1")
+            results["numpy"].append(run_train(folder, steps, numpy, command))
     return results
 
 
@@ -176,7 +188,9 @@ def main(args: Any) -> int:
     if args.kernels:
         print(kernel_times())
     else:
-        print(format_table(measure(args.steps, args.repeats)))
+        print(format_table(measure(args.steps, args.repeats, args.children)))
+        if args.children:
+            print("(--children: the command started its compile children whatever the load)")
     return 0
 
 

@@ -17,19 +17,21 @@ from typing import Any
 
 EXIT_INTERRUPTED = 130
 TRAINING_COMMANDS = ("train", "resume")
-# The kernel modules a training step uses: one child each (tiegrad.train.precompile.PARTS).
-PRECOMPILED = ("tiegrad.backend.host_kernels", "tiegrad.optim.kernels")
+# The parts of a training step that compile kernels: one child each
+# (tiegrad.train.precompile.PARTS).
+PRECOMPILED = ("forward", "backward", "optimizer")
 # A child runs one small step: more threads than one would only slow the others.
 CHILD_THREADS = ("TIEGRAD_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 MIN_IDLE_CPUS = 1.0
 
 
 def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
-    """The compile children for the command line ``argv`` (module name -> process):
-    none but for a training command in this process (not ``--nproc``, which relaunches,
-    nor ``--help``), and none unless a CPU is idle for them besides this process's own
+    """The compile children for the command line ``argv`` (part name -> process): none
+    but for a training command in this process (not ``--nproc``, which relaunches, nor
+    ``--help``), and none unless a CPU is idle for them besides this process's own
     (``idle_cpus``): on a busy machine they would only compete with the command for the
-    same CPUs, and the command compiles its kernels itself, as fast without them."""
+    same CPUs, and the command compiles its kernels itself, as fast without them. The
+    run stops those whose kernels it finds in the cache already."""
     if not argv or argv[0] not in TRAINING_COMMANDS:
         return {}
     if any(a in ("-h", "--help") or a.startswith("--nproc") for a in argv[1:]):
@@ -39,18 +41,18 @@ def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
     env = dict(os.environ, **{name: "1" for name in CHILD_THREADS})
     command = [sys.executable, "-m", "tiegrad.train.precompile"]
     quiet = subprocess.DEVNULL
-    # A session of their own: Ctrl-C stops the run after its step (a checkpoint), and
-    # the children it waits for go on compiling instead of dying on the same SIGINT.
+    # A session of their own: the terminal's Ctrl-C stops the run after its step (a
+    # checkpoint), which then stops them itself (tiegrad.train.precompile).
     return {
-        module: subprocess.Popen(
-            [*command, module],
+        part: subprocess.Popen(
+            [*command, part],
             stdin=quiet,
             stdout=quiet,
             stderr=quiet,
             env=env,
             start_new_session=True,
         )
-        for module in PRECOMPILED
+        for part in PRECOMPILED
     }
 
 

@@ -4,14 +4,16 @@ changing what a run computes."""
 
 import json
 import os
+import pickle
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 import _tiegrad_launcher as launcher
-from tiegrad import _numba
+from tiegrad import EagerSession, _numba
 from tiegrad.train import precompile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,14 +71,14 @@ def test_launcher_starts_no_child_but_for_a_training_command(argv, monkeypatch):
     assert _FakePopen.started == []
 
 
-def test_launcher_starts_one_single_threaded_child_per_kernel_module(monkeypatch):
+def test_launcher_starts_one_single_threaded_child_per_part(monkeypatch):
     monkeypatch.setattr(launcher.subprocess, "Popen", _FakePopen)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(launcher.os, "getloadavg", lambda: (0.5, 0.5, 0.5), raising=False)
     children = launcher.start_precompile(["train", "--steps", "3"])
     assert set(children) == set(launcher.PRECOMPILED)
-    for module, child in children.items():
-        assert child.command == [sys.executable, "-m", "tiegrad.train.precompile", module]
+    for part, child in children.items():
+        assert child.command == [sys.executable, "-m", "tiegrad.train.precompile", part]
         assert all(child.env[name] == "1" for name in launcher.CHILD_THREADS)
         assert child.session  # the terminal's Ctrl-C reaches the run, not the children
 
@@ -91,53 +93,160 @@ def test_launcher_starts_no_child_without_an_idle_cpu(monkeypatch):
     assert launcher.start_precompile(["train"]) == {}  # one CPU
 
 
-def test_first_use_of_a_module_waits_once_and_before_loading(monkeypatch):
-    events = []
-    monkeypatch.setattr(_numba, "_load", lambda module: events.append(("load", module)) or module)
+@pytest.fixture
+def loads(monkeypatch):
+    """``tiegrad._numba`` on, nothing deferred, ``_load`` recording the modules it loads."""
+    loaded = []
+    monkeypatch.setattr(_numba, "_load", lambda module: loaded.append(module) or module)
     monkeypatch.setattr(_numba, "ENABLED", True)
-    _numba.before_first_use("pkg.a", lambda: events.append(("wait", "pkg.a")))
-    assert _numba.kernels("pkg.b") == "pkg.b"  # another module does not run a's wait
-    assert _numba.kernels("pkg.a") == "pkg.a"
-    assert _numba.kernels("pkg.a") == "pkg.a"
-    assert events == [("load", "pkg.b"), ("wait", "pkg.a"), ("load", "pkg.a"), ("load", "pkg.a")]
-    assert _numba._first_use == {}
+    monkeypatch.setattr(_numba, "_deferred", {})
+    return loaded
 
 
-def test_no_wait_without_compiled_kernels(monkeypatch):
-    waits = []
+def test_a_module_with_the_numpy_bits_is_none_until_ready(loads):
+    ready = threading.Event()
+    _numba.defer("pkg.a", ready, wait=False)
+    assert _numba.kernels("pkg.b") == "pkg.b"  # another module is not deferred
+    assert _numba.kernels("pkg.a") is None  # the NumPy code runs
+    ready.set()
+    assert _numba.kernels("pkg.a") == "pkg.a"
+    assert _numba.kernels("pkg.a") == "pkg.a"
+    assert loads == ["pkg.b", "pkg.a", "pkg.a"]
+    assert _numba._deferred == {}
+
+
+def test_the_first_use_of_a_waited_for_module_waits_until_ready(loads):
+    ready = threading.Event()
+    _numba.defer("pkg.a", ready, wait=True)
+    threading.Timer(0.2, ready.set).start()
+    assert _numba.kernels("pkg.a") == "pkg.a"
+    assert ready.is_set() and loads == ["pkg.a"] and _numba._deferred == {}
+
+
+def test_the_switch_off_wins_over_a_deferred_module(monkeypatch):
     monkeypatch.setattr(_numba, "ENABLED", False)
-    monkeypatch.setattr(_numba, "_first_use", {"pkg.a": lambda: waits.append(1)})
+    waiting = threading.Event()  # never set: a wait would hang
+    monkeypatch.setattr(_numba, "_deferred", {"pkg.a": (waiting, True)})
     assert _numba.kernels("pkg.a") is None
-    assert waits == []
 
 
 def _child(code):
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def test_a_failed_or_stuck_child_only_costs_time(monkeypatch):
+def _lists(path, signatures, delay=0.0):
+    """A child's code: list ``signatures`` at ``path`` after ``delay`` seconds."""
+    return f"import pickle, time; time.sleep({delay}); " + (
+        f"pickle.dump({signatures!r}, open({str(path)!r}, 'wb'))"
+    )
+
+
+class _Dispatcher:
+    def __init__(self):
+        self.compiled = []
+
+    def compile(self, signature):
+        self.compiled.append(signature)
+
+
+@pytest.fixture
+def kernels(monkeypatch, loads, tmp_path):
+    """Parts ``a1`` and ``a2`` of module ``pkg.a`` (waited for) and ``b`` of ``pkg.b``
+    (NumPy's bits), listing their signatures at ``tmp_path / part``; ``_load`` gives a
+    module of two fake dispatchers that record what they compile."""
+    module = type("Kernels", (), {"add": _Dispatcher(), "scale": _Dispatcher()})
+    monkeypatch.setattr(_numba, "_load", lambda name: loads.append(name) or module)
+    parts = {"a1": "pkg.a", "a2": "pkg.a", "b": "pkg.b"}
+    monkeypatch.setattr(
+        precompile, "PARTS", {k: precompile.Part(m, lambda: None) for k, m in parts.items()}
+    )
+    monkeypatch.setattr(precompile, "SAME_BITS", frozenset({"pkg.b"}))
+    monkeypatch.setattr(precompile, "_manifest_path", lambda kernels, part: str(tmp_path / part))
+    return module
+
+
+def test_the_loader_loads_what_each_child_compiled_then_the_module_is_used(
+    tmp_path, kernels, loads
+):
+    a1 = _child(_lists(tmp_path / "a1", {"add": ["f4[::1]", "f8[::1]"]}))
+    a2 = _child(_lists(tmp_path / "a2", {"scale": ["f4"]}, delay=0.3))
+    compiling = precompile.Precompiling({"a1": a1, "a2": a2})
+    assert {k: wait for k, (_, wait) in _numba._deferred.items()} == {"pkg.a": True}
+    assert _numba.kernels("pkg.a") is kernels  # waits for both children and the loading
+    assert a1.returncode == a2.returncode == 0
+    assert kernels.add.compiled == ["f4[::1]", "f8[::1]"] and kernels.scale.compiled == ["f4"]
+    compiling.finish()
+    compiling.stop()
+
+
+def test_signatures_listed_by_an_earlier_run_load_at_once_and_stop_the_child(
+    tmp_path, kernels, loads
+):
+    with open(tmp_path / "a1", "wb") as f:
+        pickle.dump({"add": ["f4[::1]"]}, f)
+    a1 = _child("import time; time.sleep(60)")
+    compiling = precompile.Precompiling({"a1": a1})
+    assert _numba.kernels("pkg.a") is kernels
+    assert kernels.add.compiled == ["f4[::1]"]
+    assert a1.poll() is not None  # stopped: nothing was left for it to compile
+    compiling.finish()
+    compiling.stop()
+
+
+def test_a_failed_or_stuck_child_only_costs_time(tmp_path, kernels, loads, monkeypatch):
     failed = _child("raise SystemExit(3)")
-    precompile._waiter(failed)()  # returns: the command compiles what is missing itself
-    assert failed.returncode == 3
-    monkeypatch.setattr(precompile, "WAIT_S", 0.2)
+    monkeypatch.setattr(precompile, "WAIT_S", 0.5)
     stuck = _child("import time; time.sleep(60)")
-    precompile._waiter(stuck)()
+    compiling = precompile.Precompiling({"a1": failed, "b": stuck})
+    for loader in compiling.loaders:
+        loader.join(60)
+    assert failed.returncode == 3
     assert stuck.returncode is not None  # killed after WAIT_S
+    assert kernels.add.compiled == kernels.scale.compiled == []
+    assert _numba.kernels("pkg.a") is kernels  # the run compiles what it uses
+    assert _numba.kernels("pkg.b") is kernels
+    compiling.stop()
 
 
-def test_stop_kills_the_children_still_running():
-    running, done = _child("import time; time.sleep(60)"), _child("pass")
-    done.wait()
-    precompile.stop({"a": running, "b": done})
-    assert running.returncode is not None and done.returncode == 0
-
-
-def test_attach_without_compiled_kernels_stops_the_children(monkeypatch):
-    monkeypatch.setattr(_numba, "ENABLED", False)
+def test_stop_kills_the_children_and_loads_nothing(tmp_path, kernels, loads):
     running = _child("import time; time.sleep(60)")
-    precompile.attach({"tiegrad.optim.kernels": running})
+    compiling = precompile.Precompiling({"b": running})
+    compiling.stop()
     assert running.returncode is not None
-    assert "tiegrad.optim.kernels" not in _numba._first_use
+    assert not compiling.loaders[0].is_alive()
+    assert kernels.add.compiled == []
+
+
+def test_finish_waits_for_the_children_and_loads_nothing_more(tmp_path, kernels, loads):
+    child = _child(_lists(tmp_path / "b", {"add": ["f4"]}, delay=0.5))
+    compiling = precompile.Precompiling({"b": child})
+    assert _numba.kernels("pkg.b") is None  # the NumPy code meanwhile
+    compiling.finish()
+    assert child.returncode == 0
+    compiling.stop()
+    assert kernels.add.compiled == []  # the run has ended: nothing is loaded for it
+    assert (tmp_path / "b").exists()  # listed for the next run
+
+
+def test_without_compiled_kernels_the_children_are_stopped(monkeypatch):
+    monkeypatch.setattr(_numba, "ENABLED", False)
+    monkeypatch.setattr(_numba, "_deferred", {})
+    running = _child("import time; time.sleep(60)")
+    compiling = precompile.Precompiling({"optimizer": running})
+    assert running.returncode is not None
+    assert compiling.loaders == [] and _numba._deferred == {}
+
+
+@pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
+def test_the_run_waits_for_the_host_kernels_and_steps_on_numpy_for_the_optimizer(monkeypatch):
+    # The optimizer's kernels give the NumPy code's bytes (test_optim_fused); the host
+    # kernels round differently from it (test_host_kernels compares within a tolerance).
+    monkeypatch.setattr(_numba, "ENABLED", True)
+    monkeypatch.setattr(_numba, "_deferred", {})
+    compiling = precompile.Precompiling({part: _child("pass") for part in precompile.PARTS})
+    waits = {module: wait for module, (_, wait) in _numba._deferred.items()}
+    compiling.stop()
+    assert waits == {"tiegrad.backend.host_kernels": True, "tiegrad.optim.kernels": False}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -151,7 +260,7 @@ def test_import_starts_no_thread_and_no_process():
         "assert sorted(os.listdir('/proc/self/task')) == before, 'native threads started'\n"
         "children = open(f'/proc/self/task/{os.getpid()}/children').read().split()\n"
         "assert children == [], children\n"
-        "assert n._first_use == {}\n"
+        "assert n._deferred == {}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -184,12 +293,61 @@ def _train(command, folder, cache, run):
 @pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
 def test_children_compile_every_kernel_and_the_run_computes_the_same(tmp_path):
     # The command with an empty cache: its children compile, the run itself compiles
-    # nothing (numba's cache log of the run's own process shows no save).
+    # nothing (numba's cache log of the run's own process shows no save), and it waits
+    # for them at its end, so that the next run loads every kernel from the cache.
     out, cold = _train(WITH_CHILDREN, tmp_path, tmp_path / "cache", "cold")
     assert "data saved" not in out, out
     assert "data loaded" in out
-    # Without children (the package's entry point) from the filled cache: the same bits.
-    _, cached = _train(WITHOUT_CHILDREN, tmp_path, tmp_path / "cache", "cached")
-    assert [(r["train_loss"], r["grad_norm"]) for r in cold] == [
-        (r["train_loss"], r["grad_norm"]) for r in cached
-    ]
+    assert len(list((tmp_path / "cache").rglob("tiegrad-*.signatures"))) == len(precompile.PARTS)
+    # From the filled cache with children (stopped: the listed kernels load at once) and
+    # without them (the package's entry point): nothing compiles, the same bits.
+    runs = [cold]
+    for command, name in ((WITH_CHILDREN, "warm"), (WITHOUT_CHILDREN, "cached")):
+        out, run = _train(command, tmp_path, tmp_path / "cache", name)
+        assert "data saved" not in out, out
+        runs.append(run)
+    losses = [[(r["train_loss"], r["grad_norm"]) for r in run] for run in runs]
+    assert losses[0] == losses[1] == losses[2]
+
+
+def _three_steps(switch, ready):
+    """Three training steps of the default model on one batch at a learning rate of
+    0.01; ``ready`` set before step ``switch``'s update (None: never). The losses and
+    the parameters' bytes."""
+    model, optimizer, batch = precompile._default_run()
+    for group in optimizer.param_groups:
+        group["lr"] = 0.01
+    model.train()
+    losses = []
+    for step in range(3):
+        grads = precompile._gradients(model, optimizer, batch)
+        if step == switch:
+            ready.set()
+        optimizer.step(grads)
+        losses.append(float(model.loss(EagerSession(), *batch).value))
+    return losses, [p.value.tobytes() for p in optimizer.params]
+
+
+@pytest.fixture(scope="module")
+def numpy_updates():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_numba, "_deferred", {})
+        _numba.defer("tiegrad.optim.kernels", threading.Event(), wait=False)
+        return _three_steps(None, threading.Event())
+
+
+@pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
+@pytest.mark.parametrize("switch", [0, 1, 2])
+def test_a_switch_to_the_optimizer_kernels_within_a_run_changes_no_bit(
+    switch, numpy_updates, monkeypatch
+):
+    # The host kernels from the first step, the optimizer's deferred until ``switch``:
+    # the same bits as a run whose updates all ran on the NumPy code.
+    monkeypatch.setattr(_numba, "ENABLED", True)
+    monkeypatch.setattr(_numba, "_deferred", {})
+    ready = threading.Event()
+    _numba.defer("tiegrad.optim.kernels", ready, wait=False)
+    assert _three_steps(switch, ready) == numpy_updates
+    assert _numba._deferred == {}
+    losses, _ = numpy_updates
+    assert len(set(losses)) == 3  # the updates changed the model

@@ -9,9 +9,11 @@ everywhere. ``kernels`` is how every caller asks: the kernel module, or None whe
 switch is off or numba is missing or fails to import (with one warning), so the library
 runs the same without it, only slower.
 
-``before_first_use`` lets the ``tiegrad`` command make the first ``kernels`` call for a
-module wait until a child process has compiled that module's kernels into numba's cache
-(``tiegrad.train.precompile``); nothing registers a wait on import.
+``defer`` lets the ``tiegrad`` command hold a module's kernels back until a thread of
+the command has loaded what its child processes compiled into numba's cache
+(``tiegrad.train.precompile``): the first ``kernels`` call waits for it, or, for kernels
+that give the NumPy code's bits, gets None (the NumPy code runs) until then. Nothing
+defers a module on import.
 """
 
 from __future__ import annotations
@@ -29,31 +31,53 @@ from typing import Any
 ENV_SWITCH = "TIEGRAD_NO_NUMBA"
 ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
 
-_first_use: dict[str, Callable[[], None]] = {}  # module -> what to wait for before using it
-_first_use_lock = threading.Lock()
+# module -> (set once its kernels are loaded, whether a call waits for that)
+_deferred: dict[str, tuple[threading.Event, bool]] = {}
 
 
 def kernels(module: str) -> ModuleType | None:
     """The kernel module ``module`` (absolute name) where ``ENABLED``, else None.
 
     The switch is read at every call; the import (which compiles or loads the kernels)
-    happens once. The first call for a module with a wait (``before_first_use``) runs
-    the wait before it loads the module; calls from other threads meanwhile wait too.
+    happens once. A deferred module (``defer``) waits for its event, or is None until
+    the event is set; the module from then on.
     """
     if not ENABLED:
         return None
-    if _first_use:
-        with _first_use_lock:
-            wait = _first_use.pop(module, None)
-            if wait is not None:
-                wait()
+    if _deferred:
+        deferred = _deferred.get(module)
+        if deferred is not None:
+            ready, wait = deferred
+            if not ready.is_set():
+                if not wait:
+                    return None
+                ready.wait()
+            _deferred.pop(module, None)
     return _load(module)
 
 
-def before_first_use(module: str, wait: Callable[[], None]) -> None:
-    """Make the next ``kernels(module)`` call ``wait()`` (once) before it returns: the
-    command waits there for the child process compiling ``module``'s kernels."""
-    _first_use[module] = wait
+def defer(module: str, ready: threading.Event, wait: bool) -> None:
+    """Hold ``kernels(module)`` back until ``ready`` is set: the call waits for it with
+    ``wait``, else returns None meanwhile (the NumPy code runs, which must then give the
+    kernels' bits). The command's thread sets ``ready`` once it has loaded the kernels
+    its children compiled (``_load``, then each signature)."""
+    _deferred[module] = (ready, wait)
+
+
+@functools.cache
+def warm_up() -> None:
+    """Import numba and set up its compiler in this process, once: the first compile or
+    cache load of a process pays about 0.3 s for it (numba's target registries), here
+    for a function of nothing, compiled without the cache. Nothing without numba."""
+    if importlib.util.find_spec("numba") is None:
+        return
+    import numba
+
+    numba.njit(cache=False)(_nothing)()
+
+
+def _nothing() -> None:
+    """The function ``warm_up`` compiles."""
 
 
 @functools.cache

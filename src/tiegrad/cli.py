@@ -203,20 +203,23 @@ def main(argv: Sequence[str] | None = None, precompiling: dict[str, Any] | None 
     143 terminated). Ctrl-C at any point (the imports included) exits quietly with 130.
 
     ``precompiling``: the child processes compiling the kernels (``_tiegrad_launcher``,
-    ``tiegrad.train.precompile``), waited for at their kernels' first use and stopped
-    when the command ends."""
+    ``tiegrad.train.precompile``): their kernels are used once a thread has loaded what
+    they compiled (``Precompiling``); the command waits for them after a run that
+    succeeded, and stops them where it ends otherwise."""
     from .train import precompile
 
-    children = precompiling or {}
-    precompile.attach(children)
+    compiling = precompile.Precompiling(precompiling or {})
     try:
-        return _main(argv)
+        code = _main(argv)
+        if code == 0:
+            compiling.finish()
+        return code
     except KeyboardInterrupt:
         if _main_process():
             print("tiegrad: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
-        precompile.stop(children)
+        compiling.stop()
 
 
 def _main(argv: Sequence[str] | None) -> int:
