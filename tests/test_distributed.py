@@ -248,6 +248,21 @@ def test_with_nproc_rank_0_alone_says_it_was_interrupted_or_is_finished(tmp_path
     assert done.stdout.count(f"is finished: it reached step {reached} of {reached}") == 1
 
 
+def test_with_nproc_an_error_every_rank_meets_is_printed_once_with_its_exit_code(tmp_path):
+    missing = tmp_path / "missing.txt"
+    cmd = [sys.executable, "-m", "tiegrad", "train", "--nproc", "2", "--text", str(missing)]
+    done = subprocess.run(
+        [*cmd, "--steps", "2", "--no-progress"],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("tiegrad: error:") == 1, done.stderr[-3000:]
+    assert f"text file '{missing}' does not exist" in done.stderr
+
+
 def test_init_outside_torchrun_names_the_missing_variable(monkeypatch):
     import tiegrad.distributed as dist
     from tiegrad import TiegradError

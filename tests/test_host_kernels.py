@@ -116,6 +116,30 @@ def test_attention_softmax_kernels_match_the_numpy_path(monkeypatch, causal):
     assert np.all(fast[0][2] == 0) and np.all(fast[1][2] == 0)
 
 
+@numba.njit
+def _row_maxima(x, out):
+    for r in range(x.shape[0]):
+        out[r] = hk._row_max(x[r])
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 16, 17, 64, 71])
+def test_row_max_is_the_largest_element_not_nan_in_every_lane_and_the_tail(n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((4 * n + 3, n)) * 5).astype(np.float32)
+    for r in range(min(n, x.shape[0])):
+        x[r, r] = 100.0  # the maximum in each lane and in the tail
+        x[r, (r + 1) % n] = np.nan
+    x[-3] = np.nan
+    x[-2] = -np.inf
+    out = np.empty(x.shape[0], np.float32)
+    _row_maxima(x, out)
+    hidden = np.where(np.isnan(x), -np.inf, x)
+    want = hidden.max(-1) if n else np.full(x.shape[0], -np.inf, np.float32)
+    np.testing.assert_array_equal(out, want)
+    if n > 1:
+        assert np.all(out[: min(n, x.shape[0])] == 100.0)
+
+
 @pytest.mark.parametrize("spread", [1.0, 10.0, 80.0])
 def test_softmax_kernel_is_accurate_across_wide_rows(spread):
     """The exponential inside the kernel keeps its accuracy (no fast-math reordering)."""

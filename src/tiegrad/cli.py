@@ -91,7 +91,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fail(message: str) -> NoReturn:
-    print(f"tiegrad: error: {message}", file=sys.stderr)
+    """Exit with ``EXIT_BAD_INPUT`` after one line on stderr; of a data-parallel launch's
+    ranks, which all fail the same way (same command line and configuration), rank 0
+    alone prints the line, the others exit with the same code in silence."""
+    if _main_process():
+        print(f"tiegrad: error: {message}", file=sys.stderr)
     raise SystemExit(EXIT_BAD_INPUT)
 
 

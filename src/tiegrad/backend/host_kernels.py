@@ -129,12 +129,13 @@ def _lanes(typingctx: Any, a: Any, b: Any, products: Any) -> Any:
     ``a`` and ``b``: contiguous float32 vectors, ``b`` at least as long as ``a`` (any
     other types do not compile). Lane ``k`` adds elements ``k, k + 8, ...`` in order
     (the tail after the last whole group of eight goes to lane 0), and the lanes
-    combine as ``((0+1)+(2+3))+((4+5)+(6+7))``. The order is written out in the machine
-    code, one 8-wide vector add per group, not licensed by fast-math: under ``reassoc``
-    the compiler chooses it, and a kernel compiled in the running process summed in
-    another order than the same kernel loaded from numba's cache (a resumed run then
-    missed a straight one's bits). The same loop written with eight
-    scalar accumulators gives these bits, three times slower (LLVM keeps it scalar).
+    combine as ``((0+1)+(2+3))+((4+5)+(6+7))`` (``_fold_lanes``). The order is written
+    out in the machine code, one 8-wide vector add per group, not licensed by
+    fast-math: under ``reassoc`` the compiler chooses it, and a kernel compiled in the
+    running process summed in another order than the same kernel loaded from numba's
+    cache (a resumed run then missed a straight one's bits). The same loop written with
+    eight scalar accumulators gives these bits, three times slower (LLVM keeps it
+    scalar).
     """
     vector = types.Array(types.float32, 1, "C")
     if not (a == vector and b == vector and isinstance(products, types.Boolean)):
@@ -142,53 +143,94 @@ def _lanes(typingctx: Any, a: Any, b: Any, products: Any) -> Any:
     sig = types.float32(a, b, products)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        f32, i64 = ir.FloatType(), ir.IntType(64)
-        v8 = ir.VectorType(f32, 8)
-        arrays = [context.make_array(vector)(context, builder, x) for x in args[:2]]
-        pa, pb = (builder.bitcast(x.data, f32.as_pointer()) for x in arrays)
-        n = builder.extract_value(arrays[0].shape, 0)
-        whole = builder.udiv(n, ir.Constant(i64, 8))
+        def add(acc: Any, x: Any, y: Any) -> Any:
+            return builder.fadd(acc, builder.select(args[2], builder.fmul(x, y), x))
 
-        def term(x: Any, y: Any) -> Any:
-            return builder.select(args[2], builder.fmul(x, y), x)
-
-        def loop(name: str, start: Any, stop: Any, init: Any, step: Callable) -> Any:
-            before = builder.block
-            head = builder.append_basic_block(f"lanes.{name}")
-            body = builder.append_basic_block(f"lanes.{name}.body")
-            done = builder.append_basic_block(f"lanes.{name}.done")
-            builder.branch(head)
-            builder.position_at_end(head)
-            i, acc = builder.phi(i64), builder.phi(init.type)
-            i.add_incoming(start, before)
-            acc.add_incoming(init, before)
-            builder.cbranch(builder.icmp_unsigned("<", i, stop), body, done)
-            builder.position_at_end(body)
-            i.add_incoming(builder.add(i, ir.Constant(i64, 1)), body)
-            acc.add_incoming(step(i, acc), body)
-            builder.branch(head)
-            builder.position_at_end(done)
-            return acc
-
-        def group(i: Any, acc: Any) -> Any:
-            at = builder.mul(i, ir.Constant(i64, 8))
-            x, y = (builder.load(builder.bitcast(builder.gep(p, [at]), v8.as_pointer()), align=4)
-                    for p in (pa, pb))  # fmt: skip
-            return builder.fadd(acc, term(x, y))
-
-        def element(j: Any, acc: Any) -> Any:
-            return builder.fadd(acc, term(builder.load(builder.gep(pa, [j])),
-                                          builder.load(builder.gep(pb, [j]))))  # fmt: skip
-
-        acc = loop("groups", ir.Constant(i64, 0), whole, ir.Constant(v8, [0.0] * 8), group)
-        lane = [builder.extract_element(acc, ir.Constant(ir.IntType(32), k)) for k in range(8)]
-        start = builder.mul(whole, ir.Constant(i64, 8))
-        lane[0] = loop("tail", start, n, lane[0], element)
-        add = builder.fadd
-        left = add(add(lane[0], lane[1]), add(lane[2], lane[3]))
-        return add(left, add(add(lane[4], lane[5]), add(lane[6], lane[7])))
+        return _fold_lanes(context, builder, vector, args[:2], 0.0, add, builder.fadd)
 
     return sig, codegen
+
+
+@intrinsic
+def _row_max(typingctx: Any, a: Any) -> Any:
+    """The largest element of the contiguous float32 vector ``a`` that is not NaN
+    (``-inf`` when there is none): ``m = v if v > m else m`` over the elements, eight
+    lanes at a time (``_fold_lanes``), where one running maximum waits for each compare
+    in turn (4-5 cycles an element). Only the sign of a zero maximum may depend on the
+    order, and ``x - m`` is the same for both zeros but at ``x = 0``, whose exponential
+    is 1 either way.
+    """
+    vector = types.Array(types.float32, 1, "C")
+    if a != vector:
+        return None
+    sig = types.float32(a)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        def larger(acc: Any, x: Any) -> Any:
+            return builder.select(builder.fcmp_ordered(">", x, acc), x, acc)
+
+        def step(acc: Any, x: Any, y: Any) -> Any:
+            return larger(acc, x)
+
+        return _fold_lanes(context, builder, vector, (args[0], args[0]), -math.inf, step, larger)
+
+    return sig, codegen
+
+
+def _fold_lanes(
+    context: Any,
+    builder: Any,
+    vector: Any,
+    arrays: tuple[Any, Any],
+    start: float,
+    step: Callable[[Any, Any, Any], Any],
+    join: Callable[[Any, Any], Any],
+) -> Any:
+    """The machine code of a fixed-order reduction of two float32 vectors (``_lanes``,
+    ``_row_max``): ``acc = step(acc, x, y)`` from ``start`` over elements ``k, k + 8,
+    ...`` in lane ``k`` (8-wide vector steps), the tail after the last whole group of
+    eight in lane 0, then the lanes as ``join(join(join(0, 1), join(2, 3)), join(join(4,
+    5), join(6, 7)))``. The length is the first vector's."""
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    v8 = ir.VectorType(f32, 8)
+    made = [context.make_array(vector)(context, builder, x) for x in arrays]
+    pa, pb = (builder.bitcast(x.data, f32.as_pointer()) for x in made)
+    n = builder.extract_value(made[0].shape, 0)
+    whole = builder.udiv(n, ir.Constant(i64, 8))
+
+    def loop(name: str, first: Any, stop: Any, init: Any, body_step: Callable) -> Any:
+        before = builder.block
+        head = builder.append_basic_block(f"lanes.{name}")
+        body = builder.append_basic_block(f"lanes.{name}.body")
+        done = builder.append_basic_block(f"lanes.{name}.done")
+        builder.branch(head)
+        builder.position_at_end(head)
+        i, acc = builder.phi(i64), builder.phi(init.type)
+        i.add_incoming(first, before)
+        acc.add_incoming(init, before)
+        builder.cbranch(builder.icmp_unsigned("<", i, stop), body, done)
+        builder.position_at_end(body)
+        i.add_incoming(builder.add(i, ir.Constant(i64, 1)), body)
+        acc.add_incoming(body_step(i, acc), body)
+        builder.branch(head)
+        builder.position_at_end(done)
+        return acc
+
+    def group(i: Any, acc: Any) -> Any:
+        at = builder.mul(i, ir.Constant(i64, 8))
+        x, y = (builder.load(builder.bitcast(builder.gep(p, [at]), v8.as_pointer()), align=4)
+                for p in (pa, pb))  # fmt: skip
+        return step(acc, x, y)
+
+    def element(j: Any, acc: Any) -> Any:
+        return step(acc, builder.load(builder.gep(pa, [j])), builder.load(builder.gep(pb, [j])))
+
+    acc = loop("groups", ir.Constant(i64, 0), whole, ir.Constant(v8, [start] * 8), group)
+    lane = [builder.extract_element(acc, ir.Constant(ir.IntType(32), k)) for k in range(8)]
+    lane[0] = loop("tail", builder.mul(whole, ir.Constant(i64, 8)), n, lane[0], element)
+
+    left = join(join(lane[0], lane[1]), join(lane[2], lane[3]))
+    return join(left, join(join(lane[4], lane[5]), join(lane[6], lane[7])))
 
 
 @_kernel
@@ -406,10 +448,7 @@ def softmax(x: np.ndarray, lo: int, hi: int) -> None:
         raise ValueError("softmax: lo .. hi are not rows of x")
     for r in range(lo, hi):
         row = x[r]
-        m = _F(-np.inf)
-        for j in range(n):
-            v = row[j]
-            m = v if v > m else m
+        m = _row_max(row)
         m = _F(0.0) if m == -np.inf else m
         for j in range(n):
             row[j] = exp_neg(row[j] - m)
