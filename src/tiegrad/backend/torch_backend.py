@@ -225,6 +225,9 @@ class TorchBackend(Backend):
             return g * torch.ops.aten.gelu_backward(torch.ones_like(saved), saved)
         return torch.ops.aten.gelu_backward(g, saved)
 
+    def relu(self, x: Array) -> Array:
+        return torch.clamp_min(x, 0.0)  # ``maximum(x, 0.0)``'s kernel, without its dispatch
+
     def relu_vjp(self, g: Array, out: Array) -> Array:
         """``g * sign(out)``: the bits of ``g * (out > 0)`` for a ReLU output ``out``.
 

@@ -28,7 +28,8 @@ def session_of(*xs: Any) -> EagerSession:
         if isinstance(x, TensorRef):
             if s is None:
                 s = x.session
-            s.check(x)
+            if x.session is not s or x._gen != s._generation:  # else live and local
+                s.check(x)
     if s is None:
         raise TapeError("an op needs at least one TensorRef operand to know its session")
     return s
@@ -64,7 +65,8 @@ def lift(s: EagerSession, x: Any, value: Array | None = None) -> TensorRef:
     ``value`` is ``x`` already converted by ``value_of`` (saves converting twice).
     """
     if isinstance(x, TensorRef):
-        s.check(x)
+        if x.session is not s or x._gen != s._generation:  # else live and local
+            s.check(x)
         return x
     return s.constant(x if value is None else value)
 
