@@ -85,11 +85,15 @@ def operands(
     return s, lift(s, a, av), lift(s, b, bv)
 
 
-def vector_value(s: EagerSession, op: str, name: str, x: Any, n: int, of: str) -> Array:
-    """The value of operand ``x``, which must have shape ``(n,)`` (``of``: what fixes ``n``)."""
+def vector_value(s: EagerSession, op: str, name: str, x: Any, n: int, of: str, shape: Any) -> Array:
+    """The value of operand ``x``, which must have shape ``(n,)`` (fixed by the ``of``
+    operand, of shape ``shape``: named in the error only, made only then)."""
     xv = value_of(s, x)
     if tuple(xv.shape) != (n,):
-        raise ShapeError(f"{op}: {name} has shape {tuple(xv.shape)}, expected ({n},) for {of}")
+        raise ShapeError(
+            f"{op}: {name} has shape {tuple(xv.shape)}, expected ({n},) for {of} of shape "
+            f"{tuple(shape)}"
+        )
     return xv
 
 
@@ -104,7 +108,7 @@ def affine_operands(
     """
     bv = None
     if bias is not None:
-        bv = vector_value(s, op, "bias", bias, n_out, f"weight of shape {tuple(wv.shape)}")
+        bv = vector_value(s, op, "bias", bias, n_out, "weight", wv.shape)
     refs = [lift(s, x, xv), lift(s, weight, wv)]
     if bias is not None:
         refs.append(lift(s, bias, bv))
