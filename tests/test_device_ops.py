@@ -124,6 +124,17 @@ CASES = {
         ),
         [_r(2, 3, 4)],
     ),
+    "cross_entropy:ignored-class": (  # ignore_index among the targets' range: a masked count
+        lambda z: ops.concat(
+            [
+                ops.reshape(ops.cross_entropy(z, TARGETS % 4, ignore_index=1), (1,)),
+                ops.reshape(
+                    ops.cross_entropy(z, TARGETS % 4, reduction="sum", ignore_index=0), (1,)
+                ),
+            ]
+        ),
+        [_r(2, 3, 4)],
+    ),
     "cross_entropy:all-ignored": (
         lambda z: ops.cross_entropy(z, np.full((2, 3), -100)),
         [_r(2, 3, 4)],

@@ -509,9 +509,10 @@ class EagerSession:
         for _, callback in hooks[k:]:
             callback(result)
         _hand_out(bk, result)
-        grads = Gradients(
-            self, result, dict(self._params), dict(self._storages), frozenset(self._grad_leaves)
-        )
+        params, storages = self._params, self._storages
+        if retain_graph:  # the tape records on: the result keeps the registrations so far
+            params, storages = dict(params), dict(storages)
+        grads = Gradients(self, result, params, storages, frozenset(self._grad_leaves))
         self.last_gradients = grads
         _latest.session = weakref.ref(self)
         if retain_graph:

@@ -207,14 +207,23 @@ class Backend:
         return None
 
     def cross_entropy_rows(
-        self, logits: Array, targets: Array, ignore_index: int, label_smoothing: float, want: bool
+        self,
+        logits: Array,
+        targets: Array,
+        ignore_index: int,
+        label_smoothing: float,
+        want: bool,
+        reduction: str = "none",
     ) -> tuple[Array, Any] | None:
-        """Per-row cross-entropy of 2-D ``logits`` against 1-D integer ``targets`` by the
+        """Cross-entropy of the rows of 2-D ``logits`` against 1-D integer ``targets`` by the
         backend's own fused kernel: ``(loss, vjp)`` with ``vjp(g) -> gradient of logits``
-        for row cotangents ``g`` (None when ``want`` is false), or None without one.
+        for the cotangent ``g`` of ``loss`` (None when ``want`` is false), or None without
+        one.
 
-        As ``ops.cross_entropy`` with ``reduction="none"``: a row whose target is
-        ``ignore_index`` has loss and gradient 0; targets are already range-checked.
+        As ``ops.cross_entropy`` with ``reduction``: a row whose target is ``ignore_index``
+        has loss and gradient 0; ``"none"`` gives the per-row losses, ``"sum"`` their sum,
+        ``"mean"`` their sum over the number of rows not ignored (callers ask for it only
+        when that number is known to be positive). Targets are already range-checked.
         """
         return None
 

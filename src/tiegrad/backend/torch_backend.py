@@ -46,8 +46,9 @@ def torch_device_of(device: str) -> torch.device:
 
 
 _TORCH_DTYPES: dict[Any, torch.dtype] = {}
-_NO_REDUCTION = 0  # torch's reduction enum: "none"
-_NLL_BACKWARD = torch.ops.aten.nll_loss_backward.default  # the overload, resolved once
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's reduction enum
+_NLL_FORWARD = torch.ops.aten.nll_loss_forward.default  # the overloads, resolved once
+_NLL_BACKWARD = torch.ops.aten.nll_loss_backward.default
 _LAYER_NORM_DTYPES = (torch.float32, torch.float64)  # of the fused layer norm kernels
 
 
@@ -224,6 +225,9 @@ class TorchBackend(Backend):
             return g * torch.ops.aten.gelu_backward(torch.ones_like(saved), saved)
         return torch.ops.aten.gelu_backward(g, saved)
 
+    def relu(self, x: Array) -> Array:
+        return torch.clamp_min(x, 0.0)  # ``maximum(x, 0.0)``'s kernel, without its dispatch
+
     def relu_vjp(self, g: Array, out: Array) -> Array:
         """``g * sign(out)``: the bits of ``g * (out > 0)`` for a ReLU output ``out``.
 
@@ -283,24 +287,31 @@ class TorchBackend(Backend):
         return pair
 
     def cross_entropy_rows(
-        self, logits: Array, targets: Array, ignore_index: int, label_smoothing: float, want: bool
+        self,
+        logits: Array,
+        targets: Array,
+        ignore_index: int,
+        label_smoothing: float,
+        want: bool,
+        reduction: str = "none",
     ) -> tuple[Array, Any] | None:
         """torch's log-softmax and negative log-likelihood kernels, forward and backward
-        (what ``F.cross_entropy`` runs), without smoothing and in float32 or float64."""
+        (what ``F.cross_entropy`` runs), without smoothing and in float32 or float64; the
+        reduction is the NLL kernel's own (one pass, no separate sum)."""
         if label_smoothing or logits.dtype not in _LAYER_NORM_DTYPES:
             return None  # the generic path
         if targets.dtype != torch.int64:
             targets = targets.to(torch.int64)
+        code = _REDUCTIONS[reduction]
         logp = torch.log_softmax(logits, -1)
-        loss = torch._C._nn.nll_loss(logp, targets, None, _NO_REDUCTION, ignore_index)
+        loss, total = _NLL_FORWARD(logp, targets, None, code, ignore_index)
         if not want:
             return loss, None
-        total = self._unit_statistics(1, None, logits.dtype)[1][0]  # unused with no reduction
 
         def vjp(g: Array) -> Array:
             if g.dtype != logp.dtype:  # a wider cotangent: the kernels take one dtype
                 g = g.to(logp.dtype)
-            glogp = _NLL_BACKWARD(g, logp, targets, None, _NO_REDUCTION, ignore_index, total)
+            glogp = _NLL_BACKWARD(g, logp, targets, None, code, ignore_index, total)
             return torch._log_softmax_backward_data(glogp, logp, -1, logp.dtype)
 
         return loss, vjp

@@ -26,6 +26,8 @@ def describe(pattern: Pattern) -> str:
 
 def check_shape(layer: Module, what: str, shape: tuple[int, ...], pattern: Pattern) -> None:
     """Raise unless ``shape`` fits ``pattern`` (an optional leading ``...``, ints, names)."""
+    if len(pattern) == 2 and pattern[0] is Ellipsis and shape and shape[-1] == pattern[1]:
+        return  # ``(..., n)`` met (most layers' inputs): one comparison
     lead = bool(pattern) and pattern[0] is Ellipsis
     fixed = pattern[1:] if lead else pattern
     fits = len(shape) >= len(fixed) if lead else len(shape) == len(fixed)

@@ -210,10 +210,13 @@ class MLP(Module):
 
     def forward(self, session: EagerSession, x: Any) -> TensorRef:
         last = len(self.layers) - 1
+        drop = self.drop if self.drop.p else None  # p == 0: dropout returns its input
         for i, layer in enumerate(self.layers):
             x = layer(session, x)
             if i < last:
-                x = self.drop(session, self._act(x))
+                x = self._act(x)
+                if drop is not None:
+                    x = drop(session, x)
         return x
 
     def extra_repr(self) -> str:

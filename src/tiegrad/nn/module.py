@@ -56,22 +56,23 @@ class Module:
         modules: dict[str, Module] = d["_modules"]
         if isinstance(value, Param):
             modules.pop(name, None)
-            d.pop(name, None)
             if value.name is None:
                 value.name = name
-            params[name] = value
+            params[name] = d[name] = value
         elif isinstance(value, Module):
             params.pop(name, None)
-            d.pop(name, None)
             for path, p in value.named_slots():
                 p.name = f"{name}.{path}"
-            modules[name] = value
+            modules[name] = d[name] = value
         else:
             params.pop(name, None)
             modules.pop(name, None)
             object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
+        """A registered parameter or submodule: each is also kept in the instance
+        dictionary, so plain attribute lookup finds it (a forward reads several per op)
+        and this runs only for names found nowhere else."""
         d = self.__dict__
         for registry in ("_params", "_modules"):
             entries = d.get(registry)
@@ -83,8 +84,10 @@ class Module:
         d = self.__dict__
         if name in d["_params"]:
             del d["_params"][name]
+            d.pop(name, None)
         elif name in d["_modules"]:
             del d["_modules"][name]
+            d.pop(name, None)
         else:
             object.__delattr__(self, name)
 
@@ -276,7 +279,7 @@ class Module:
                 f"set_parameter {path!r}: expected dtype {old.dtype.name}, got {param.dtype.name}"
             )
         param.name = path
-        m._params[leaf] = param
+        m._params[leaf] = m.__dict__[leaf] = param
 
     # -- freezing ----------------------------------------------------------------------
     def freeze(self, pattern: str | list[str]) -> list[str]:

@@ -28,7 +28,8 @@ def session_of(*xs: Any) -> EagerSession:
         if isinstance(x, TensorRef):
             if s is None:
                 s = x.session
-            s.check(x)
+            if x.session is not s or x._gen != s._generation:  # else live and local
+                s.check(x)
     if s is None:
         raise TapeError("an op needs at least one TensorRef operand to know its session")
     return s
@@ -64,7 +65,8 @@ def lift(s: EagerSession, x: Any, value: Array | None = None) -> TensorRef:
     ``value`` is ``x`` already converted by ``value_of`` (saves converting twice).
     """
     if isinstance(x, TensorRef):
-        s.check(x)
+        if x.session is not s or x._gen != s._generation:  # else live and local
+            s.check(x)
         return x
     return s.constant(x if value is None else value)
 
@@ -83,11 +85,15 @@ def operands(
     return s, lift(s, a, av), lift(s, b, bv)
 
 
-def vector_value(s: EagerSession, op: str, name: str, x: Any, n: int, of: str) -> Array:
-    """The value of operand ``x``, which must have shape ``(n,)`` (``of``: what fixes ``n``)."""
+def vector_value(s: EagerSession, op: str, name: str, x: Any, n: int, of: str, shape: Any) -> Array:
+    """The value of operand ``x``, which must have shape ``(n,)`` (fixed by the ``of``
+    operand, of shape ``shape``: named in the error only, made only then)."""
     xv = value_of(s, x)
     if tuple(xv.shape) != (n,):
-        raise ShapeError(f"{op}: {name} has shape {tuple(xv.shape)}, expected ({n},) for {of}")
+        raise ShapeError(
+            f"{op}: {name} has shape {tuple(xv.shape)}, expected ({n},) for {of} of shape "
+            f"{tuple(shape)}"
+        )
     return xv
 
 
@@ -102,7 +108,7 @@ def affine_operands(
     """
     bv = None
     if bias is not None:
-        bv = vector_value(s, op, "bias", bias, n_out, f"weight of shape {tuple(wv.shape)}")
+        bv = vector_value(s, op, "bias", bias, n_out, "weight", wv.shape)
     refs = [lift(s, x, xv), lift(s, weight, wv)]
     if bias is not None:
         refs.append(lift(s, bias, bv))
@@ -313,14 +319,28 @@ def host_indices(x: Any) -> np.ndarray | None:
     return x if isinstance(x, np.ndarray) else None
 
 
-def host_targets(x: Any, ignore_index: int) -> tuple[np.ndarray | None, int | None]:
-    """For targets given as a NumPy array: ``(targets with ignored entries as 0, how many
-    are not ignored)``; ``(None, None)`` for anything else (see ``host_indices``)."""
+def host_targets(op: str, x: Any, ignore_index: int, n: int, extra: str = "") -> int | None:
+    """For targets given as a NumPy array: how many are not ``ignore_index``, after
+    checking on the host that the others lie in ``[0, n)`` (``check_index_range``'s
+    error); None for anything else (see ``host_indices``).
+
+    Targets whose range excludes ``ignore_index`` (the common case) cost two
+    reductions: no mask and no masked copy.
+    """
     host = host_indices(x)
     if host is None:
-        return None, None
-    valid = host != ignore_index
-    return np.where(valid, host, 0), int(np.count_nonzero(valid))
+        return None
+    if not host.size:
+        return 0
+    lo, hi = int(host.min()), int(host.max())
+    count = host.size
+    if lo <= ignore_index <= hi:
+        valid = host != ignore_index
+        safe = np.where(valid, host, 0)
+        count = int(np.count_nonzero(valid))
+        lo, hi = int(safe.min()), int(safe.max())
+    _check_bounds(op, "targets", n, extra, lo, hi)
+    return count
 
 
 def check_index_range(
@@ -340,6 +360,10 @@ def check_index_range(
         wide = bk.astype(idx, bk.int64)  # negating unsigned data would wrap around
         hi = int(bk.max(wide))
         lo = -int(bk.max(-wide))
+    _check_bounds(op, what, n, extra, lo, hi)
+
+
+def _check_bounds(op: str, what: str, n: int, extra: str, lo: int, hi: int) -> None:
     if lo < 0 or hi >= n:
         raise IndexRangeError(
             f"{op}: {what} must lie in [0, {n}){extra}, got values in [{lo}, {hi}]"

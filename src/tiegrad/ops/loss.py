@@ -54,20 +54,28 @@ def cross_entropy(
             f"{shape} (expected targets of shape logits.shape[:-1])"
         )
     c = shape[-1]
-    host_safe, host_count = host_targets(targets, ignore_index)
     extra = f" or equal {ignore_index=}"
+    host_count = host_targets("cross_entropy", targets, ignore_index, c, extra)
     valid = t_safe = None  # on the device only where the targets are not a host array
-    if host_safe is None:
+    if host_count is None:
         valid = t != ignore_index
         t_safe = bk.where(valid, t, 0)
-    checked = t if t_safe is None else t_safe
-    check_index_range(s, "cross_entropy", "targets", checked, c, extra, host=host_safe)
+        check_index_range(s, "cross_entropy", "targets", t_safe, c, extra)
     want = needs_grad(s, logits)
     rows = math.prod(shape[:-1])
+    # the kernel reduces, except a mean whose divisor is not a positive host count
+    kernel_reduction = "none" if reduction == "mean" and not host_count else reduction
     fused = bk.cross_entropy_rows(
-        bk.reshape(lv, (rows, c)), bk.reshape(t, (rows,)), ignore_index, label_smoothing, want
+        bk.reshape(lv, (rows, c)),
+        bk.reshape(t, (rows,)),
+        ignore_index,
+        label_smoothing,
+        want,
+        kernel_reduction,
     )
     if fused is not None:
+        if kernel_reduction != "none":
+            return _reduced_cross_entropy(s, logits, fused)
         return _fused_cross_entropy(s, logits, fused, valid, host_count, reduction)
     if valid is None:
         valid = t != ignore_index
@@ -117,6 +125,18 @@ def _reduce(bk: Any, per: Any, reduction: str, count: float) -> Any:
     if reduction == "sum" or not count:
         return bk.sum(per)
     return bk.sum(per) * (1.0 / count)
+
+
+def _reduced_cross_entropy(s: Any, logits: TensorRef, fused: tuple[Any, Any]) -> TensorRef:
+    """``cross_entropy`` from the backend's fused kernel that also reduced the rows."""
+    bk = s.backend
+    loss, rows_vjp = fused
+    shape = tuple(logits.value.shape)
+
+    def vjp(g):  # runs only when ``rows_vjp`` exists: the op wanted the gradient
+        return (bk.reshape(rows_vjp(g), shape),)
+
+    return s._record(loss, (logits.id,), vjp)
 
 
 def _fused_cross_entropy(

@@ -30,7 +30,7 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     params = {}
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None:
-            params[name] = (p, vector_value(s, "layer_norm", name, p, d, f"input of shape {shape}"))
+            params[name] = (p, vector_value(s, "layer_norm", name, p, d, "input", shape))
     x = lift(s, x, xv)
     w = lift(s, *params["weight"]) if "weight" in params else None
     b = lift(s, *params["bias"]) if "bias" in params else None

@@ -46,11 +46,13 @@ import numpy as np
 
 from ..backend import NUMPY, Backend, backend_of, dtype_name
 from ..errors import DeviceError, DTypeError, MissingGradientError, ShapeError
-from ..params.device import check_device_gradients, with_checked_device_sums
+from ..params.device import check_device_gradient_groups, with_checked_device_sums
 from ..session import Gradients, latest_gradients
 from .foreach import ForeachOps
 from .plan import StepPlan
 from .state import FlatState, SlotSpec
+
+_NONE_FRESH: frozenset[str] = frozenset()  # no state entry made this step (all but the first)
 
 
 class DeviceState:
@@ -128,8 +130,7 @@ def device_step(opt: Any, gradients: Any) -> None:
         opt._check_recorded(recorded, plan)
         groups = [g for g in recorded if g.storage is not None and id(g.storage) in index]
         order = [index[id(g.storage)] for g in groups]
-        for group in groups:
-            check_device_gradients(group, gradients, session.backend)
+        check_device_gradient_groups(groups, gradients, session.backend)
         _check_complete(opt, slots, set(order), " (no trainable use of its storage on the tape)")
         with_checked_device_sums(
             groups,
@@ -186,7 +187,7 @@ def _step(opt: Any, bk: Backend, plan: StepPlan, grads: Mapping[int, Any]) -> No
     runs: dict[tuple[Any, ...], list[int]] = {}
     for i in order:
         names = specs[i][2]
-        fresh = frozenset(n for n in names if (i, n) in created)
+        fresh = frozenset(n for n in names if (i, n) in created) if created else _NONE_FRESH
         runs.setdefault((opt._slot_group[i], steps[i], names, fresh), []).append(i)
     for (gi, step, names, fresh), run in runs.items():
         _update(opt, ds, run, [grads[i] for i in run], names, hps[gi], step, fresh)

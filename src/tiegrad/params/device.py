@@ -31,7 +31,7 @@ def check_device_gradients(
     (the common case) are accepted by a few comparisons; any that does not is explained
     by the full checks.
     """
-    if backend is not None and _fit(group, gradients, backend):
+    if backend is not None and _fit((group,), gradients, backend):
         return backend
     check_group_gradients(group, gradients)
     for leaf in group.leaves:
@@ -51,21 +51,35 @@ def check_device_gradients(
     return backend
 
 
-def _fit(group: ParameterGroup, gradients: Mapping[int, Any], backend: Backend) -> bool:
-    """Whether every leaf gradient of ``group`` is a tensor on device ``backend`` of the
+def check_device_gradient_groups(
+    groups: Sequence[ParameterGroup], gradients: Mapping[int, Any], backend: Backend
+) -> None:
+    """``check_device_gradients`` of every group on ``backend``: one pass of comparisons
+    when all fit (a device step's common case), else the first misfit explained."""
+    if not _fit(groups, gradients, backend):
+        for group in groups:
+            check_device_gradients(group, gradients, backend)
+
+
+def _fit(groups: Sequence[ParameterGroup], gradients: Mapping[int, Any], backend: Backend) -> bool:
+    """Whether every leaf gradient of ``groups`` is a tensor on device ``backend`` of its
     group's shape and dtype (what ``check_device_gradients`` checks, without messages)."""
-    dtype = getattr(group.parameter, "dtype", None)
     to_dtype = getattr(backend, "to_dtype", None)  # a device backend's (the host has none)
-    if to_dtype is None or not isinstance(dtype, np.dtype):
+    if to_dtype is None:
         return False
-    dtype, shape = to_dtype(dtype), group.shape
-    for leaf in group.leaves:
-        try:
-            g = gradients[leaf]
-        except (KeyError, IndexError):
+    is_array = backend.is_array
+    for group in groups:
+        dtype = getattr(group.parameter, "dtype", None)
+        if not isinstance(dtype, np.dtype):
             return False
-        if not backend.is_array(g) or g.dtype != dtype or g.shape != shape:
-            return False
+        dtype, shape = to_dtype(dtype), group.shape
+        for leaf in group.leaves:
+            try:
+                g = gradients[leaf]
+            except (KeyError, IndexError):
+                return False
+            if not is_array(g) or g.dtype != dtype or g.shape != shape:
+                return False
     return True
 
 
@@ -145,8 +159,7 @@ def sgd_step_device_groups(session: Any, lr: float, gradients: Mapping[int, Any]
     lr = check_sgd_inputs(session, lr, gradients)
     bk = session.backend
     groups = session.parameter_groups()
-    for group in groups:
-        check_device_gradients(group, gradients, bk)
+    check_device_gradient_groups(groups, gradients, bk)
     for group in groups:
         group.current_device_value(bk)
     with_checked_device_sums(groups, gradients, bk, lambda sums: _sgd_update(groups, bk, lr, sums))

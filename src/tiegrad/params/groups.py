@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,12 +27,12 @@ from .canonical import canonical_indices
 from .storage import ParameterStorage
 
 
-@dataclass(frozen=True)
-class ParameterGroup:
+class ParameterGroup(NamedTuple):
     """The trainable leaves of one storage, in recording order (C4).
 
     ``id`` is the first leaf and keys the optimizer slot. ``storage`` is None for a
     registration without a storage descriptor; such a group always has one leaf.
+    Immutable; a named tuple, since every step of every optimizer makes its groups.
     """
 
     id: int

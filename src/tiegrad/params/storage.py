@@ -338,8 +338,11 @@ def _prune(pins: list[tuple[weakref.ref, int]]) -> bool:
 def _add_pin(pins: list[tuple[weakref.ref, int]], session: Any) -> None:
     """Pin a value for ``session``'s current tape (C2), once per session and generation."""
     gen = session._generation
-    if pins and pins[-1][0]() is session and pins[-1][1] == gen:
-        return
-    if not any(ref() is session and g == gen for ref, g in pins):
+    if pins:  # none is the common case: an update pruned the pins of the last step's tape
+        ref, last = pins[-1]
+        if ref() is session and last == gen:
+            return
+        if any(ref() is session and g == gen for ref, g in pins):
+            return
         _prune(pins)
-        pins.append((weakref.ref(session), gen))
+    pins.append((weakref.ref(session), gen))
