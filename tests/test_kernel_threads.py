@@ -8,6 +8,11 @@ called with operands that disagree raises before it writes anything.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -158,3 +163,51 @@ def test_a_kernel_raises_on_operands_that_disagree_and_writes_nothing(case):
     with pytest.raises(ValueError, match=name):
         call(host_kernels)
     np.testing.assert_array_equal(written, before)
+
+
+_TEAM_CHILD = """
+import os, sys
+import torch  # GNU OpenMP first: oneMKL then runs its products on it, as beside PyTorch
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from tiegrad.backend import blas
+from test_kernel_threads import D, _calls
+blas.matmul(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32))
+if not blas.on_gnu_openmp():
+    print("SKIP: oneMKL is not on GNU OpenMP here")
+    sys.exit(0)
+g = np.random.default_rng(7)
+x = g.standard_normal(D * 3001).astype(np.float32)
+x[5], x[D * 3 + 1] = np.inf, np.nan
+w, b = g.standard_normal(D).astype(np.float32), g.standard_normal(D).astype(np.float32)
+os.environ["TIEGRAD_NUM_THREADS"] = "1"
+want = _calls(x, w, b)
+os.environ.pop("TIEGRAD_NUM_THREADS")
+got = _calls(x, w, b)
+team = sys.modules["tiegrad.backend.host_blocks"]
+assert team.shares_the_team(), "numba's threading layer is not omp"
+kernel = {"gelu_vjp": "multiply", "add_": "add_row_vector"}
+unused = [n for n in want if not getattr(team, kernel.get(n, n) + "_blocks").signatures]
+assert not unused, unused
+for name, arrays in want.items():
+    for a, c in zip(arrays, got[name]):
+        assert a.tobytes() == c.tobytes(), name
+print("OK", team.TEAM)
+"""
+
+
+def test_blocks_on_mkls_openmp_team_give_the_bits_of_one_thread(tmp_path):
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "TIEGRAD_NUM_THREADS"}
+    env.update(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", NUMBA_NUM_THREADS="2")
+    proc = subprocess.run(
+        [sys.executable, "-c", _TEAM_CHILD, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if proc.stdout.startswith("SKIP"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.stdout.startswith("OK 2"), proc.stdout

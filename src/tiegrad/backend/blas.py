@@ -209,6 +209,13 @@ _loader_pid = 0  # the process that loaded MKL
 _one_thread_in_a_child: Callable[[], None] | None = None  # where MKL runs on GNU OpenMP
 
 
+def on_gnu_openmp() -> bool:
+    """Whether oneMKL is loaded and runs its products on GNU OpenMP (MKL chooses that
+    layer where GNU OpenMP is loaded first, as PyTorch does, or ``MKL_THREADING_LAYER``
+    says so): numba's ``omp`` threads are then MKL's team (``host_blocks``)."""
+    return _one_thread_in_a_child is not None
+
+
 def _kernels() -> dict[np.dtype, _Kernels]:
     """MKL's kernels per dtype (loading MKL on the first call); empty without MKL.
 

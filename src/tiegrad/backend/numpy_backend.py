@@ -10,12 +10,15 @@ cuts an op's rows into cache-sized blocks, run one after the other (they call BL
 With numba installed, float32 GELU and its VJP, ReLU and its VJP, large sums (``add``,
 ``add_``), the embedding's scatter-add (``index_add``), layer norm and the attention
 softmax run as single-pass kernels (``host_kernels``) instead; all but the scatter-add
-run their blocks on ``tiegrad._threads.count()`` threads, read at every call: one
-(the caller) unless ``TIEGRAD_NUM_THREADS`` asks for more, which then share the
-blocks through ``tiegrad._threads.share``'s pool (``_rows_parallel``). One, because
-BLAS's threads own the other cores: on 2 cores with MKL on 2 threads, W1 and W3 ran
-10-15% slower with the kernels' blocks shared between two pool threads (ratios to
-PyTorch 1.09-1.11 and 1.18-1.19 against 1.04 and 1.13 on one thread, load ~1).
+run their blocks on ``_kernel_threads`` threads, read at every call of at least
+``2 * _SHARE_MIN`` elements (``_rows_parallel``). Where oneMKL runs its products on GNU
+OpenMP and numba's threading layer is ``omp``, the blocks go to numba's threads, which
+are that same OpenMP team (``host_blocks``), on ``tiegrad._threads.count`` of the cores:
+W1 0.93 against 1.11 on one thread (ratio to PyTorch, Intel Xeon, 2 cores). Elsewhere
+one thread (the caller) runs them unless ``TIEGRAD_NUM_THREADS`` asks for more, which
+then share the blocks through ``tiegrad._threads.share``'s pool: a pool beside BLAS's
+spinning threads made W1 and W3 10-15% slower (1.09-1.11 and 1.18-1.19 against 1.04
+and 1.13 on one thread, AMD EPYC, 2 cores).
 Like MKL's products, the kernels do not report overflow or invalid operations to
 ``np.errstate``.
 Matrix products go to oneMKL where ``tiegrad[mkl]`` is installed (``blas``).
@@ -276,7 +279,20 @@ def _shared_elementwise(a: np.ndarray, b: np.ndarray) -> Any:
 def _worth_sharing(a: np.ndarray) -> bool:
     """Whether an elementwise call over ``a`` is large enough for two threads, and more
     than one thread is asked for."""
-    return a.size >= 2 * _SHARE_MIN and _threads.count() >= 2
+    return a.size >= 2 * _SHARE_MIN and _kernel_threads()[1] >= 2
+
+
+def _kernel_threads() -> tuple[Any, int]:
+    """``host_blocks`` (or None) and the threads for a kernel call worth sharing.
+
+    ``host_blocks`` where oneMKL runs on GNU OpenMP and numba's parallel loops share its
+    team (``host_blocks.shares_the_team``), with ``tiegrad._threads.count`` of numba's
+    threads; else None and ``tiegrad._threads.count()`` (one unless asked).
+    """
+    team = _numba.kernels("tiegrad.backend.host_blocks") if blas.on_gnu_openmp() else None
+    if team is None or not team.shares_the_team():
+        return None, _threads.count()
+    return team, _threads.count(team.TEAM)
 
 
 def _elementwise(kernels: Any, name: str, *inputs: np.ndarray, outputs: int = 1) -> Any:
@@ -313,17 +329,21 @@ def _rows_parallel(
 ) -> None:
     """``kernels.<name>(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads.
 
-    On several threads the blocks are also small enough for ``_SHARES`` of them per
-    thread, and never under ``_SHARE_MIN`` elements (a smaller call runs on the caller).
-    A block holds a multiple of ``align`` rows.
+    A call of under ``2 * _SHARE_MIN`` elements runs on the caller. On several threads
+    (``_kernel_threads``: numba's where they are MKL's team, else the pool's) the blocks
+    are also small enough for ``_SHARES`` of them per thread, and never under
+    ``_SHARE_MIN`` elements. A block holds a multiple of ``align`` rows.
     """
-    threads = _threads.count()
+    team, threads = _kernel_threads() if rows * row_size >= 2 * _SHARE_MIN else (None, 1)
     per_block = _rows_per_block(row_size)
     if threads > 1:
         least = -(-_SHARE_MIN // max(1, row_size))
         per_block = min(per_block, max(least, -(-rows // (threads * _SHARES))))
     per_block = -(-per_block // align) * align
-    _ranges_parallel(getattr(kernels, name), rows, per_block, threads, *args)
+    if team is not None and threads > 1 and rows > per_block:
+        team.run(name, rows, per_block, args, threads)
+    else:
+        _ranges_parallel(getattr(kernels, name), rows, per_block, threads, *args)
 
 
 _add_reduce = np.add.reduce

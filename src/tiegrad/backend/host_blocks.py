@@ -1,0 +1,129 @@
+"""The host kernels' blocks on numba's threads: ``<kernel>_blocks(n, step, args)`` runs
+``host_kernels.<kernel>(*args, lo, hi)`` for every block ``lo .. hi`` of ``step`` items of
+``range(n)``, the blocks shared among numba's threads (``parallel=True``, ``prange``).
+
+Why numba's threads. oneMKL runs its products on a GNU OpenMP team, and after each
+product that team's workers keep spinning on the other cores for a while. A second pool
+of threads (``tiegrad._threads``) competes with them for those cores; numba's ``omp``
+threading layer runs its parallel loops on the same GNU OpenMP runtime, so the kernels'
+blocks go to the team that just ran the product. Measured on 2 cores: an MKL product of
+1.79 ms followed by a parallel kernel of 1.79 ms, 3.65 ms on the ``omp`` layer, 5.63 ms
+on numba's own ``workqueue`` pool, 5.42 ms with the kernel on one thread.
+``numpy_backend`` therefore uses these drivers only where oneMKL runs on GNU OpenMP
+and numba's threading layer is ``omp`` (``shares_the_team``); everywhere else the kernels
+run as before. A block is computed by the same kernel on the same items whichever thread
+runs it, and the kernels' results do not depend on how the items are cut into blocks
+(``test_kernel_threads``), so the bits are those of the calling thread's route.
+
+Imported only through ``tiegrad._numba.kernels``; the drivers are compiled on their first
+use (about half a second each) and cached like the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+from numba import prange
+
+from .. import _numba
+from . import host_kernels as hk
+
+_blocks = _numba.jit(parallel=True, nogil=True)
+
+
+@_blocks
+def relu_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.relu(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def relu_vjp_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.relu_vjp(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def multiply_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.multiply(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def add_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.add(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def add_row_vector_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.add_row_vector(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def gelu_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.gelu(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def layer_norm_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.layer_norm(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def layer_norm_backward_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.layer_norm_backward(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def softmax_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.softmax(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def softmax_backward_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.softmax_backward(*args, b * step, min(n, b * step + step))
+
+
+TEAM: int = numba.config.NUMBA_NUM_THREADS  # numba's threads: the cores, or NUMBA_NUM_THREADS
+
+
+def run(name: str, n: int, step: int, args: tuple, threads: int) -> None:
+    """``<name>_blocks(n, step, args)`` on ``threads`` of numba's threads (at most
+    ``TEAM``); the calling thread's numba thread count is restored afterwards."""
+    before = numba.get_num_threads()
+    threads = min(threads, TEAM)
+    if threads != before:
+        numba.set_num_threads(threads)
+    try:
+        globals()[f"{name}_blocks"](n, step, args)
+    finally:
+        if threads != before:
+            numba.set_num_threads(before)
+
+
+_verdict: tuple[int, bool] | None = None  # (pid, whether the team is shared)
+
+
+def shares_the_team() -> bool:
+    """Whether numba's parallel loops run on the GNU OpenMP runtime (its ``omp`` threading
+    layer), known after a first parallel launch (made here once per process), and this
+    process is the one that launched it (a forked child's OpenMP runtime is unusable)."""
+    global _verdict
+    if _verdict is None or _verdict[0] != os.getpid():
+        if _verdict is not None:  # a forked child: never parallel here
+            _verdict = (os.getpid(), False)
+            return False
+        import numpy as np
+
+        x = np.zeros(2, np.float32)
+        relu_blocks(2, 1, (x, x))
+        _verdict = (os.getpid(), numba.threading_layer() == "omp")
+    return _verdict[1]
