@@ -115,7 +115,8 @@ _verdict: tuple[int, bool] | None = None  # (pid, whether the team is shared)
 def shares_the_team() -> bool:
     """Whether numba's parallel loops run on the GNU OpenMP runtime (its ``omp`` threading
     layer), known after a first parallel launch (made here once per process), and this
-    process is the one that launched it (a forked child's OpenMP runtime is unusable)."""
+    process is the one that launched it (a forked child's OpenMP runtime is unusable).
+    False where numba can load no threading layer."""
     global _verdict
     if _verdict is None or _verdict[0] != os.getpid():
         if _verdict is not None:  # a forked child: never parallel here
@@ -124,6 +125,10 @@ def shares_the_team() -> bool:
         import numpy as np
 
         x = np.zeros(2, np.float32)
-        relu_blocks(2, 1, (x, x))
-        _verdict = (os.getpid(), numba.threading_layer() == "omp")
+        try:
+            relu_blocks(2, 1, (x, x))
+            shared = numba.threading_layer() == "omp"
+        except ValueError:  # numba could load no threading layer
+            shared = False
+        _verdict = (os.getpid(), shared)
     return _verdict[1]
