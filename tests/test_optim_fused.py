@@ -493,3 +493,57 @@ def test_a_numba_that_does_not_import_warns_and_falls_back(monkeypatch):
     monkeypatch.setattr(_numba.importlib, "import_module", broken)
     with pytest.warns(RuntimeWarning, match="numba is installed but does not import"):
         assert _numba._load.__wrapped__("tiegrad.optim.kernels") is None
+
+
+_TEAM_CHILD = """
+import os
+import torch  # GNU OpenMP first: oneMKL then runs its products on it, as beside PyTorch
+import numpy as np
+from tiegrad import NonFiniteError, ParamList
+from tiegrad.backend import blas
+from tiegrad.optim import Adam, fused
+blas.matmul(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32))
+if fused._team() is None:
+    print("SKIP: oneMKL is not on GNU OpenMP here, or numba's threading layer is not omp")
+    raise SystemExit(0)
+g = np.random.default_rng(3)
+sizes = [300000, 7, 131072, 5000, 70000, 262144 * 3 + 11]
+values = [g.standard_normal(n).astype(np.float32) for n in sizes]
+grads = [g.standard_normal(n).astype(np.float32) for n in sizes]
+def steps(amsgrad):
+    plist = ParamList.of_pack([v.copy() for v in values])
+    opt = Adam(plist, lr=0.01, weight_decay=0.1, amsgrad=amsgrad)
+    for _ in range(3):
+        opt.step(grads)
+    bad = [x.copy() for x in grads]
+    bad[5][-1] = np.nan
+    before = [p.value.copy() for p in plist]
+    try:
+        opt.step(bad)
+        raise AssertionError("a NaN passed the check")
+    except NonFiniteError as e:
+        assert "5" in str(e), str(e)
+    assert all(a.tobytes() == p.value.tobytes() for a, p in zip(before, plist))
+    return [p.value.tobytes() for p in plist]
+for amsgrad in (False, True):
+    os.environ["TIEGRAD_NUM_THREADS"] = "1"
+    want = steps(amsgrad)
+    os.environ.pop("TIEGRAD_NUM_THREADS")
+    assert steps(amsgrad) == want, amsgrad
+kernels = fused._kernels()
+assert kernels.adam_blocks.signatures and kernels.nonfinite_blocks.signatures
+print("OK")
+"""
+
+
+def test_steps_on_mkls_openmp_team_give_the_bits_of_one_thread():
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "TIEGRAD_NUM_THREADS"}
+    env.update(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", NUMBA_NUM_THREADS="2")
+    proc = subprocess.run(
+        [sys.executable, "-c", _TEAM_CHILD], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if proc.stdout.startswith("SKIP"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.stdout.strip().endswith("OK"), proc.stdout

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tiegrad import _numba, _threads
-from tiegrad.backend import NUMPY, blas
+from tiegrad.backend import NUMPY, blas, numpy_backend
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -152,20 +152,29 @@ def test_threadpoolctl_limits_apply_at_once(monkeypatch):
 
 
 @pytest.mark.skipif(_numba.kernels("tiegrad.backend.host_kernels") is None, reason="no kernels")
-def test_the_host_kernels_share_their_blocks_only_where_the_environment_asks(monkeypatch):
+def test_the_host_kernels_share_their_blocks_where_asked_or_on_mkls_team(monkeypatch):
+    # Shared on the pool where the environment asks for threads; on numba's threads
+    # instead where they are oneMKL's OpenMP team, by default too; never past a limit.
     threadpoolctl = pytest.importorskip("threadpoolctl")
     asked = []
     share = _threads.share
     monkeypatch.setattr(_threads, "share", lambda run, n, t: (asked.append(t), share(run, n, t)))
     x = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+    NUMPY.gelu(x)  # the team is known after a first large call
+    team = numpy_backend.team()
+    if team is not None:
+        run = team.run
+        monkeypatch.setattr(team, "run", lambda t, k, *a: (asked.append(t), run(t, k, *a))[1])
     monkeypatch.setenv("TIEGRAD_NUM_THREADS", "2")
+    del asked[:]
     want = NUMPY.gelu(x)
     assert asked == [2]  # shared between two threads
     monkeypatch.delenv("TIEGRAD_NUM_THREADS")
-    for limit in (None, 1):
+    default = [] if team is None else [_threads.count(team.TEAM)]
+    for limit, expected in ((None, default), (1, [])):
         del asked[:]
         with threadpoolctl.threadpool_limits(limit):
             got = NUMPY.gelu(x)
-        assert asked == []  # one thread: the caller runs every block
+        assert asked == [t for t in expected if t > 1]  # else the caller runs every block
         for a, b in zip(want, got):
             np.testing.assert_array_equal(a, b)

@@ -22,6 +22,8 @@ use (about half a second each) and cached like the kernels.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import numba
 from numba import prange
@@ -95,15 +97,16 @@ def softmax_backward_blocks(n: int, step: int, args: tuple) -> None:
 TEAM: int = numba.config.NUMBA_NUM_THREADS  # numba's threads: the cores, or NUMBA_NUM_THREADS
 
 
-def run(name: str, n: int, step: int, args: tuple, threads: int) -> None:
-    """``<name>_blocks(n, step, args)`` on ``threads`` of numba's threads (at most
-    ``TEAM``); the calling thread's numba thread count is restored afterwards."""
+def run(threads: int, kernel: Callable[..., Any], *args: Any) -> Any:
+    """``kernel(*args)``, a parallel kernel (these drivers, or the optimizer's
+    ``<rule>_blocks``), on ``threads`` of numba's threads (at most ``TEAM``); the calling
+    thread's numba thread count is restored afterwards."""
     before = numba.get_num_threads()
     threads = min(threads, TEAM)
     if threads != before:
         numba.set_num_threads(threads)
     try:
-        globals()[f"{name}_blocks"](n, step, args)
+        return kernel(*args)
     finally:
         if threads != before:
             numba.set_num_threads(before)

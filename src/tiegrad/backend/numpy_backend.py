@@ -285,14 +285,22 @@ def _worth_sharing(a: np.ndarray) -> bool:
 def _kernel_threads() -> tuple[Any, int]:
     """``host_blocks`` (or None) and the threads for a kernel call worth sharing.
 
-    ``host_blocks`` where oneMKL runs on GNU OpenMP and numba's parallel loops share its
-    team (``host_blocks.shares_the_team``), with ``tiegrad._threads.count`` of numba's
-    threads; else None and ``tiegrad._threads.count()`` (one unless asked).
+    ``host_blocks`` where it runs on oneMKL's team (``team``), with
+    ``tiegrad._threads.count`` of numba's threads; else None and
+    ``tiegrad._threads.count()`` (one unless asked).
     """
-    team = _numba.kernels("tiegrad.backend.host_blocks") if blas.on_gnu_openmp() else None
-    if team is None or not team.shares_the_team():
+    blocks = team()
+    if blocks is None:
         return None, _threads.count()
-    return team, _threads.count(team.TEAM)
+    return blocks, _threads.count(blocks.TEAM)
+
+
+def team() -> Any:
+    """``host_blocks`` where oneMKL runs on GNU OpenMP and numba's parallel loops share its
+    team (``host_blocks.shares_the_team``), else None: whether parallel kernels (the host
+    kernels' blocks, the fused optimizer's) run on the threads that ran the products."""
+    blocks = _numba.kernels("tiegrad.backend.host_blocks") if blas.on_gnu_openmp() else None
+    return blocks if blocks is not None and blocks.shares_the_team() else None
 
 
 def _elementwise(kernels: Any, name: str, *inputs: np.ndarray, outputs: int = 1) -> Any:
@@ -341,7 +349,7 @@ def _rows_parallel(
         per_block = min(per_block, max(least, -(-rows // (threads * _SHARES))))
     per_block = -(-per_block // align) * align
     if team is not None and threads > 1 and rows > per_block:
-        team.run(name, rows, per_block, args, threads)
+        team.run(threads, getattr(team, f"{name}_blocks"), rows, per_block, args)
     else:
         _ranges_parallel(getattr(kernels, name), rows, per_block, threads, *args)
 

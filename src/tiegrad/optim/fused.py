@@ -14,11 +14,15 @@ read), then hands ``run`` each run of slots that share coefficients with its ``B
 the run's pieces with their views of the state (``FlatState`` keeps it in one flat
 buffer per name and dtype), made once per program.
 
-Threads. A run or check of at least ``2 * CHUNK_MIN`` elements shares its pieces among up
-to ``tiegrad._threads.count(CORES)`` threads (read at every step: ``TIEGRAD_NUM_THREADS``,
+Threads. A run or check of at least ``2 * CHUNK_MIN`` elements is shared among up to
+``tiegrad._threads.count(CORES)`` threads (read at every step: ``TIEGRAD_NUM_THREADS``,
 else the cores capped by the BLAS libraries' current thread counts, ``threadpoolctl``
-limits included), the caller's among them (the
-kernels release the GIL), through ``tiegrad._threads.share``.
+limits included). Where numba's threads are oneMKL's OpenMP team
+(``numpy_backend.team``), each piece of at least ``2 * CHUNK_MIN`` elements runs on them
+(``kernels.adam_blocks``, ``kernels.nonfinite_blocks``: blocks of ``CHUNK_MIN``) and the
+smaller ones on the caller; elsewhere, and for the rules without such a kernel, the
+pieces go to ``tiegrad._threads.share``'s pool, the caller's thread among them (the
+kernels release the GIL).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _numba, _threads
+from ..backend.numpy_backend import team as _team
 
 Owners = dict[int, list[np.ndarray]] | None  # id of an array owning memory -> arrays in it
 DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
@@ -141,7 +146,17 @@ class GradientTable:
             rows = _rows(flat, first, stop, lo, hi, layout.sizes[first])
             hits[i] = nonfinite(rows + pad[GROUP - len(rows)][1])
 
-        _share(check, len(pieces), layout.size)
+        threads, team = _threads_and_team(layout.size)
+        if team is None:
+            _threads.share(check, len(pieces), threads)
+        else:
+            blocks = _kernels().nonfinite_blocks
+            for i, (first, stop, lo, hi) in enumerate(pieces):
+                if hi - lo < 2 * CHUNK_MIN:
+                    check(i)
+                    continue
+                rows = _rows(flat, first, stop, lo, hi, layout.sizes[first])
+                hits[i] = team.run(threads, blocks, rows + pad[GROUP - len(rows)][1], CHUNK_MIN)
         for piece, hit in zip(pieces, hits):
             if hit >= 0:
                 return layout.slots[piece.first + hit]
@@ -169,6 +184,7 @@ class Batch:
         state: Mapping[str, tuple[np.ndarray, np.ndarray]],
     ) -> None:
         self.kernel = getattr(_kernels(), rule.kernel)
+        self.blocks = getattr(_kernels(), f"{rule.kernel}_blocks", None)  # on numba's team
         self.rows = list(rows)
         self.buffers = [buf for buf, _ in state.values()]
         self.pad = layout.pad
@@ -207,14 +223,23 @@ def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: Grad
         if near and any(np.may_share_memory(g, a) for a in near):
             flat_grads[i] = _read_only(g.copy())
 
-    def call(k: int) -> None:
+    def call(k: int, blocks: Callable[..., None] | None = None) -> None:
         first, stop, lo, hi, size, state = calls[k]
         p = _rows(flat_params, first, stop, lo, hi, size)
         g = _rows(flat_grads, first, stop, lo, hi, size)
         filler = pad[GROUP - len(p)]
-        kernel(p + filler[0], g + filler[1], *state, *coefficients)
+        if blocks is None:
+            kernel(p + filler[0], g + filler[1], *state, *coefficients)
+        else:
+            team.run(threads, blocks, p + filler[0], g + filler[1], *state, *coefficients,
+                     CHUNK_MIN)  # fmt: skip
 
-    _share(call, len(calls), batch.size)
+    threads, team = _threads_and_team(batch.size)
+    if team is None or batch.blocks is None:
+        _threads.share(call, len(calls), threads)
+        return
+    for k, (_, _, lo, hi, _, _) in enumerate(calls):
+        call(k, batch.blocks if hi - lo >= 2 * CHUNK_MIN else None)
 
 
 def _rows(
@@ -266,7 +291,8 @@ def _written(batch: Batch, params: list[np.ndarray]) -> tuple[list[np.ndarray], 
     return flat, owners
 
 
-def _share(work: Callable[[int], None], n: int, size: int) -> None:
-    """``work(i)`` for ``i`` in ``range(n)``: ``size`` elements in all, on threads when large."""
+def _threads_and_team(size: int) -> tuple[int, ModuleType | None]:
+    """The threads for a step part of ``size`` elements, and numba's team where the part
+    is worth sharing and that team is oneMKL's (``numpy_backend.team``), else None."""
     threads = min(_threads.count(CORES), size // CHUNK_MIN)
-    _threads.share(work, n, threads)
+    return threads, _team() if threads > 1 else None

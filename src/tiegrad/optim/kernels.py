@@ -35,13 +35,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import types
+from numba import prange, types
 from numba.core.errors import TypingError
 from numba.extending import overload
 
 from .. import _numba
 
 _jit = _numba.jit(nogil=True, error_model="numpy")  # "numpy": no zero-division branch
+_parallel = _numba.jit(nogil=True, error_model="numpy", parallel=True)
+_inline = _numba.jit(inline="always", error_model="numpy")
 
 
 @_jit
@@ -96,7 +98,44 @@ def _check_typed(p: Any, other: Any, needed: Any, n: Any) -> Any:
     return check
 
 
+@_jit
+def _ends(p: tuple) -> np.ndarray:
+    """The end of each row of ``p`` in the rows' concatenation."""
+    ends = np.empty(len(p), np.int64)
+    n = 0
+    for r in range(len(p)):
+        n += p[r].size
+        ends[r] = n
+    return ends
+
+
 # -- Adam / AdamW -------------------------------------------------------------------------
+@_inline
+def _adam_span(pr, gr, m, v, vmax, t, decay, l2, maximize, beta1, beta2, omb1, omb2, eps_hat,
+               step_hat, amsgrad):  # fmt: skip
+    """``adam_rule`` on the 1-D spans ``pr``, ``gr``, ``m``, ``v`` (and ``vmax`` with amsgrad)."""
+    decoupled, use_l2, dec, l2_ = decay != 1.0, l2 != 0.0, t(decay), t(l2)
+    b1, b2, omb1_, omb2_ = t(beta1), t(beta2), t(omb1), t(omb2)
+    eps, step = t(eps_hat), t(step_hat)
+    if amsgrad:
+        for j in range(pr.size):
+            pj = pr[j] * dec if decoupled else pr[j]
+            d = _direction(pj, gr[j], l2_, use_l2, maximize)
+            mj = m[j] * b1 + d * omb1_
+            vj = v[j] * b2 + (d * d) * omb2_
+            wj = np.maximum(vmax[j], vj)
+            m[j], v[j], vmax[j] = mj, vj, wj
+            pr[j] = pj + (mj / (np.sqrt(wj) + eps)) * step
+    else:
+        for j in range(pr.size):
+            pj = pr[j] * dec if decoupled else pr[j]
+            d = _direction(pj, gr[j], l2_, use_l2, maximize)
+            mj = m[j] * b1 + d * omb1_
+            vj = v[j] * b2 + (d * d) * omb2_
+            m[j], v[j] = mj, vj
+            pr[j] = pj + (mj / (np.sqrt(vj) + eps)) * step
+
+
 @_jit
 def adam(
     p: tuple,
@@ -120,32 +159,52 @@ def adam(
     _check(p, exp_avg, True, n)
     _check(p, exp_avg_sq, True, n)
     _check(p, max_exp_avg_sq, amsgrad, n)
-    t = p[0].dtype.type
-    decoupled, use_l2, dec, l2_ = decay != 1.0, l2 != 0.0, t(decay), t(l2)
-    b1, b2, omb1, omb2 = t(beta1), t(beta2), t(one_minus_beta1), t(one_minus_beta2)
-    eps, step = t(eps_hat), t(step_hat)
     start = 0
     for r in range(len(p)):
-        pr, gr, stop = p[r], g[r], start + p[r].size
-        m, v, vmax = exp_avg[start:stop], exp_avg_sq[start:stop], max_exp_avg_sq[start:stop]
+        stop = start + p[r].size
+        _adam_span(p[r], g[r], exp_avg[start:stop], exp_avg_sq[start:stop],
+                   max_exp_avg_sq[start:stop], p[0].dtype.type, decay, l2, maximize, beta1,
+                   beta2, one_minus_beta1, one_minus_beta2, eps_hat, step_hat, amsgrad)  # fmt: skip
         start = stop
-        if amsgrad:
-            for j in range(pr.size):
-                pj = pr[j] * dec if decoupled else pr[j]
-                d = _direction(pj, gr[j], l2_, use_l2, maximize)
-                mj = m[j] * b1 + d * omb1
-                vj = v[j] * b2 + (d * d) * omb2
-                wj = np.maximum(vmax[j], vj)
-                m[j], v[j], vmax[j] = mj, vj, wj
-                pr[j] = pj + (mj / (np.sqrt(wj) + eps)) * step
-        else:
-            for j in range(pr.size):
-                pj = pr[j] * dec if decoupled else pr[j]
-                d = _direction(pj, gr[j], l2_, use_l2, maximize)
-                mj = m[j] * b1 + d * omb1
-                vj = v[j] * b2 + (d * d) * omb2
-                m[j], v[j] = mj, vj
-                pr[j] = pj + (mj / (np.sqrt(vj) + eps)) * step
+
+
+@_parallel
+def adam_blocks(
+    p: tuple,
+    g: tuple,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    max_exp_avg_sq: np.ndarray,
+    decay: float,
+    l2: float,
+    maximize: bool,
+    beta1: float,
+    beta2: float,
+    one_minus_beta1: float,
+    one_minus_beta2: float,
+    eps_hat: float,
+    step_hat: float,
+    amsgrad: bool,
+    block: int,
+) -> None:
+    """``adam`` with the rows' concatenation cut into blocks of ``block`` elements, the
+    blocks shared among numba's threads (``fused``): the same arithmetic per element."""
+    n = _rows(p, g)
+    _check(p, exp_avg, True, n)
+    _check(p, exp_avg_sq, True, n)
+    _check(p, max_exp_avg_sq, amsgrad, n)
+    ends = _ends(p)
+    for b in prange(-(-n // block)):
+        lo, hi = b * block, min(n, b * block + block)
+        for r in range(len(p)):
+            start, stop = ends[r] - p[r].size, ends[r]
+            a, z = max(lo, start), min(hi, stop)
+            if a < z:
+                w = max_exp_avg_sq[a:z] if amsgrad else max_exp_avg_sq
+                _adam_span(p[r][a - start : z - start], g[r][a - start : z - start],
+                           exp_avg[a:z], exp_avg_sq[a:z], w, p[0].dtype.type, decay, l2,
+                           maximize, beta1, beta2, one_minus_beta1, one_minus_beta2, eps_hat,
+                           step_hat, amsgrad)  # fmt: skip
 
 
 # -- SGD ----------------------------------------------------------------------------------
@@ -265,21 +324,52 @@ def adagrad(
 
 
 # -- finiteness ---------------------------------------------------------------------------
-@_jit
-def nonfinite(x: tuple) -> int:
-    """The first ``r`` whose float32 or float64 1-D array ``x[r]`` holds a NaN or an
-    infinity, or -1.
+@_inline
+def _any_nonfinite(x: Any) -> bool:
+    """Whether the 1-D array ``x`` holds a NaN or an infinity.
 
     An element is finite exactly when its magnitude compares below infinity (a NaN
     compares false), in the array's own dtype: an or-reduction of that comparison
     vectorizes at full width, where a maximum over the bits would widen to 64-bit lanes.
     """
+    inf = x.dtype.type(np.inf)
+    bad = False
+    for j in range(x.size):
+        bad |= not (abs(x[j]) < inf)
+    return bad
+
+
+@_jit
+def nonfinite(x: tuple) -> int:
+    """The first ``r`` whose float32 or float64 1-D array ``x[r]`` holds a NaN or an
+    infinity, or -1."""
     for r in range(len(x)):
-        xr = x[r]
-        inf = xr.dtype.type(np.inf)
-        bad = False
-        for j in range(xr.size):
-            bad |= not (abs(xr[j]) < inf)
-        if bad:
+        if _any_nonfinite(x[r]):
             return r
+    return -1
+
+
+@_parallel
+def nonfinite_blocks(x: tuple, block: int) -> int:
+    """``nonfinite`` with the rows' concatenation cut into blocks of ``block`` elements,
+    the blocks read on numba's threads; the first row is found in the first block
+    holding a NaN or an infinity (the rows lie in order)."""
+    ends = _ends(x)
+    n = ends[-1] if len(x) else 0
+    count = -(-n // block)
+    hit = np.zeros(count, np.bool_)
+    for b in prange(count):
+        lo, hi = b * block, min(n, b * block + block)
+        for r in range(len(x)):
+            start = ends[r] - x[r].size
+            a, z = max(lo, start), min(hi, ends[r])
+            if a < z and _any_nonfinite(x[r][a - start : z - start]):
+                hit[b] = True
+    for b in range(count):
+        if hit[b]:
+            for r in range(len(x)):
+                start = ends[r] - x[r].size
+                a, z = max(b * block, start), min(b * block + block, ends[r])
+                if a < z and _any_nonfinite(x[r][a - start : z - start]):
+                    return r
     return -1
