@@ -141,22 +141,22 @@ class GradientTable:
         pieces, nonfinite, pad = layout.pieces, _kernels().nonfinite, layout.pad
         hits = [-1] * len(pieces)
 
-        def check(i: int) -> None:
+        def check(i: int, blocks: Callable[..., int] | None = None) -> None:
             first, stop, lo, hi = pieces[i]
             rows = _rows(flat, first, stop, lo, hi, layout.sizes[first])
-            hits[i] = nonfinite(rows + pad[GROUP - len(rows)][1])
+            rows += pad[GROUP - len(rows)][1]
+            if blocks is None:
+                hits[i] = nonfinite(rows)
+            else:
+                hits[i] = team.run(threads, blocks, rows, CHUNK_MIN)
 
         threads, team = _threads_and_team(layout.size)
         if team is None:
             _threads.share(check, len(pieces), threads)
         else:
             blocks = _kernels().nonfinite_blocks
-            for i, (first, stop, lo, hi) in enumerate(pieces):
-                if hi - lo < 2 * CHUNK_MIN:
-                    check(i)
-                    continue
-                rows = _rows(flat, first, stop, lo, hi, layout.sizes[first])
-                hits[i] = team.run(threads, blocks, rows + pad[GROUP - len(rows)][1], CHUNK_MIN)
+            for i, (_, _, lo, hi) in enumerate(pieces):
+                check(i, blocks if hi - lo >= 2 * CHUNK_MIN else None)
         for piece, hit in zip(pieces, hits):
             if hit >= 0:
                 return layout.slots[piece.first + hit]
