@@ -1,7 +1,8 @@
 """numba, the compiler of tiegrad's fused host kernels (a default dependency where it has wheels).
 
-Two kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates) and
-``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows and their VJPs).
+Three kernel modules need it: ``tiegrad.optim.kernels`` (optimizer updates),
+``tiegrad.backend.host_kernels`` (GELU, layer norm, softmax rows and their VJPs) and
+``tiegrad.backend.host_blocks`` (those kernels' blocks on numba's threads).
 ``ENABLED`` is the one switch for compiled kernels: false
 when the environment sets ``TIEGRAD_NO_NUMBA`` to anything but ``""`` or ``"0"`` (read at
 import), or when a program sets it to False; the NumPy code paths then run
