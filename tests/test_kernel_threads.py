@@ -1,9 +1,11 @@
 """The host kernels on several threads (``numpy_backend._rows_parallel``, issue 17).
 
-Every float32 kernel call of the NumPy backend runs its blocks on the pool of
-``tiegrad._threads``. Its results must not depend on the number of threads or on how
-the call is cut into blocks, bad layouts must still take the NumPy path, and a kernel
-called with operands that disagree raises before it writes anything.
+A large float32 kernel call of the NumPy backend runs its blocks on the pool of
+``tiegrad._threads``, or on numba's threads where those are oneMKL's OpenMP team
+(``host_blocks``). Its results must not depend on the number of threads, on which
+threads run it or on how the call is cut into blocks, bad layouts must still take the
+NumPy path, and a kernel called with operands that disagree raises before it writes
+anything.
 """
 
 from __future__ import annotations
