@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numba
+import numpy as np
 from numba import prange
 
 from .. import _numba
@@ -125,8 +126,6 @@ def shares_the_team() -> bool:
         if _verdict is not None:  # a forked child: never parallel here
             _verdict = (os.getpid(), False)
             return False
-        import numpy as np
-
         x = np.zeros(2, np.float32)
         try:
             relu_blocks(2, 1, (x, x))
