@@ -227,6 +227,17 @@ def test_copy_on_write_while_a_tape_holds_the_array():  # C2, DESIGN: snapshots 
     assert not current.flags.writeable
 
 
+def test_a_committed_view_of_read_only_memory_is_updated_in_a_copy():  # C2, C7
+    base = np.ones(4, np.float32)
+    base.flags.writeable = False
+    p = Param(np.zeros(4, np.float32))
+    p.storage.commit_host(base[:])  # a view: its memory cannot be made writable
+    ParamList([p]).sgd_step(1.0, [np.ones(4, np.float32)])
+    np.testing.assert_array_equal(p.value, np.zeros(4, np.float32))
+    np.testing.assert_array_equal(base, np.ones(4, np.float32))  # never written
+    assert not p.value.flags.writeable
+
+
 def test_another_sessions_tape_still_pins_the_array():  # C2
     s1, s2 = EagerSession(), EagerSession()
     p = Param(np.float32(1.0))

@@ -16,7 +16,9 @@ runs it, and the kernels' results do not depend on how the items are cut into bl
 (``test_kernel_threads``), so the bits are those of the calling thread's route.
 
 Imported only through ``tiegrad._numba.kernels``; the drivers are compiled on their first
-use (about half a second each) and cached like the kernels.
+use (about half a second each) and cached like the kernels. Each driver is written out:
+numba caches only functions defined in a module, and one made by a factory (a closure
+over its kernel) or taking its kernel as an argument would compile in every process.
 """
 
 from __future__ import annotations

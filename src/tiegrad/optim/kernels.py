@@ -109,6 +109,14 @@ def _ends(p: tuple) -> np.ndarray:
     return ends
 
 
+@_inline
+def _part(p: tuple, ends: np.ndarray, r: int, lo: int, hi: int) -> tuple[int, int, int]:
+    """``(i, j, start)``: elements ``lo .. hi`` of the rows' concatenation hold elements
+    ``i .. j`` of row ``r`` (none where ``i >= j``), which starts at ``start``."""
+    start = ends[r] - p[r].size
+    return max(lo, start) - start, min(hi, ends[r]) - start, start
+
+
 # -- Adam / AdamW -------------------------------------------------------------------------
 @_inline
 def _adam_span(pr, gr, m, v, vmax, t, decay, l2, maximize, beta1, beta2, omb1, omb2, eps_hat,
@@ -136,6 +144,17 @@ def _adam_span(pr, gr, m, v, vmax, t, decay, l2, maximize, beta1, beta2, omb1, o
             pr[j] = pj + (mj / (np.sqrt(vj) + eps)) * step
 
 
+@_inline
+def _adam_size(p: tuple, g: tuple, exp_avg: Any, exp_avg_sq: Any, max_exp_avg_sq: Any,
+               amsgrad: bool) -> int:  # fmt: skip
+    """The parameters' total size; ``ValueError`` where an operand's size differs."""
+    n = _rows(p, g)
+    _check(p, exp_avg, True, n)
+    _check(p, exp_avg_sq, True, n)
+    _check(p, max_exp_avg_sq, amsgrad, n)
+    return n
+
+
 @_jit
 def adam(
     p: tuple,
@@ -155,10 +174,7 @@ def adam(
     amsgrad: bool,
 ) -> None:
     """``adam_rule`` (``AdamCoefficients``); ``max_exp_avg_sq`` is read with amsgrad only."""
-    n = _rows(p, g)
-    _check(p, exp_avg, True, n)
-    _check(p, exp_avg_sq, True, n)
-    _check(p, max_exp_avg_sq, amsgrad, n)
+    _adam_size(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad)
     start = 0
     for r in range(len(p)):
         stop = start + p[r].size
@@ -189,22 +205,18 @@ def adam_blocks(
 ) -> None:
     """``adam`` with the rows' concatenation cut into blocks of ``block`` elements, the
     blocks shared among numba's threads (``fused``): the same arithmetic per element."""
-    n = _rows(p, g)
-    _check(p, exp_avg, True, n)
-    _check(p, exp_avg_sq, True, n)
-    _check(p, max_exp_avg_sq, amsgrad, n)
+    n = _adam_size(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad)
     ends = _ends(p)
     for b in prange(-(-n // block)):
         lo, hi = b * block, min(n, b * block + block)
         for r in range(len(p)):
-            start, stop = ends[r] - p[r].size, ends[r]
-            a, z = max(lo, start), min(hi, stop)
-            if a < z:
+            i, j, start = _part(p, ends, r, lo, hi)
+            if i < j:
+                a, z = start + i, start + j
                 w = max_exp_avg_sq[a:z] if amsgrad else max_exp_avg_sq
-                _adam_span(p[r][a - start : z - start], g[r][a - start : z - start],
-                           exp_avg[a:z], exp_avg_sq[a:z], w, p[0].dtype.type, decay, l2,
-                           maximize, beta1, beta2, one_minus_beta1, one_minus_beta2, eps_hat,
-                           step_hat, amsgrad)  # fmt: skip
+                _adam_span(p[r][i:j], g[r][i:j], exp_avg[a:z], exp_avg_sq[a:z], w,
+                           p[0].dtype.type, decay, l2, maximize, beta1, beta2, one_minus_beta1,
+                           one_minus_beta2, eps_hat, step_hat, amsgrad)  # fmt: skip
 
 
 # -- SGD ----------------------------------------------------------------------------------
@@ -352,24 +364,19 @@ def nonfinite(x: tuple) -> int:
 @_parallel
 def nonfinite_blocks(x: tuple, block: int) -> int:
     """``nonfinite`` with the rows' concatenation cut into blocks of ``block`` elements,
-    the blocks read on numba's threads; the first row is found in the first block
-    holding a NaN or an infinity (the rows lie in order)."""
+    the blocks read on numba's threads: each block's first row holding a NaN or an
+    infinity, and of the first block with one, that row (the rows lie in order)."""
     ends = _ends(x)
     n = ends[-1] if len(x) else 0
-    count = -(-n // block)
-    hit = np.zeros(count, np.bool_)
-    for b in prange(count):
+    hits = np.full(-(-n // block), -1, np.int64)
+    for b in prange(hits.size):
         lo, hi = b * block, min(n, b * block + block)
         for r in range(len(x)):
-            start = ends[r] - x[r].size
-            a, z = max(lo, start), min(hi, ends[r])
-            if a < z and _any_nonfinite(x[r][a - start : z - start]):
-                hit[b] = True
-    for b in range(count):
-        if hit[b]:
-            for r in range(len(x)):
-                start = ends[r] - x[r].size
-                a, z = max(b * block, start), min(b * block + block, ends[r])
-                if a < z and _any_nonfinite(x[r][a - start : z - start]):
-                    return r
+            i, j, _ = _part(x, ends, r, lo, hi)
+            if i < j and _any_nonfinite(x[r][i:j]):
+                hits[b] = r
+                break
+    for hit in hits:
+        if hit >= 0:
+            return hit
     return -1
