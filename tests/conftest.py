@@ -5,6 +5,10 @@ CI runs the whole suite on the full ``test`` install, then the tests marked
 ``TIEGRAD_BLAS=numpy``): the route a plain ``pip install .`` takes where numba or
 oneMKL is missing. The mark follows from the module's name, so a new test file of
 ops, optimizers or kernels joins the second pass without anyone remembering to.
+
+Where oneMKL is installed but ``TIEGRAD_BLAS=auto`` leaves it unused (a CPU not Intel's,
+``tiegrad.backend.blas``), CI runs the tests marked ``mkl`` a third time with
+``TIEGRAD_BLAS=mkl``, so that MKL's route is tested on every machine that has it.
 """
 
 from __future__ import annotations
@@ -29,8 +33,13 @@ KERNEL_MODULES = (
     "test_tape",
 )
 
+#: Modules whose tests of oneMKL's route skip where MKL is not chosen.
+MKL_MODULES = ("test_blas", "test_mkl_threads")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.module is not None and item.module.__name__.startswith(KERNEL_MODULES):
             item.add_marker(pytest.mark.kernels)
+        if item.module is not None and item.module.__name__.startswith(MKL_MODULES):
+            item.add_marker(pytest.mark.mkl)

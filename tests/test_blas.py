@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -255,6 +256,30 @@ def test_environment_switch_rejects_unknown_values():
     run = _import_in_child("openblas", "import tiegrad")
     assert run.returncode != 0
     assert "ConfigError" in run.stderr and "TIEGRAD_BLAS='openblas'" in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("choice", "intel", "tried"),
+    [("auto", True, True), ("auto", False, False), ("mkl", False, True), ("numpy", True, False)],
+)
+def test_auto_tries_mkl_on_intel_cpus_only_and_mkl_insists(monkeypatch, choice, intel, tried):
+    monkeypatch.setenv(blas.ENV_SWITCH, choice)
+    monkeypatch.setattr(blas, "_intel_cpu", lambda: intel)
+    monkeypatch.setattr(blas, "_installed", lambda: [Path("libmkl_rt.so.3")])
+    assert blas._candidates() == ([Path("libmkl_rt.so.3")] if tried else [])
+
+
+def test_a_cpu_of_unknown_vendor_counts_as_intel(monkeypatch, tmp_path):
+    real_open = open
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr("builtins.open", lambda f, *a: real_open(cpuinfo, *a))
+    for text, intel in [
+        ("", True),
+        ("vendor_id\t: AuthenticAMD\n", False),
+        ("vendor_id\t: GenuineIntel\n", True),
+    ]:
+        cpuinfo.write_text(text)
+        assert blas._intel_cpu() is intel
 
 
 def test_required_mkl_that_is_missing_is_an_error_naming_the_folder():

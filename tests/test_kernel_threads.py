@@ -21,7 +21,7 @@ import pytest
 numba = pytest.importorskip("numba")
 
 import tiegrad.backend.numpy_backend as nb  # noqa: E402
-from tiegrad.backend import NUMPY  # noqa: E402
+from tiegrad.backend import NUMPY, blas  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not nb._numba.ENABLED, reason="the kernels are switched off")
 
@@ -202,6 +202,8 @@ def test_blocks_on_mkls_openmp_team_give_the_bits_of_one_thread(tmp_path):
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if k != "TIEGRAD_NUM_THREADS"}
     env.update(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", NUMBA_NUM_THREADS="2")
+    if blas.INSTALLED:  # oneMKL whatever the CPU: the team is its OpenMP team
+        env["TIEGRAD_BLAS"] = "mkl"
     proc = subprocess.run(
         [sys.executable, "-c", _TEAM_CHILD, str(Path(__file__).parent)],
         capture_output=True,

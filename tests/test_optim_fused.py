@@ -28,6 +28,7 @@ pytest.importorskip("numba")
 from optim_lists import make_list  # noqa: E402
 
 from tiegrad import NonFiniteError, Param, ParamList, _numba, _threads  # noqa: E402
+from tiegrad.backend import blas  # noqa: E402
 from tiegrad.optim import SGD, Adagrad, Adam, AdamW, RMSprop, fused  # noqa: E402
 
 CASES = [
@@ -540,6 +541,8 @@ def test_steps_on_mkls_openmp_team_give_the_bits_of_one_thread():
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if k != "TIEGRAD_NUM_THREADS"}
     env.update(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", NUMBA_NUM_THREADS="2")
+    if blas.INSTALLED:  # oneMKL whatever the CPU: the team is its OpenMP team
+        env["TIEGRAD_BLAS"] = "mkl"
     proc = subprocess.run(
         [sys.executable, "-c", _TEAM_CHILD], capture_output=True, text=True, env=env, timeout=600
     )

@@ -43,9 +43,13 @@ thread (``MKL_Set_Num_Threads(1)``) from its first product on. Loading also has
 (``threadpoolctl`` limits included) caps the host kernels' threads.
 
 ``TIEGRAD_BLAS`` chooses, read once at import: unset or ``auto`` uses MKL when its
-``libmkl_rt`` lies in this Python environment's ``lib`` folder, ``numpy`` never uses it,
+``libmkl_rt`` lies in this Python environment's ``lib`` folder and the CPU is Intel's
+(``/proc/cpuinfo`` says ``GenuineIntel``, or says no vendor), ``numpy`` never uses it,
 and ``mkl`` requires it (the import raises ``ConfigError`` when the file is missing).
-``LIBRARY`` is the loaded library's file name, or None when products go to NumPy.
+On a 2-core AMD EPYC NumPy's OpenBLAS ran every workload faster than MKL (README,
+"What each dependency buys"), on a 2-core Intel Xeon slower, hence ``auto``'s rule.
+``LIBRARY`` is the loaded library's file name, or None when products go to NumPy;
+``INSTALLED`` says whether the file is there, chosen or not.
 """
 
 from __future__ import annotations
@@ -120,15 +124,30 @@ class _Kernels(NamedTuple):
     dot: Callable[..., float]
 
 
+def _installed() -> list[Path]:
+    """The MKL files in this Python environment's ``lib`` folder, in the loader's order."""
+    paths = [Path(sys.prefix) / "lib" / name for name in _NAMES]
+    return [path for path in paths if path.exists()]
+
+
+def _intel_cpu() -> bool:
+    """Whether the CPU is Intel's: ``/proc/cpuinfo``'s first ``vendor_id``, True unread."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            vendors = [line.split(":", 1)[1] for line in info if line.startswith("vendor_id")]
+    except OSError:
+        return True
+    return not vendors or vendors[0].strip() == "GenuineIntel"
+
+
 def _candidates() -> list[Path]:
     """The MKL files ``TIEGRAD_BLAS`` lets the loader try, in order (nothing is loaded)."""
     choice = os.environ.get(ENV_SWITCH, "auto") or "auto"
     if choice not in ("auto", "numpy", "mkl"):
         raise ConfigError(f"{ENV_SWITCH}={choice!r}: expected 'auto', 'numpy' or 'mkl'")
-    if choice == "numpy":
+    if choice == "numpy" or (choice == "auto" and not _intel_cpu()):
         return []
-    paths = [Path(sys.prefix) / "lib" / name for name in _NAMES]
-    paths = [path for path in paths if path.exists()]
+    paths = _installed()
     if not paths and choice == "mkl":
         raise ConfigError(
             f"{ENV_SWITCH}=mkl but no {_NAMES[0]} in {Path(sys.prefix) / 'lib'}; "
@@ -141,6 +160,8 @@ _CANDIDATES = _candidates()
 _REQUIRED = os.environ.get(ENV_SWITCH) == "mkl"
 MAY_LOAD = bool(_CANDIDATES)
 """Whether a product may go to MKL (a file to try); False: ``matmul`` is ``np.matmul``'s."""
+INSTALLED = bool(_installed())
+"""Whether oneMKL's file is in this environment (``TIEGRAD_BLAS=mkl`` then loads it)."""
 
 
 @functools.cache
