@@ -237,7 +237,7 @@ class TorchBackend(Backend):
         """
         if g.dtype != out.dtype:  # a wider cotangent: the generic product promotes
             return super().relu_vjp(g, out)
-        return g * torch.sign(out)
+        return torch.sign(out).mul_(g)  # into the fresh sign: one allocation, the same bits
 
     def affine_rows(self, x: Array, w: Array, b: Array | None, out_in: bool) -> Array | None:
         """What ``torch.nn.functional.linear`` runs: one ``addmm`` (the bias is the product's

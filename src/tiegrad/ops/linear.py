@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import ShapeError
 from ..session import TensorRef
-from ._core import affine_operands, needs_grad, session_of, sum_rows, value_of
+from ._core import affine_operands, session_of, sum_rows, value_of
 
 
 def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
@@ -55,8 +55,10 @@ def _affine(op: str, x: Any, weight: Any, bias: Any, out_in: bool) -> TensorRef:
             else:
                 out2 = out2 + bv  # keep NumPy's type promotion
     out = out2 if flat else bk.reshape(out2, xs[:-1] + (n_out,))
-    want_x, want_w = needs_grad(s, refs[0]), needs_grad(s, refs[1])
-    want_b = bias is not None and needs_grad(s, refs[2])
+    rg = s._rg
+    ids = tuple([r.id for r in refs])
+    want_x, want_w = rg[ids[0]], rg[ids[1]]
+    want_b = bias is not None and rg[ids[2]]
 
     def vjp(g):
         g2 = g if flat else bk.reshape(g, (-1, n_out))
@@ -72,4 +74,4 @@ def _affine(op: str, x: Any, weight: Any, bias: Any, out_in: bool) -> TensorRef:
             return gx, gw
         return gx, gw, (sum_rows(bk, g2) if want_b else None)
 
-    return s._record(out, tuple(r.id for r in refs), vjp)
+    return s._record(out, ids, vjp)
