@@ -394,3 +394,35 @@ def test_strided_device_gradients_and_mirrors_step_like_the_host(config):  # C3,
         results.append(pl.values_synced())
     for d, h in zip(*results):
         assert_close_ulps(d, h, OPTIMIZER_ULPS)
+
+
+def _recorded_run(device: bool) -> list[np.ndarray]:
+    """SGD steps from recorded uses, the setup changed between steps: a new learning rate,
+    the momentum switched off (no state any more), the bias frozen, then trained again."""
+    from tiegrad import ops
+
+    rng = np.random.default_rng(3)
+    w = Param(rng.standard_normal((2, 3)).astype(np.float32), name="w")
+    b = Param(rng.standard_normal(2).astype(np.float32), name="b")
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    target = rng.standard_normal((4, 2)).astype(np.float32)
+    opt = SGD([w, b], lr=0.1, momentum=0.9)
+    group = opt.param_groups[0]
+    changes = {
+        2: lambda: group.update(lr=0.05),
+        4: lambda: group.update(momentum=0.0),
+        5: lambda: setattr(b, "requires_grad", False),
+        7: lambda: setattr(b, "requires_grad", True),
+    }
+    s = EagerSession(device=DEVICE if device else None)
+    for k in range(9):
+        if k in changes:
+            changes[k]()
+        loss = ops.mse_loss(ops.linear(s.constant(x), s.use(w), s.use(b)), target)
+        opt.step(s.backward(loss))
+    return [w.value_synced(), b.value_synced()]
+
+
+def test_device_steps_follow_changes_between_steps():  # C3, C5, C6: nothing kept goes stale
+    for d, h in zip(_recorded_run(device=True), _recorded_run(device=False)):
+        np.testing.assert_allclose(d, h, rtol=1e-5, atol=1e-6)

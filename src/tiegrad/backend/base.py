@@ -206,6 +206,11 @@ class Backend:
         """
         return None
 
+    def affine_rows(self, x: Array, w: Array, b: Array | None, out_in: bool) -> Array | None:
+        """``x @ w.T + b`` (``out_in``: ``w`` is (out, in)) or ``x @ w + b`` of 2-D ``x`` in one
+        fused kernel (``b`` may be None), or None without one for these operands."""
+        return None
+
     def cross_entropy_rows(
         self,
         logits: Array,

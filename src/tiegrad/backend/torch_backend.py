@@ -237,7 +237,16 @@ class TorchBackend(Backend):
         """
         if g.dtype != out.dtype:  # a wider cotangent: the generic product promotes
             return super().relu_vjp(g, out)
-        return g * torch.sign(out)
+        return torch.sign(out).mul_(g)  # into the fresh sign: one allocation, the same bits
+
+    def affine_rows(self, x: Array, w: Array, b: Array | None, out_in: bool) -> Array | None:
+        """What ``torch.nn.functional.linear`` runs: one ``addmm`` (the bias is the product's
+        initial value), for operands of one dtype."""
+        if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype):
+            return None  # the generic path promotes like NumPy
+        if out_in:
+            return F.linear(x, w, b)
+        return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
 
     def layer_norm_rows(
         self, x: Array, w: Array | None, b: Array | None, eps: float
@@ -360,7 +369,8 @@ class TorchBackend(Backend):
         return torch.reshape(self._tensor(x), tuple(shape))
 
     def transpose(self, x: Array, axes: Shape) -> Array:
-        return x.permute(tuple(axes))
+        axes = tuple(axes)
+        return x.t() if axes == (1, 0) else x.permute(axes)  # ``t``: half the dispatch
 
     def broadcast_to(self, x: Array, shape: Shape) -> Array:
         return torch.broadcast_to(self._tensor(x), tuple(shape))

@@ -6,14 +6,15 @@ from typing import Any
 
 from ..errors import ShapeError
 from ..session import TensorRef
-from ._core import affine_operands, needs_grad, session_of, sum_rows, value_of
+from ._core import affine_operands, session_of, sum_rows, value_of
 
 
 def linear(x: Any, weight: Any, bias: Any = None) -> TensorRef:
     """``x @ weight.T + bias`` for ``x`` of shape ``(..., in)``, ``weight`` ``(out, in)``.
 
-    ``bias`` has shape ``(out,)``. One node; the bias is added in place into the fresh
-    product (no second output-sized temporary). The VJP works on ``x`` flattened to 2-D,
+    ``bias`` has shape ``(out,)``. One node: the backend's fused kernel where it has one
+    (``Backend.affine_rows``: torch's ``addmm``), else the bias is added in place into the
+    fresh product (no second output-sized temporary). The VJP works on ``x`` flattened to 2-D,
     passes the transposes to BLAS as views, sums the bias gradient as one
     vector-matrix product and skips the products of operands that need no gradient.
     """
@@ -45,22 +46,25 @@ def _affine(op: str, x: Any, weight: Any, bias: Any, out_in: bool) -> TensorRef:
     refs, bv = affine_operands(s, op, x, xv, weight, wv, bias, n_out)
     flat = len(xs) == 2  # 2-D input: no reshapes around the products
     x2 = xv if flat else bk.reshape(xv, (-1, n_in))
-    wt = bk.transpose(wv, (1, 0))
-    out2 = bk.matmul(x2, wt if out_in else wv)
-    if bias is not None:
-        if bv.dtype == out2.dtype:
-            out2 = bk.add_(out2, bv)
-        else:
-            out2 = out2 + bv  # keep NumPy's type promotion
+    out2 = bk.affine_rows(x2, wv, bv, out_in)
+    if out2 is None:
+        out2 = bk.matmul(x2, bk.transpose(wv, (1, 0)) if out_in else wv)
+        if bias is not None:
+            if bv.dtype == out2.dtype:
+                out2 = bk.add_(out2, bv)
+            else:
+                out2 = out2 + bv  # keep NumPy's type promotion
     out = out2 if flat else bk.reshape(out2, xs[:-1] + (n_out,))
-    want_x, want_w = needs_grad(s, refs[0]), needs_grad(s, refs[1])
-    want_b = bias is not None and needs_grad(s, refs[2])
+    rg = s._rg
+    ids = tuple([r.id for r in refs])
+    want_x, want_w = rg[ids[0]], rg[ids[1]]
+    want_b = bias is not None and rg[ids[2]]
 
     def vjp(g):
         g2 = g if flat else bk.reshape(g, (-1, n_out))
         gx = None
         if want_x:
-            gx = bk.matmul(g2, wv if out_in else wt)
+            gx = bk.matmul(g2, wv if out_in else bk.transpose(wv, (1, 0)))
             gx = gx if flat else bk.reshape(gx, xs)
         gw = None
         if want_w:
@@ -70,4 +74,4 @@ def _affine(op: str, x: Any, weight: Any, bias: Any, out_in: bool) -> TensorRef:
             return gx, gw
         return gx, gw, (sum_rows(bk, g2) if want_b else None)
 
-    return s._record(out, tuple(r.id for r in refs), vjp)
+    return s._record(out, ids, vjp)

@@ -65,9 +65,10 @@ def cross_entropy(
     rows = math.prod(shape[:-1])
     # the kernel reduces, except a mean whose divisor is not a positive host count
     kernel_reduction = "none" if reduction == "mean" and not host_count else reduction
+    flat = len(shape) == 2  # rows already: no reshapes
     fused = bk.cross_entropy_rows(
-        bk.reshape(lv, (rows, c)),
-        bk.reshape(t, (rows,)),
+        lv if flat else bk.reshape(lv, (rows, c)),
+        t if flat else bk.reshape(t, (rows,)),
         ignore_index,
         label_smoothing,
         want,

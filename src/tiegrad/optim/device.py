@@ -24,6 +24,10 @@ the host path's contract and arithmetic:
   operation. A subclass that replaces ``rule`` sets ``device_kernel = None``.
 - Each parameter is updated in place in its mirror when no live device tape holds it,
   in a copy otherwise (copy-on-write, C2), as the host path does with host arrays.
+- What depends only on the layout is worked out once and kept by the device state
+  while the layout holds: the groups of a recording that repeats the last one's uses,
+  the runs and their state views (``DeviceProgram``). Values never are: hyperparameters,
+  gradients and mirrors are checked every step.
 - The device is synchronised once per step, for the finiteness verdict of every
   gradient together (one flag brought to the host, C6); nothing else waits for it.
 
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -67,6 +71,8 @@ class DeviceState:
         self.backend = backend
         self.host_current = True
         self.ops = ForeachOps(backend.xp)
+        self.program: DeviceProgram | None = None
+        self.recorded: tuple[Any, ...] | None = None  # (plan, registrations, groups, slots)
         self.views: dict[tuple[int, str], Any] = {}
         pairs: dict[int, tuple[np.ndarray, Any]] = {}
         for (slot, name), (buf, start, stop) in state.layout().items():
@@ -83,6 +89,49 @@ class DeviceState:
         for host, dev in self.pairs:
             host[...] = self.backend.download(dev)
         self.host_current = True
+
+
+class DeviceRun(NamedTuple):
+    """One update of a ``DeviceProgram``: slots sharing group, step count and state names."""
+
+    group: int
+    step: int
+    names: tuple[str, ...]
+    slots: list[int]
+    storages: list[Any]
+    state: dict[str, list[Any]]
+    fresh: frozenset[str]  # the state tensors this step creates (its first)
+
+
+class DeviceProgram:
+    """What device steps over one layout repeat, the device twin of ``optim.plan.Program``.
+
+    ``order``: the canonical slots, ascending, and ``storages`` theirs; ``runs``: the
+    updates in order, with their state views. Made by a step that created no state
+    tensor, it holds while the plan, the state names of every group and the state
+    (its ``revision``) are those its last step left; each step counts every run one
+    further. It belongs to one ``DeviceState``: a released state drops it.
+    """
+
+    __slots__ = ("plan", "names", "revision", "order", "storages", "runs")
+
+    def __init__(
+        self, plan: StepPlan, names: tuple[tuple[str, ...], ...], runs: list[DeviceRun]
+    ) -> None:
+        self.plan = plan
+        self.names = names
+        self.revision: int | None = None
+        self.runs = runs
+        self.order = sorted(i for run in runs for i in run.slots)
+        self.storages = [plan.storages[i] for i in self.order]
+
+    def current(self, plan: StepPlan, names: tuple[tuple[str, ...], ...], state: FlatState) -> bool:
+        return self.plan is plan and self.names == names and self.revision == state.revision
+
+    def advance(self, state: FlatState) -> None:
+        """After a step of this program: the next one counts each run one step further."""
+        self.runs = [run._replace(step=run.step + 1) for run in self.runs]
+        self.revision = state.revision
 
 
 def sync_state(opt: Any) -> None:
@@ -124,19 +173,11 @@ def device_step(opt: Any, gradients: Any) -> None:
     plan = opt._plan()
     slots = plan.slots
     if isinstance(gradients, Gradients):
-        session = gradients.session
-        index = plan.index
-        recorded = gradients.parameter_groups()
-        opt._check_recorded(recorded, plan)
-        groups = [g for g in recorded if g.storage is not None and id(g.storage) in index]
-        order = [index[id(g.storage)] for g in groups]
-        check_device_gradient_groups(groups, gradients, session.backend)
-        _check_complete(opt, slots, set(order), " (no trainable use of its storage on the tape)")
+        bk = gradients.session.backend
+        groups, order = _recorded_groups(opt, plan, gradients)
+        check_device_gradient_groups(groups, gradients, bk)
         with_checked_device_sums(
-            groups,
-            gradients,
-            session.backend,
-            lambda sums: _step(opt, session.backend, plan, dict(zip(order, sums))),
+            groups, gradients, bk, lambda sums: _step(opt, bk, plan, dict(zip(order, sums)))
         )
         return
     raw = opt._list_gradients(gradients, plan)
@@ -146,6 +187,31 @@ def device_step(opt: Any, gradients: Any) -> None:
     for i, g in grads.items():
         bk = _check_gradient(opt, i, g, bk)
     _step(opt, bk, plan, grads)
+
+
+def _recorded_groups(opt: Any, plan: StepPlan, gradients: Gradients) -> tuple[list[Any], list[int]]:
+    """The recorded groups ``opt`` steps and the canonical slot of each (C4, C5).
+
+    Grouped and checked afresh, except when the plan and the registrations (leaf ->
+    handle, leaf -> storage, trainable leaves: equal mappings of the same objects) are
+    those of the device state's last step whose groups were all this optimizer's: a
+    training loop records the same uses every step.
+    """
+    registrations = (gradients._params, gradients._storages, gradients._trainable)
+    ds = opt._device_state
+    hit = None if ds is None else ds.recorded
+    if hit is not None and hit[0] is plan and hit[1] == registrations:
+        return hit[2], hit[3]
+    index = plan.index
+    recorded = gradients.parameter_groups()
+    opt._check_recorded(recorded, plan)
+    groups = [g for g in recorded if g.storage is not None and id(g.storage) in index]
+    order = [index[id(g.storage)] for g in groups]
+    hint = " (no trainable use of its storage on the tape)"
+    _check_complete(opt, plan.slots, set(order), hint)
+    if ds is not None and len(groups) == len(recorded):
+        ds.recorded = (plan, registrations, groups, order)
+    return groups, order
 
 
 def _check_complete(opt: Any, slots: Sequence[int | None], have: set[int], hint: str = "") -> None:
@@ -173,28 +239,69 @@ def _check_gradient(opt: Any, slot: int, g: Any, bk: Backend | None) -> Backend:
 
 def _step(opt: Any, bk: Backend, plan: StepPlan, grads: Mapping[int, Any]) -> None:
     hps = opt._checked_groups(opt.param_groups, plan)
-    specs = opt._state_specs(plan, hps)
-    order = sorted(specs)
-    for i in order:
-        opt.params[i].storage.device_value(bk)  # every mirror readable (C7) before any write
+    names = tuple(opt._state_names(hp) for hp in hps)
+    ds = opt._device_state
+    program = None if ds is None or ds.backend is not bk else ds.program
+    if program is not None and program.current(plan, names, opt._state):
+        order, storages = program.order, program.storages
+    else:
+        program = None
+        specs = opt._state_specs(plan, hps)
+        order = sorted(specs)
+        storages = [opt.params[i].storage for i in order]
+    for st in storages:
+        st.device_value(bk)  # every mirror readable (C7) before any write
     bad = _first_nonfinite(bk.xp, order, grads)
     if bad is not None:
         opt._refuse_nonfinite(bad)
         return
-    steps = {i: opt._state.step(i) + 1 for i in order}
     plan.program = None  # the host program's state buffers may be replaced here
-    ds, created = _device_state(opt, bk, specs, hps)
-    runs: dict[tuple[Any, ...], list[int]] = {}
-    for i in order:
-        names = specs[i][2]
-        fresh = frozenset(n for n in names if (i, n) in created) if created else _NONE_FRESH
-        runs.setdefault((opt._slot_group[i], steps[i], names, fresh), []).append(i)
-    for (gi, step, names, fresh), run in runs.items():
-        _update(opt, ds, run, [grads[i] for i in run], names, hps[gi], step, fresh)
-        opt._state.set_steps(run, step)
+    if program is None:
+        ds, program = _program(opt, bk, plan, names, specs, hps)
+    for run in program.runs:
+        _update(opt, ds, run, [grads[i] for i in run.slots], hps[run.group])
+        opt._state.set_steps(run.slots, run.step)
     if ds.views:
         ds.host_current = False
     opt.step_count += 1
+    if ds.program is program:
+        program.advance(opt._state)
+
+
+def _program(
+    opt: Any,
+    bk: Backend,
+    plan: StepPlan,
+    names: tuple[tuple[str, ...], ...],
+    specs: Mapping[int, SlotSpec],
+    hps: Sequence[Mapping[str, Any]],
+) -> tuple[DeviceState, DeviceProgram]:
+    """The device state for ``specs`` and a program of this step's runs: slots of one group,
+    step count, state names and new state tensors (``fresh``) update together. The
+    state keeps it for the next steps unless this step creates state tensors."""
+    ds, created = _device_state(opt, bk, specs, hps)
+    keyed: dict[tuple[Any, ...], list[int]] = {}
+    for i in sorted(specs):
+        slot_names = specs[i][2]
+        fresh = frozenset(n for n in slot_names if (i, n) in created) if created else _NONE_FRESH
+        keyed.setdefault(
+            (opt._slot_group[i], opt._state.step(i) + 1, slot_names, fresh), []
+        ).append(i)
+    runs = [
+        DeviceRun(
+            gi,
+            step,
+            run_names,
+            run,
+            [plan.storages[i] for i in run],
+            {name: [ds.views[i, name] for i in run] for name in run_names},
+            fresh,
+        )
+        for (gi, step, run_names, fresh), run in keyed.items()
+    ]
+    program = DeviceProgram(plan, names, runs)
+    ds.program = None if created else program
+    return ds, program
 
 
 def _first_nonfinite(xp: Any, order: list[int], grads: Mapping[int, Any]) -> int | None:
@@ -211,14 +318,7 @@ def _first_nonfinite(xp: Any, order: list[int], grads: Mapping[int, Any]) -> int
 
 
 def _update(
-    opt: Any,
-    ds: DeviceState,
-    run: list[int],
-    grads: list[Any],
-    names: tuple[str, ...],
-    hp: Mapping[str, Any],
-    step: int,
-    fresh: frozenset[str],
+    opt: Any, ds: DeviceState, run: DeviceRun, grads: list[Any], hp: Mapping[str, Any]
 ) -> None:
     """One update of the slots of ``run``: the optimizer's ``device_kernel`` (torch's fused
     kernel) where it applies, else its rule through foreach kernels (see the module).
@@ -229,12 +329,12 @@ def _update(
     copied first, since the update reads it after writing the parameter.
     """
     bk, ops = ds.backend, ds.ops
-    storages = [opt.params[i].storage for i in run]
+    storages = run.storages
     params = [st.device_for_update(bk) for st in storages]
     for k, (p, gk) in enumerate(zip(params, grads)):
         if p.untyped_storage().data_ptr() == gk.untyped_storage().data_ptr():
             grads[k] = gk.clone()
-    state = {name: [ds.views[i, name] for i in run] for name in names}
+    state, step, fresh = run.state, run.step, run.fresh
     kernel = getattr(type(opt), "device_kernel", None)
     if kernel is None or not kernel(bk.xp, params, grads, state, hp, step, fresh):
         work = [ops.scratch() for _ in range(opt.work_buffers)]
