@@ -17,9 +17,9 @@ from typing import Any
 
 EXIT_INTERRUPTED = 130
 TRAINING_COMMANDS = ("train", "resume")
-# The parts of a training step that compile kernels: one child each
-# (tiegrad.train.precompile.PARTS).
-PRECOMPILED = ("forward", "backward", "optimizer")
+# The parts of a training step whose kernels a child compiles, one child each
+# (tiegrad.train.precompile.PARTS); the run compiles its forward's itself.
+PRECOMPILED = ("backward", "optimizer")
 # A child runs one small step: more threads than one would only slow the others.
 CHILD_THREADS = ("TIEGRAD_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 MIN_IDLE_CPUS = 1.0
@@ -41,8 +41,11 @@ def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
     env = dict(os.environ, **{name: "1" for name in CHILD_THREADS})
     command = [sys.executable, "-m", "tiegrad.train.precompile"]
     quiet = subprocess.DEVNULL
-    # A session of their own: the terminal's Ctrl-C stops the run after its step (a
-    # checkpoint), which then stops them itself (tiegrad.train.precompile).
+    # A process group of their own: the terminal's Ctrl-C stops the run after its step
+    # (a checkpoint), which then stops them itself (tiegrad.train.precompile). Not a
+    # session of their own: where the scheduler groups processes by session
+    # (autogroup), a child's niceness would then count against nothing but itself.
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
     return {
         part: subprocess.Popen(
             [*command, part],
@@ -50,7 +53,7 @@ def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
             stdout=quiet,
             stderr=quiet,
             env=env,
-            start_new_session=True,
+            **group,
         )
         for part in PRECOMPILED
     }

@@ -4,7 +4,6 @@ changing what a run computes."""
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 import threading
@@ -55,7 +54,8 @@ class _FakePopen:
     started: list = []
 
     def __init__(self, command, **kw):
-        self.command, self.env, self.session = command, kw["env"], kw["start_new_session"]
+        self.kw = kw
+        self.command, self.env, self.group = command, kw["env"], kw.get("process_group")
         _FakePopen.started.append(self)
 
 
@@ -80,7 +80,9 @@ def test_launcher_starts_one_single_threaded_child_per_part(monkeypatch):
     for part, child in children.items():
         assert child.command == [sys.executable, "-m", "tiegrad.train.precompile", part]
         assert all(child.env[name] == "1" for name in launcher.CHILD_THREADS)
-        assert child.session  # the terminal's Ctrl-C reaches the run, not the children
+        assert "start_new_session" not in child.kw  # niceness counts within the session
+        if sys.version_info >= (3, 11):
+            assert child.group == 0  # the terminal's Ctrl-C reaches the run, not the children
 
 
 def test_launcher_starts_no_child_without_an_idle_cpu(monkeypatch):
@@ -105,7 +107,7 @@ def loads(monkeypatch):
 
 def test_a_module_with_the_numpy_bits_is_none_until_ready(loads):
     ready = threading.Event()
-    _numba.defer("pkg.a", ready, wait=False)
+    _numba.defer("pkg.a", ready)
     assert _numba.kernels("pkg.b") == "pkg.b"  # another module is not deferred
     assert _numba.kernels("pkg.a") is None  # the NumPy code runs
     ready.set()
@@ -115,18 +117,11 @@ def test_a_module_with_the_numpy_bits_is_none_until_ready(loads):
     assert _numba._deferred == {}
 
 
-def test_the_first_use_of_a_waited_for_module_waits_until_ready(loads):
-    ready = threading.Event()
-    _numba.defer("pkg.a", ready, wait=True)
-    threading.Timer(0.2, ready.set).start()
-    assert _numba.kernels("pkg.a") == "pkg.a"
-    assert ready.is_set() and loads == ["pkg.a"] and _numba._deferred == {}
-
-
 def test_the_switch_off_wins_over_a_deferred_module(monkeypatch):
     monkeypatch.setattr(_numba, "ENABLED", False)
-    waiting = threading.Event()  # never set: a wait would hang
-    monkeypatch.setattr(_numba, "_deferred", {"pkg.a": (waiting, True)})
+    ready = threading.Event()
+    ready.set()
+    monkeypatch.setattr(_numba, "_deferred", {"pkg.a": ready})
     assert _numba.kernels("pkg.a") is None
 
 
@@ -134,98 +129,76 @@ def _child(code):
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def _lists(path, signatures, delay=0.0):
-    """A child's code: list ``signatures`` at ``path`` after ``delay`` seconds."""
-    return f"import pickle, time; time.sleep({delay}); " + (
-        f"pickle.dump({signatures!r}, open({str(path)!r}, 'wb'))"
-    )
-
-
-class _Dispatcher:
-    def __init__(self):
-        self.compiled = []
-
-    def compile(self, signature):
-        self.compiled.append(signature)
-
-
 @pytest.fixture
 def kernels(monkeypatch, loads, tmp_path):
-    """Parts ``a1`` and ``a2`` of module ``pkg.a`` (waited for) and ``b`` of ``pkg.b``
-    (NumPy's bits), listing their signatures at ``tmp_path / part``; ``_load`` gives a
-    module of two fake dispatchers that record what they compile."""
-    module = type("Kernels", (), {"add": _Dispatcher(), "scale": _Dispatcher()})
+    """Part ``a`` of module ``pkg.a`` and part ``b`` of ``pkg.b`` (NumPy's bits), each
+    marked done at ``tmp_path / part``; ``_load`` gives one module object for both, and
+    numba's set-up is left out."""
+    module = type("Kernels", (), {})
     monkeypatch.setattr(_numba, "_load", lambda name: loads.append(name) or module)
-    parts = {"a1": "pkg.a", "a2": "pkg.a", "b": "pkg.b"}
+    monkeypatch.setattr(_numba, "warm_up", lambda: None)
+    parts = {"a": "pkg.a", "b": "pkg.b"}
     monkeypatch.setattr(
         precompile, "PARTS", {k: precompile.Part(m, lambda: None) for k, m in parts.items()}
     )
     monkeypatch.setattr(precompile, "SAME_BITS", frozenset({"pkg.b"}))
-    monkeypatch.setattr(precompile, "_manifest_path", lambda kernels, part: str(tmp_path / part))
+    monkeypatch.setattr(precompile, "_done_path", lambda kernels, part: str(tmp_path / part))
     return module
 
 
-def test_the_loader_loads_what_each_child_compiled_then_the_module_is_used(
-    tmp_path, kernels, loads
-):
-    a1 = _child(_lists(tmp_path / "a1", {"add": ["f4[::1]", "f8[::1]"]}))
-    a2 = _child(_lists(tmp_path / "a2", {"scale": ["f4"]}, delay=0.3))
-    compiling = precompile.Precompiling({"a1": a1, "a2": a2})
-    assert {k: wait for k, (_, wait) in _numba._deferred.items()} == {"pkg.a": True}
-    assert _numba.kernels("pkg.a") is kernels  # waits for both children and the loading
-    assert a1.returncode == a2.returncode == 0
-    assert kernels.add.compiled == ["f4[::1]", "f8[::1]"] and kernels.scale.compiled == ["f4"]
+def test_the_module_with_the_numpy_bits_is_used_once_its_child_has_ended(kernels):
+    a = _child("import time; time.sleep(60)")
+    b = _child("import time; time.sleep(0.5)")
+    compiling = precompile.Precompiling({"a": a, "b": b})
+    assert set(_numba._deferred) == {"pkg.b"}
+    assert _numba.kernels("pkg.a") is kernels  # the run compiles or loads these itself
+    assert _numba.kernels("pkg.b") is None  # the NumPy code meanwhile
+    compiling.watcher.join(60)
+    assert b.returncode == 0 and a.poll() is None  # waited for b alone
+    assert _numba.kernels("pkg.b") is kernels
+    compiling.stop()
+    assert a.returncode is not None
+
+
+def test_a_part_marked_done_by_an_earlier_run_stops_its_child(tmp_path, kernels):
+    (tmp_path / "b").touch()
+    b = _child("import time; time.sleep(60)")
+    compiling = precompile.Precompiling({"b": b})
+    compiling.watcher.join(60)
+    assert b.returncode is not None  # stopped: nothing was left for it to compile
+    assert _numba.kernels("pkg.b") is kernels
     compiling.finish()
     compiling.stop()
 
 
-def test_signatures_listed_by_an_earlier_run_load_at_once_and_stop_the_child(
-    tmp_path, kernels, loads
-):
-    with open(tmp_path / "a1", "wb") as f:
-        pickle.dump({"add": ["f4[::1]"]}, f)
-    a1 = _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"a1": a1})
-    assert _numba.kernels("pkg.a") is kernels
-    assert kernels.add.compiled == ["f4[::1]"]
-    assert a1.poll() is not None  # stopped: nothing was left for it to compile
-    compiling.finish()
-    compiling.stop()
-
-
-def test_a_failed_or_stuck_child_only_costs_time(tmp_path, kernels, loads, monkeypatch):
+def test_a_failed_or_stuck_child_only_costs_time(kernels, monkeypatch):
     failed = _child("raise SystemExit(3)")
     monkeypatch.setattr(precompile, "WAIT_S", 0.5)
     stuck = _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"a1": failed, "b": stuck})
-    for loader in compiling.loaders:
-        loader.join(60)
-    assert failed.returncode == 3
+    compiling = precompile.Precompiling({"a": failed, "b": stuck})
+    compiling.watcher.join(60)
+    assert failed.poll() == 3
     assert stuck.returncode is not None  # killed after WAIT_S
-    assert kernels.add.compiled == kernels.scale.compiled == []
-    assert _numba.kernels("pkg.a") is kernels  # the run compiles what it uses
-    assert _numba.kernels("pkg.b") is kernels
+    assert _numba.kernels("pkg.b") is kernels  # the run compiles what it uses
     compiling.stop()
 
 
-def test_stop_kills_the_children_and_loads_nothing(tmp_path, kernels, loads):
+def test_stop_kills_the_children_and_ends_the_watcher(kernels):
     running = _child("import time; time.sleep(60)")
     compiling = precompile.Precompiling({"b": running})
     compiling.stop()
     assert running.returncode is not None
-    assert not compiling.loaders[0].is_alive()
-    assert kernels.add.compiled == []
+    assert not compiling.watcher.is_alive()
 
 
-def test_finish_waits_for_the_children_and_loads_nothing_more(tmp_path, kernels, loads):
-    child = _child(_lists(tmp_path / "b", {"add": ["f4"]}, delay=0.5))
+def test_finish_waits_for_the_children(tmp_path, kernels):
+    child = _child(f"import time; time.sleep(0.5); open({str(tmp_path / 'b')!r}, 'w')")
     compiling = precompile.Precompiling({"b": child})
     assert _numba.kernels("pkg.b") is None  # the NumPy code meanwhile
     compiling.finish()
     assert child.returncode == 0
     compiling.stop()
-    assert kernels.add.compiled == []  # the run has ended: nothing is loaded for it
-    assert (tmp_path / "b").exists()  # listed for the next run
+    assert (tmp_path / "b").exists()  # marked for the next run
 
 
 def test_without_compiled_kernels_the_children_are_stopped(monkeypatch):
@@ -234,19 +207,19 @@ def test_without_compiled_kernels_the_children_are_stopped(monkeypatch):
     running = _child("import time; time.sleep(60)")
     compiling = precompile.Precompiling({"optimizer": running})
     assert running.returncode is not None
-    assert compiling.loaders == [] and _numba._deferred == {}
+    assert compiling.watcher is None and _numba._deferred == {}
 
 
-@pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
-def test_the_run_waits_for_the_host_kernels_and_steps_on_numpy_for_the_optimizer(monkeypatch):
+def test_only_the_optimizer_kernels_wait_for_their_child(monkeypatch):
     # The optimizer's kernels give the NumPy code's bytes (test_optim_fused); the host
-    # kernels round differently from it (test_host_kernels compares within a tolerance).
+    # kernels round differently from it (test_host_kernels compares within a tolerance),
+    # so the run uses them from its first step, compiled or loaded from the cache.
     monkeypatch.setattr(_numba, "ENABLED", True)
     monkeypatch.setattr(_numba, "_deferred", {})
     compiling = precompile.Precompiling({part: _child("pass") for part in precompile.PARTS})
-    waits = {module: wait for module, (_, wait) in _numba._deferred.items()}
+    deferred = set(_numba._deferred)
     compiling.stop()
-    assert waits == {"tiegrad.backend.host_kernels": True, "tiegrad.optim.kernels": False}
+    assert deferred == {"tiegrad.optim.kernels"}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -292,14 +265,16 @@ def _train(command, folder, cache, run):
 @pytest.mark.slow
 @pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
 def test_children_compile_every_kernel_and_the_run_computes_the_same(tmp_path):
-    # The command with an empty cache: its children compile, the run itself compiles
-    # nothing (numba's cache log of the run's own process shows no save), and it waits
-    # for them at its end, so that the next run loads every kernel from the cache.
+    # The command with an empty cache: the run compiles its forward's kernels itself
+    # (numba's cache log of the run's own process), never the optimizer's (its child
+    # does: the run steps on the NumPy code until then), and it waits for the children
+    # at its end, so that the next run loads every kernel from the cache.
     out, cold = _train(WITH_CHILDREN, tmp_path, tmp_path / "cache", "cold")
-    assert "data saved" not in out, out
-    assert "data loaded" in out
-    assert len(list((tmp_path / "cache").rglob("tiegrad-*.signatures"))) == len(precompile.PARTS)
-    # From the filled cache with children (stopped: the listed kernels load at once) and
+    saved = [line for line in out.splitlines() if "data saved" in line]
+    assert any("host_kernels.gelu" in line for line in saved), out
+    assert not any("optim" in line for line in saved), out
+    assert len(list((tmp_path / "cache").rglob("tiegrad-*.done"))) == len(precompile.PARTS)
+    # From the filled cache with children (stopped: their parts are marked done) and
     # without them (the package's entry point): nothing compiles, the same bits.
     runs = [cold]
     for command, name in ((WITH_CHILDREN, "warm"), (WITHOUT_CHILDREN, "cached")):
@@ -332,7 +307,7 @@ def _three_steps(switch, ready):
 def numpy_updates():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_numba, "_deferred", {})
-        _numba.defer("tiegrad.optim.kernels", threading.Event(), wait=False)
+        _numba.defer("tiegrad.optim.kernels", threading.Event())
         return _three_steps(None, threading.Event())
 
 
@@ -346,7 +321,7 @@ def test_a_switch_to_the_optimizer_kernels_within_a_run_changes_no_bit(
     monkeypatch.setattr(_numba, "ENABLED", True)
     monkeypatch.setattr(_numba, "_deferred", {})
     ready = threading.Event()
-    _numba.defer("tiegrad.optim.kernels", ready, wait=False)
+    _numba.defer("tiegrad.optim.kernels", ready)
     assert _three_steps(switch, ready) == numpy_updates
     assert _numba._deferred == {}
     losses, _ = numpy_updates

@@ -10,11 +10,10 @@ everywhere. ``kernels`` is how every caller asks: the kernel module, or None whe
 switch is off or numba is missing or fails to import (with one warning), so the library
 runs the same without it, only slower.
 
-``defer`` lets the ``tiegrad`` command hold a module's kernels back until a thread of
-the command has loaded what its child processes compiled into numba's cache
-(``tiegrad.train.precompile``): the first ``kernels`` call waits for it, or, for kernels
-that give the NumPy code's bits, gets None (the NumPy code runs) until then. Nothing
-defers a module on import.
+``defer`` lets the ``tiegrad`` command hold back a module whose kernels give the NumPy
+code's bits until its child processes have compiled them into numba's cache
+(``tiegrad.train.precompile``): ``kernels`` gives None (the NumPy code runs) until then.
+Nothing defers a module on import.
 """
 
 from __future__ import annotations
@@ -32,37 +31,33 @@ from typing import Any
 ENV_SWITCH = "TIEGRAD_NO_NUMBA"
 ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
 
-# module -> (set once its kernels are loaded, whether a call waits for that)
-_deferred: dict[str, tuple[threading.Event, bool]] = {}
+# module -> set once its kernels are in numba's cache
+_deferred: dict[str, threading.Event] = {}
 
 
 def kernels(module: str) -> ModuleType | None:
     """The kernel module ``module`` (absolute name) where ``ENABLED``, else None.
 
     The switch is read at every call; the import (which compiles or loads the kernels)
-    happens once. A deferred module (``defer``) waits for its event, or is None until
-    the event is set; the module from then on.
+    happens once. A deferred module (``defer``) is None until its event is set; the
+    module from then on.
     """
     if not ENABLED:
         return None
     if _deferred:
-        deferred = _deferred.get(module)
-        if deferred is not None:
-            ready, wait = deferred
+        ready = _deferred.get(module)
+        if ready is not None:
             if not ready.is_set():
-                if not wait:
-                    return None
-                ready.wait()
+                return None
             _deferred.pop(module, None)
     return _load(module)
 
 
-def defer(module: str, ready: threading.Event, wait: bool) -> None:
-    """Hold ``kernels(module)`` back until ``ready`` is set: the call waits for it with
-    ``wait``, else returns None meanwhile (the NumPy code runs, which must then give the
-    kernels' bits). The command's thread sets ``ready`` once it has loaded the kernels
-    its children compiled (``_load``, then each signature)."""
-    _deferred[module] = (ready, wait)
+def defer(module: str, ready: threading.Event) -> None:
+    """Hold ``kernels(module)`` back until ``ready`` is set: it returns None meanwhile
+    (the NumPy code runs, which must then give the kernels' bits). The command's thread
+    sets ``ready`` once the children compiling the module's kernels have ended."""
+    _deferred[module] = ready
 
 
 @functools.cache

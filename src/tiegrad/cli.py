@@ -207,9 +207,9 @@ def main(argv: Sequence[str] | None = None, precompiling: dict[str, Any] | None 
     143 terminated). Ctrl-C at any point (the imports included) exits quietly with 130.
 
     ``precompiling``: the child processes compiling the kernels (``_tiegrad_launcher``,
-    ``tiegrad.train.precompile``): their kernels are used once a thread has loaded what
-    they compiled (``Precompiling``); the command waits for them after a run that
-    succeeded, and stops them where it ends otherwise."""
+    ``tiegrad.train.precompile``): a thread watches them (``Precompiling``) while the
+    run loads from numba's cache what they compiled; the command waits for them after
+    a run that succeeded, and stops them where it ends otherwise."""
     from .train import precompile
 
     compiling = precompile.Precompiling(precompiling or {})

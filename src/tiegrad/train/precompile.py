@@ -4,33 +4,31 @@ With an empty numba cache (a first run after install) the first training step us
 compile every kernel it calls, one after the other, in the training process. The
 ``tiegrad`` command (``_tiegrad_launcher``, its own process; importing tiegrad starts
 no process) instead starts, before it imports tiegrad and where a CPU is idle for them,
-one child process per part of a training step (``python -m tiegrad.train.precompile
-PART``, ``PARTS``): the child runs that part on the default model of ``tiegrad train``,
-which compiles the kernels it calls into numba's cache, and lists the signatures it
-compiled in the cache's folder. The children run in parallel with each other and with
-the command's own start (imports, text, vocabulary, model, optimizer). ``Precompiling``
-starts a thread per kernel module in the command that sets up numba, imports the module
-and loads every listed signature from the cache, so that the run's kernel calls find
-them compiled: at once where an earlier run's children listed them (the children,
-with nothing left to compile, are stopped), else once the children have.
+child processes (``python -m tiegrad.train.precompile PART``, ``PARTS``) that run a part
+of a training step on the default model of ``tiegrad train``, which compiles the
+kernels it calls into numba's cache, and then mark the part done there. The run compiles
+the kernels of its forward itself, while a child compiles those of the backward: a
+numba dispatcher looks in the cache for every signature it has not compiled yet, so
+the run's backward loads what the child has finished and compiles only what it has not.
+``Precompiling`` watches the children from a thread of the command, which also sets up
+numba's compiler while the run is built; children whose part an earlier run's child
+marked done are stopped (nothing is left for them to compile).
 
 Results never depend on timing. The host kernels (GELU, layer norm, softmax) round
 differently from the NumPy code (the tests compare them within a tolerance), so a run
-uses them from its first step, as a run from a filled cache does: the first use waits
-for the module's thread. The optimizer's kernels give the NumPy code's bits (the tests
-compare the bytes), so the run's first steps update on the NumPy code while their child,
-at a lower priority, compiles them, and switch to them once loaded
-(``tiegrad._numba.defer``). A child that fails, is killed or misses a signature only
-costs time: the run compiles what the cache lacks on first use, as it did before. After
-the run's last step the command waits for the children still compiling, so that the
-next run finds every kernel in the cache.
+uses them from its first step, as a run from a filled cache does. The optimizer's
+kernels give the NumPy code's bits (the tests compare the bytes), so the run's first
+steps update on the NumPy code while their child, at the lowest priority, compiles them,
+and switch to them once it has ended (``tiegrad._numba.defer``). A child that fails, is
+killed or compiles another signature only costs time: the run compiles what the cache
+lacks on first use. After the run's last step the command waits for the children still
+compiling, so that the next run finds every kernel in the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import subprocess
 import sys
 import threading
@@ -40,100 +38,74 @@ from typing import Any, NamedTuple
 from .. import _numba
 
 WAIT_S = 300  # a child still compiling after this is killed; the command compiles itself
-NICENESS = 10  # a child nothing waits for yields its CPU to the run and the other children
+NICENESS = 19  # a child nothing waits for yields its CPU to the run and the other children
 HOST_KERNELS = "tiegrad.backend.host_kernels"
 OPTIMIZER_KERNELS = "tiegrad.optim.kernels"
 SAME_BITS = frozenset({OPTIMIZER_KERNELS})  # modules whose kernels give the NumPy code's bits
 
 
 class Precompiling:
-    """A command's compile children and the threads that load what they compiled.
+    """A command's compile children and the thread that watches them.
 
     ``children``: part name (``PARTS``) -> its child process (``_tiegrad_launcher``).
-    Each kernel module with children is deferred (``tiegrad._numba.defer``) until its
-    thread has loaded the signatures of its parts (``_load_when_compiled``); the run
-    waits for it at the first use, or runs the NumPy code meanwhile for a module in
-    ``SAME_BITS``. Without compiled kernels (``tiegrad._numba.ENABLED`` false) the
+    Each kernel module in ``SAME_BITS`` with children is deferred
+    (``tiegrad._numba.defer``): the run steps on the NumPy code until its children have
+    ended (``_watch``). Without compiled kernels (``tiegrad._numba.ENABLED`` false) the
     children are stopped at once and no thread starts.
     """
 
     def __init__(self, children: dict[str, subprocess.Popen[Any]]) -> None:
         self.children = children
-        self.ending = threading.Event()  # set: the run needs no more kernels loaded
-        self.loaders: list[threading.Thread] = []
+        self.watcher: threading.Thread | None = None
         if not _numba.ENABLED:
             self.stop()
             return
-        modules: dict[str, dict[str, subprocess.Popen[Any]]] = {}
-        for part, child in children.items():
-            modules.setdefault(PARTS[part].module, {})[part] = child
-        for module, parts in modules.items():
-            ready = threading.Event()
-            _numba.defer(module, ready, wait=module not in SAME_BITS)
-            loader = threading.Thread(
-                target=self._load_when_compiled,
-                args=(module, parts, ready),
-                name=f"tiegrad-load-{module}",
-                daemon=True,
+        deferred: dict[str, threading.Event] = {}
+        for part in children:
+            module = PARTS[part].module
+            if module in SAME_BITS and module not in deferred:
+                deferred[module] = threading.Event()
+                _numba.defer(module, deferred[module])
+        if children:
+            self.watcher = threading.Thread(
+                target=self._watch, args=(deferred,), name="tiegrad-precompile", daemon=True
             )
-            loader.start()
-            self.loaders.append(loader)
+            self.watcher.start()
 
     def finish(self) -> None:
         """Wait for the children still compiling, after the run's last step: they fill
         the cache that the next run loads its kernels from."""
-        self.ending.set()
         for child in self.children.values():
             _wait(child)
 
     def stop(self) -> None:
         """Kill the children still running (the command ends early) and wait for the
-        loading threads."""
-        self.ending.set()
+        watching thread."""
         for child in self.children.values():
             _kill(child)
-        for loader in self.loaders:
-            loader.join()
+        if self.watcher is not None:
+            self.watcher.join()
 
-    def _load_when_compiled(
-        self, module: str, parts: dict[str, subprocess.Popen[Any]], ready: threading.Event
-    ) -> None:
-        """(a thread of the command) Load ``module``'s kernels for the run, then set
-        ``ready``: import the module, stop the children of the parts whose signatures an
-        earlier child listed in the cache (``_manifest_path``: nothing is left for them
-        to compile), set up numba's compiler (``tiegrad._numba.warm_up``), load those
-        signatures from the cache, and those of the other parts once their children
-        have compiled and listed them. ``ready`` is set however the children ended (the
-        run then compiles what is missing itself); nothing is loaded once the run has
-        ended."""
+    def _watch(self, deferred: dict[str, threading.Event]) -> None:
+        """(a thread of the command) Import the children's kernel modules, stop the
+        children whose part is marked done in the cache (``_done_path``), set up numba's
+        compiler (``tiegrad._numba.warm_up``), then set each ``deferred`` module's event
+        once its children have ended, however they ended."""
         try:
-            kernels = _numba._load(module)
-            if kernels is None:
-                return
-            listed = {part: _read_signatures(_manifest_path(kernels, part)) for part in parts}
-            for part, signatures in listed.items():
-                if signatures:
-                    _kill(parts[part])
+            for part, child in self.children.items():
+                kernels = _numba._load(PARTS[part].module)
+                done = _done_path(kernels, part) if kernels is not None else None
+                if done is not None and os.path.exists(done):
+                    _kill(child)
             _numba.warm_up()
-            for signatures in listed.values():
-                self._load_signatures(kernels, signatures)
-            compiling = {part: child for part, child in parts.items() if not listed[part]}
-            for part, child in compiling.items():
-                _wait(child)
-                if child.returncode == 0:
-                    self._load_signatures(kernels, _read_signatures(_manifest_path(kernels, part)))
+            for module, ready in deferred.items():
+                for part, child in self.children.items():
+                    if PARTS[part].module == module:
+                        _wait(child)
+                ready.set()
         finally:
-            ready.set()
-
-    def _load_signatures(self, kernels: Any, signatures: dict[str, list[Any]]) -> None:
-        """Compile each of ``signatures`` (kernel name -> numba signatures) of the module
-        ``kernels``, which loads it from numba's cache; none once the run has ended."""
-        for name, listed in signatures.items():
-            dispatcher = getattr(kernels, name, None)
-            for signature in listed if dispatcher is not None else ():
-                if self.ending.is_set():
-                    return
-                dispatcher.compile(signature)
+            for ready in deferred.values():
+                ready.set()
 
 
 def _wait(child: subprocess.Popen[Any]) -> None:
@@ -151,13 +123,13 @@ def _kill(child: subprocess.Popen[Any]) -> None:
         child.wait()
 
 
-def _manifest_path(kernels: Any, part: str) -> str | None:
-    """Where the child of ``part`` lists the signatures it compiled into numba's cache:
-    in the cache folder of the module ``kernels``, under a name that changes with
+def _done_path(kernels: Any, part: str) -> str | None:
+    """The file by which the child of ``part`` marks its kernels compiled into numba's
+    cache: in the cache folder of the module ``kernels``, under a name that changes with
     numba's version, the Python's and the module's source (numba's own index of the
     cached code changes with them too); None where the module's kernels have no cache.
-    A list that misses a signature the run needs (a changed caller) only costs time: the
-    run compiles it itself."""
+    A run that needs a signature the child did not compile (another model) only costs
+    time: it compiles that one itself."""
     dispatchers = [obj for obj in vars(kernels).values() if _is_kernel(obj)]
     folder = dispatchers[0].stats.cache_path if dispatchers else None
     if not folder:
@@ -167,7 +139,7 @@ def _manifest_path(kernels: Any, part: str) -> str | None:
     source = os.stat(kernels.__file__)
     stamp = f"{numba.__version__}-{sys.implementation.cache_tag}"
     stamp += f"-{source.st_mtime_ns}-{source.st_size}"
-    return os.path.join(folder, f"tiegrad-{part}-{stamp}.signatures")
+    return os.path.join(folder, f"tiegrad-{part}-{stamp}.done")
 
 
 def _is_kernel(obj: Any) -> bool:
@@ -177,35 +149,12 @@ def _is_kernel(obj: Any) -> bool:
     return is_jitted(obj)
 
 
-def _read_signatures(path: str | None) -> dict[str, list[Any]]:
-    """The signatures listed at ``path`` (kernel name -> numba signatures), or none where
-    there is no such file or it is incomplete. A pickle, as numba's own index files in
-    that folder are."""
-    if path is None:
-        return {}
-    try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError):
-        return {}
-
-
-def _write_signatures(kernels: Any, part: str) -> None:
-    """(the child) List each kernel of ``kernels`` with the signatures compiled so far at
-    ``_manifest_path`` (written whole: to another name first)."""
-    path = _manifest_path(kernels, part)
-    if path is None:
-        return
-    listed = {
-        name: list(obj.signatures)
-        for name, obj in vars(kernels).items()
-        if _is_kernel(obj) and obj.signatures
-    }
-    partial = f"{path}.{os.getpid()}"
-    with contextlib.suppress(OSError):
-        with open(partial, "wb") as f:
-            pickle.dump(listed, f)
-        os.replace(partial, path)
+def _mark_done(kernels: Any, part: str) -> None:
+    """(the child) Mark ``part``'s kernels compiled into the cache (``_done_path``)."""
+    path = _done_path(kernels, part)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            open(path, "wb").close()
 
 
 def _default_run() -> tuple[Any, Any, Any]:
@@ -242,19 +191,6 @@ def _gradients(model: Any, optimizer: Any, batch: Any) -> list[Any]:
     return grads
 
 
-def _forward_kernels() -> None:
-    """The host kernels of the forward: a training forward, then an evaluation one."""
-    from ..session import EagerSession
-
-    model, _, batch = _default_run()
-    model.train()
-    model.loss(EagerSession(), *batch)
-    model.eval()
-    s = EagerSession()
-    with s.no_grad():
-        model.loss(s, *batch)
-
-
 def _backward_kernels() -> None:
     """The host kernels of the backward: a training step's backward, from a forward on
     the NumPy code (which records the same operand types)."""
@@ -286,9 +222,8 @@ class Part(NamedTuple):
     run: Callable[[], None]
 
 
-# The host kernels in two children: each compiles about half of their time.
+# The run compiles its forward's kernels itself (``Precompiling``).
 PARTS: dict[str, Part] = {
-    "forward": Part(HOST_KERNELS, _forward_kernels),
     "backward": Part(HOST_KERNELS, _backward_kernels),
     "optimizer": Part(OPTIMIZER_KERNELS, _optimizer_kernels),
 }
@@ -296,8 +231,8 @@ PARTS: dict[str, Part] = {
 
 def main(part: str) -> int:
     """(the child) Run ``part`` (``PARTS``), compiling its kernels into numba's cache,
-    and list their signatures there (``_write_signatures``); 0, or 2 for an unknown
-    part. Nothing to do without compiled kernels."""
+    and mark it done there (``_mark_done``); 0, or 2 for an unknown part. Nothing to
+    do without compiled kernels."""
     if part not in PARTS:
         print(f"tiegrad.train.precompile: unknown part {part!r}", file=sys.stderr)
         return 2
@@ -307,7 +242,7 @@ def main(part: str) -> int:
     kernels = _numba.kernels(module)
     if kernels is not None:
         run()
-        _write_signatures(kernels, part)
+        _mark_done(kernels, part)
     return 0
 
 
