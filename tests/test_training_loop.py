@@ -38,12 +38,14 @@ class Loop:
         self.session = EagerSession(seed=0)
         self.rng = np.random.default_rng(0)
         self.reset = reset
+        self.recorded = 0  # tape entries of the latest step's forward
 
     def step(self) -> float:
         x = self.rng.integers(0, VOCAB, (BATCH, SEQ))
         if self.reset:
             self.session.reset()
         loss = self.model.loss(self.session, x, (x + 1) % VOCAB)
+        self.recorded = len(self.session)  # tape entries before the backward releases them
         self.opt.step(self.session.backward(loss))
         return loss.item()
 
@@ -71,13 +73,8 @@ def test_a_loop_without_reset_records_what_one_with_reset_does_and_computes_the_
     losses: dict[bool, list[float]] = {False: [], True: []}
     for reset, loop in loops.items():
         for _ in range(20):
-            x = loop.rng.integers(0, VOCAB, (BATCH, SEQ))
-            if loop.reset:
-                loop.session.reset()
-            loss = loop.model.loss(loop.session, x, (x + 1) % VOCAB)
-            recorded[reset].append(len(loop.session))
-            loop.opt.step(loop.session.backward(loss))
-            losses[reset].append(loss.item())
+            losses[reset].append(loop.step())
+            recorded[reset].append(loop.recorded)
     assert len(set(recorded[False])) == 1 and recorded[False] == recorded[True]
     assert recorded[False][0] > 0
     assert losses[False] == pytest.approx(losses[True], rel=1e-5)
