@@ -12,11 +12,14 @@ writes, concurrent steps, a forked child, the switch and the fallback.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import threading
 import time
+import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -337,6 +340,82 @@ def test_the_check_finds_every_position(small_chunks, dtype, bad):
     assert first_nonfinite([big, big[:, 0]]) is None  # the second one strided
     big[3, 0] = bad
     assert first_nonfinite([big[:, 1], big[:, 0]]) == 11
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_check_finds_every_position_of_every_short_size(dtype):
+    # The kernel reads the four quarters side by side, then the tail after them.
+    for n in range(41):
+        for j in range(n):
+            a = np.ones(n, dtype)
+            a[j] = np.nan
+            assert first_nonfinite([np.ones(3, dtype), a]) == 11, (n, j)
+
+
+def steps_with(grads_of, steps: int = 3) -> tuple:
+    """``state_bytes`` after Adam steps on the gradients ``grads_of(k)`` of step ``k``."""
+    plist = ParamList.of_pack([np.full(n, 0.5, np.float32) for n in (700, 3, 1500)])
+    opt = Adam(plist, lr=0.1)
+    for k in range(steps):
+        opt.step(grads_of(k))
+    return state_bytes(opt)
+
+
+def test_a_caller_passing_the_same_arrays_every_step_is_read_afresh(small_chunks):
+    # Gradient buffers the caller owns and refills in place between steps (the views of
+    # contiguous ones are kept from step to step; a strided one is copied every step):
+    # each step reads their current values.
+    g = np.random.default_rng(4)
+    values = [[g.standard_normal(n).astype(np.float32) for n in (700, 3, 1500)] for _ in "abc"]
+    buffers = [np.empty(700, np.float32), np.empty(3, np.float32), np.empty(3000, np.float32)[::2]]
+
+    def refilled(k):
+        for buf, v in zip(buffers, values[k]):
+            buf[...] = v
+        return buffers
+
+    assert steps_with(refilled) == steps_with(lambda k: [v.copy() for v in values[k]])
+
+
+def test_a_nan_written_into_a_kept_gradient_buffer_is_found(small_chunks):
+    plist = ParamList.of_pack([np.full(n, 0.5, np.float32) for n in (700, 1500)])
+    opt = Adam(plist, lr=0.1)
+    buffers = [np.ones(700, np.float32), np.ones(1500, np.float32)]
+    opt.step(buffers)
+    before = state_bytes(opt)
+    buffers[1][1499] = np.nan
+    with pytest.raises(NonFiniteError, match="slot 1"):
+        opt.step(buffers)
+    assert state_bytes(opt) == before
+
+
+def test_a_gradient_whose_layout_changed_in_place_is_read_in_its_new_layout(small_chunks):
+    grid = np.arange(16, dtype=np.float32).reshape(4, 4) / 16
+    plist = ParamList.of_pack([np.zeros((4, 4), np.float32)])
+    opt = SGD(plist, lr=1.0)
+    opt.step([grid])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            grid.strides = grid.strides[::-1]  # the same object now reads as the transpose
+        except AttributeError:
+            pytest.skip("this NumPy no longer sets strides in place")
+    opt.step([grid])
+    want = -(np.arange(16, dtype=np.float32).reshape(4, 4) / 16)
+    np.testing.assert_array_equal(plist[0].value, want + want.T)
+
+
+def test_gradients_tiegrad_made_are_not_kept_after_the_step(small_chunks):
+    plist = ParamList.of_pack([np.ones(600, np.float32), np.ones(900, np.float32)])
+    opt = Adam(plist, lr=0.1)
+    grads = [np.ones(600, np.float32), np.ones(900, np.float32)]
+    for gr in grads:
+        gr.flags.writeable = False  # read-only, as backward hands gradients out
+    opt.step(grads)
+    watched = [weakref.ref(gr) for gr in grads]
+    del grads, gr
+    gc.collect()
+    assert [ref() for ref in watched] == [None, None]
 
 
 def test_a_layout_groups_consecutive_rows_of_one_run(small_chunks):

@@ -86,7 +86,9 @@ class Layout:
 
     ``sizes``: each slot's elements; ``runs``: the run each slot belongs to (pieces never
     mix runs: ``of_run`` lists each run's pieces). ``pad[k]``: the ``k`` empty writable
-    and read-only arrays that fill a tuple of ``GROUP - k`` rows.
+    and read-only arrays that fill a tuple of ``GROUP - k`` rows. ``views``: per slot,
+    the latest step's writable gradient array, its strides and its read-only flat view
+    (``GradientTable``), or None.
     """
 
     def __init__(
@@ -120,22 +122,44 @@ class Layout:
             self.of_run.setdefault(runs[piece.first], []).append(piece)
         empty = np.empty(0, dtype)
         self.pad = [((empty,) * k, (_read_only(empty),) * k) for k in range(GROUP + 1)]
+        self.views: list[tuple[np.ndarray, tuple[int, ...], np.ndarray] | None] = [None] * len(
+            self.slots
+        )
 
 
 class GradientTable:
     """The validated gradients of one step's fused slots of one dtype, in ``layout``'s order.
 
-    ``flat``: each as a read-only C-contiguous 1-D array (a strided one copied).
+    ``flat``: each as a read-only C-contiguous 1-D array (a strided one copied). A caller
+    that passes the same writable C-contiguous arrays every step (its own gradient
+    buffers) gets the views of the step before (``layout.views``): an array object's
+    memory never moves while a view of it lives (NumPy refuses ``resize``), its shape
+    was checked, and its strides are compared. Gradients that tiegrad made are read-only
+    and new every step; keeping them would hold a step's gradients for longer.
     """
 
     def __init__(self, layout: Layout, arrays: list[np.ndarray]) -> None:
         self.layout = layout
-        self.flat = list(map(_read_only, arrays))
+        views = layout.views
+        flat = []
+        for i, a in enumerate(arrays):
+            kept = views[i]
+            if kept is not None and kept[0] is a and kept[1] == a.strides:
+                flat.append(kept[2])
+                continue
+            view = _read_only(a)
+            flags = a.flags
+            keep = flags.writeable and flags.c_contiguous  # a view of ``a``, not a copy
+            views[i] = (a, a.strides, view) if keep else None
+            flat.append(view)
+        self.flat = flat
 
     def first_nonfinite(self) -> int | None:
         """The first slot whose gradient holds a NaN or an infinity, or None (C6).
 
-        One read of every gradient (``kernels.nonfinite``).
+        One read of every gradient (``kernels.nonfinite``), the pieces from last to first:
+        the update that follows runs from first to last and finds the gradients it reads
+        first among those the check read last, still in the CPU's last-level cache.
         """
         layout, flat = self.layout, self.flat
         pieces, nonfinite, pad = layout.pieces, _kernels().nonfinite, layout.pad
@@ -152,10 +176,12 @@ class GradientTable:
 
         threads, team = _threads_and_team(layout.size)
         if team is None:
-            _threads.share(check, len(pieces), threads)
+            last = len(pieces) - 1
+            _threads.share(lambda i: check(last - i), len(pieces), threads)
         else:
             blocks = _kernels().nonfinite_blocks
-            for i, (_, _, lo, hi) in enumerate(pieces):
+            for i in reversed(range(len(pieces))):
+                _, _, lo, hi = pieces[i]
                 check(i, blocks if hi - lo >= 2 * CHUNK_MIN else None)
         for piece, hit in zip(pieces, hits):
             if hit >= 0:
