@@ -7,8 +7,10 @@ Method (issue 9):
   probe, normally the loss, is compared across sides: a relative gap above
   ``PROBE_RTOL`` prints a warning, which catches mismatched models), then the sides
   take turns in runs of steps, alternating the order every round (ABBA); a run starts
-  with a short pause and an untimed step (another framework's idle worker threads
-  keep spinning for a while), the other steps are timed with ``time.perf_counter``.
+  with a short pause and untimed steps (another framework's idle worker threads
+  keep spinning for a while) and untimed steps for ``WARM_S`` (the machine is slow
+  for tens of milliseconds after it idled), the other steps are timed with
+  ``time.perf_counter``.
   The table reports the median and the min-max in ms per step and the ratio of
   medians tiegrad/PyTorch.
 - Peak RSS is measured per side in a fresh subprocess (``python -m benchmarks rss``,
@@ -44,8 +46,9 @@ PROBE_RTOL = 1e-4
 REFERENCE = "reference"
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_STEPS = (1, 1)
-RUNS = 6  # runs per side in ``measure``: each starts with a pause and an untimed step
+RUNS = 6  # runs per side in ``measure``: each starts with a pause and untimed steps
 SETTLE_S = 0.25  # the pause: longer than BLAS and OpenMP workers spin after their last task
+WARM_S = 0.1  # untimed steps after the pause, at least one: longer than the slow spell after idling
 RSS_STEPS = (2, 3)
 QUICK_RSS_STEPS = (1, 1)
 RSS_TIMEOUT_S = 600
@@ -190,12 +193,16 @@ def _peak_mb(rss: dict[str, Any] | None) -> float | None:
 def measure(sides: Sequence[Side], warmup: int, steps: int) -> dict[str, SideStats]:
     """Warm every side up, then time ``steps`` steps per side in runs, alternating ABBA.
 
-    A run is a pause of ``SETTLE_S`` seconds, one untimed settling step and up to
-    ``steps // RUNS`` timed steps of one side; the sides take turns run by run, in ABBA
-    order. The pause and the settling step absorb what the previous side left behind:
-    its BLAS and OpenMP worker threads keep spinning after their last task (OpenBLAS's
-    for about 2**28 cycles, a tenth of a second) and would compete with the next side
-    for the cores, whichever framework it is.
+    A run is a pause of ``SETTLE_S`` seconds, untimed settling steps for ``WARM_S``
+    seconds (at least one) and up to ``steps // RUNS`` timed steps of one side; the
+    sides take turns run by run, in ABBA order. The pause absorbs what the previous side
+    left behind: its BLAS and OpenMP worker threads keep spinning after their last task
+    (OpenBLAS's for about 2**28 cycles, a tenth of a second) and would compete with the
+    next side for the cores, whichever framework it is. The settling steps absorb what
+    the pause leaves: on the shared 2-core machines a loop that streams memory runs up
+    to 40% slower for 30-60 ms after the process idled (W4's tiegrad step, measured
+    alone: 7.4 ms for the first step after 0.25 s of sleep, 6.0 ms from the tenth step
+    on), so one settling step covered a 50 ms step but not a 5 ms one.
 
     The first warm-up step of each side is its first step from the initial weights;
     its probe is kept for the agreement check. An optional side whose first step raises
@@ -225,7 +232,10 @@ def measure(sides: Sequence[Side], warmup: int, steps: int) -> dict[str, SideSta
     for i, start in enumerate(range(0, steps, run)):
         for side in order if i % 2 == 0 else reversed(order):
             time.sleep(SETTLE_S)
+            settle = clock()
             side.step()
+            while clock() - settle < WARM_S:
+                side.step()
             for _ in range(min(run, steps - start)):
                 t0 = clock()
                 side.step()

@@ -144,6 +144,7 @@ def test_measure_warms_up_then_alternates_runs_abba_each_with_a_settling_step(mo
     log: list[str] = []
     pauses: list[float] = []
     monkeypatch.setattr(runner.time, "sleep", pauses.append)
+    monkeypatch.setattr(runner, "WARM_S", 0.0)  # one settling step per run
     a, b = _Recorder("a", log), _Recorder("b", log)
     sides = [runner.Side(r.name, fw, r.step, r.probe) for r, fw in ((a, "tiegrad"), (b, "torch"))]
     stats = runner.measure(sides, warmup=2, steps=3)
@@ -158,6 +159,25 @@ def test_measure_warms_up_then_alternates_runs_abba_each_with_a_settling_step(mo
     # runs of 2 timed steps, the last of 1: each run adds one settling step per side
     assert log.count("a") == 1 + timed[0] + runner.RUNS + 1
     assert log[2:5] == ["a", "a", "a"] and log[5:8] == ["b", "b", "b"]
+
+
+def test_each_run_settles_with_untimed_steps_for_warm_s_after_its_pause(monkeypatch):
+    log: list[str] = []
+    monkeypatch.setattr(runner.time, "sleep", lambda s: None)
+    now = [0.0]
+
+    def clock():  # every reading is 30 ms after the one before
+        now[0] += 0.03
+        return now[0]
+
+    monkeypatch.setattr(runner.time, "perf_counter", clock)
+    a = _Recorder("a", log)
+    stats = runner.measure([runner.Side("a", "tiegrad", a.step, a.probe)], warmup=1, steps=1)
+    # WARM_S 0.1 s: one settling step, then more while a reading is under 0.1 s after
+    # the pause's end (30, 60 and 90 ms; not 120)
+    settling = len(log) - 1 - len(stats["a"].times_ms)
+    assert settling == 4 and runner.WARM_S == 0.1
+    assert stats["a"].times_ms == [pytest.approx(30.0)]
 
 
 def test_a_failing_optional_side_is_dropped_with_its_reason_and_others_still_run():
