@@ -221,6 +221,19 @@ def test_backend_methods_match_numpy():
         np.testing.assert_array_equal(bk.to_numpy(got), want)
     assert bk.isfinite_all(t) and not bk.isfinite_all(bk.asarray(np.array([np.inf])))
     assert bk.dtype_name(bk.float32) == "float32" and bk.dtype_of("int64") is bk.int64
+    for name in ("int8", "int16", "int32", "int64", "uint8", "bool", "float32", "float64"):
+        want = name.startswith(("int", "uint"))
+        assert bk.is_integer(bk.dtype_of(name)) is NUMPY.is_integer(np.dtype(name)) is want, name
+    assert not bk.is_integer(torch.complex64) and not NUMPY.is_integer(np.dtype("complex64"))
+    # ``take_along_axis``: NumPy's own route for 2-D operands (a negative index counts
+    # from the end, as in np.take_along_axis), and the device's, on 2-D and N-D operands
+    cols = np.array([[2, 0, -1], [1, 1, 3], [0, 3, 2]])
+    for xs, idx in ((x[0], cols), (x[1], cols[:1]), (x, cols[None])):
+        want = np.take_along_axis(xs, idx, axis=-1)
+        np.testing.assert_array_equal(NUMPY.take_along_axis(xs, idx, -1), want)
+        idx = idx % xs.shape[-1]
+        got = bk.take_along_axis(bk.asarray(xs), idx, -1)
+        np.testing.assert_array_equal(bk.to_numpy(got), np.take_along_axis(xs, idx, axis=-1))
     with pytest.raises(tiegrad.DTypeError, match="no torch dtype named 'float7'"):
         bk.dtype_of("float7")
 

@@ -3,6 +3,8 @@ values, and records nothing on the tape (C6)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -190,6 +192,18 @@ def test_cross_entropy(s):
         "cross_entropy: indices must have an integer dtype, got float64",
         lambda: T.cross_entropy(x, good.astype(float)),
     )
+    for odd in (
+        np.array(["a", "b", "c", "a"]),
+        np.array([0, 1, 2, 0], dtype=object),
+        np.array([f"2020-01-0{d}" for d in (1, 2, 3, 1)], dtype="datetime64[D]"),
+        np.array([True, False, True, True]),
+    ):  # no integer dtype: the op's error, not one from deep inside NumPy
+        raises_and_records_nothing(
+            s,
+            DTypeError,
+            re.escape(f"cross_entropy: indices must have an integer dtype, got {odd.dtype}"),
+            lambda odd=odd: T.cross_entropy(x, odd),
+        )
     raises_and_records_nothing(
         s,
         IndexRangeError,

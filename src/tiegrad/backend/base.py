@@ -97,6 +97,10 @@ class Backend:
     def is_floating(self, dtype: DType) -> bool:
         raise NotImplementedError
 
+    def is_integer(self, dtype: DType) -> bool:
+        """Whether ``dtype`` is a signed or unsigned integer type (not bool)."""
+        raise NotImplementedError
+
     # -- elementwise ---------------------------------------------------------------
     def exp(self, x: Array) -> Array:
         raise NotImplementedError

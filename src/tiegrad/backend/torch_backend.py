@@ -181,6 +181,10 @@ class TorchBackend(Backend):
     def is_floating(self, dtype: DType) -> bool:
         return self.to_dtype(dtype).is_floating_point
 
+    def is_integer(self, dtype: DType) -> bool:
+        t = self.to_dtype(dtype)
+        return not (t.is_floating_point or t.is_complex or t is torch.bool)
+
     # -- elementwise -------------------------------------------------------------------
     def exp(self, x: Array) -> Array:
         return torch.exp(x)

@@ -305,7 +305,7 @@ def int_array(s: EagerSession, op: str, x: Any) -> Array:
     if isinstance(x, TensorRef):
         s.check(x)
     arr = value_of(s, x)
-    if bk.is_floating(arr.dtype) or bk.dtype_name(arr.dtype).startswith(("bool", "complex")):
+    if not bk.is_integer(arr.dtype):
         raise DTypeError(f"{op}: indices must have an integer dtype, got {arr.dtype}")
     return arr
 

@@ -78,19 +78,25 @@ def cross_entropy(
         if kernel_reduction != "none":
             return _reduced_cross_entropy(s, logits, fused)
         return _fused_cross_entropy(s, logits, fused, valid, host_count, reduction)
-    if valid is None:
-        valid = t != ignore_index
-        t_safe = bk.where(valid, t, 0)
+    # Host targets none of which is ignored (the common case) need no mask: multiplying
+    # by a mask of ones would change no bit.
+    vmask = None
+    if host_count != rows:
+        if valid is None:
+            valid = t != ignore_index
+            t_safe = bk.where(valid, t, 0)
+        vmask = bk.astype(valid, lv.dtype)
+    flat_t = bk.reshape(t if vmask is None else t_safe, (rows, 1))
     shifted, probs, den = shifted_exp(bk, lv)
     log_den = bk.reshape(bk.log(den), shape[:-1])
-    tgt = bk.expand_dims(t_safe, -1)
-    per = log_den - bk.reshape(bk.take_along_axis(shifted, tgt, -1), shape[:-1])
+    picked = bk.take_along_axis(bk.reshape(shifted, (rows, c)), flat_t, -1)
+    per = log_den - bk.reshape(picked, shape[:-1])
     if label_smoothing:
         total = bk.reshape(sum_last(bk, shifted), shape[:-1]) - c * log_den
         per = (1.0 - label_smoothing) * per - (label_smoothing / c) * total
     del shifted
-    vmask = bk.astype(valid, lv.dtype)
-    per = per * vmask
+    if vmask is not None:
+        per = per * vmask
     count = _count(bk, reduction, vmask, host_count)
     out = _reduce(bk, per, reduction, count)
     if want:
@@ -99,14 +105,16 @@ def cross_entropy(
     hit = 1.0 - label_smoothing
 
     def vjp(g):  # runs only when ``want``: the tape keeps no VJP of a node without grad
-        w = vmask * g if reduction == "none" else vmask * (g / (count or 1.0))
-        scale = bk.expand_dims(w, -1)
-        grad = probs * scale
+        w = g if reduction == "none" else bk.broadcast_to(g / (count or 1.0), shape[:-1])
+        if vmask is not None:
+            w = vmask * w
+        scale = bk.reshape(w, (rows, 1))
+        grad = bk.reshape(probs, (rows, c)) * scale
         if label_smoothing:
             grad -= scale * (label_smoothing / c)
-        index = (bk.arange(rows, t.dtype), bk.reshape(t_safe, (rows,)))
-        bk.accumulate_at(bk.reshape(grad, (rows, c)), index, bk.reshape(w, (rows,)) * -hit)
-        return (grad,)
+        # one target per row: an indexed update (no index repeats, nothing to accumulate)
+        grad[bk.arange(rows, t.dtype), bk.reshape(flat_t, (rows,))] += bk.reshape(w, (rows,)) * -hit
+        return (bk.reshape(grad, shape),)
 
     return s._record(out, (logits.id,), vjp)
 
