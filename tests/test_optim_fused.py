@@ -405,17 +405,22 @@ def test_a_gradient_whose_layout_changed_in_place_is_read_in_its_new_layout(smal
     np.testing.assert_array_equal(plist[0].value, want + want.T)
 
 
-def test_gradients_tiegrad_made_are_not_kept_after_the_step(small_chunks):
+@pytest.mark.parametrize("writable", [False, True], ids=["read-only", "writable"])
+def test_a_step_keeps_no_gradient_array_that_is_new_at_every_step_alive(small_chunks, writable):
+    # Read-only as backward hands gradients out, writable as a clipped copy: arrays new
+    # at every step live only as long as the caller keeps them.
     plist = ParamList.of_pack([np.ones(600, np.float32), np.ones(900, np.float32)])
     opt = Adam(plist, lr=0.1)
-    grads = [np.ones(600, np.float32), np.ones(900, np.float32)]
-    for gr in grads:
-        gr.flags.writeable = False  # read-only, as backward hands gradients out
-    opt.step(grads)
-    watched = [weakref.ref(gr) for gr in grads]
-    del grads, gr
+    watched = []
+    for _ in range(3):
+        grads = [np.ones(600, np.float32), np.ones(900, np.float32)]
+        for gr in grads:
+            gr.flags.writeable = writable
+        opt.step(grads)
+        watched += [weakref.ref(gr) for gr in grads]
+        del grads, gr
     gc.collect()
-    assert [ref() for ref in watched] == [None, None]
+    assert [k for k, ref in enumerate(watched) if ref() is not None] == []
 
 
 def test_a_layout_groups_consecutive_rows_of_one_run(small_chunks):

@@ -28,6 +28,7 @@ kernels release the GIL).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from operator import is_ as _same
 from types import ModuleType
@@ -87,8 +88,9 @@ class Layout:
     ``sizes``: each slot's elements; ``runs``: the run each slot belongs to (pieces never
     mix runs: ``of_run`` lists each run's pieces). ``pad[k]``: the ``k`` empty writable
     and read-only arrays that fill a tuple of ``GROUP - k`` rows. ``views``: per slot,
-    the latest step's writable gradient array, its strides and its read-only flat view
-    (``GradientTable``), or None.
+    a weak reference to the latest step's writable C-contiguous gradient array, its
+    strides and, once the same array came a second time, its read-only flat view
+    (``GradientTable``); or None.
     """
 
     def __init__(
@@ -122,20 +124,21 @@ class Layout:
             self.of_run.setdefault(runs[piece.first], []).append(piece)
         empty = np.empty(0, dtype)
         self.pad = [((empty,) * k, (_read_only(empty),) * k) for k in range(GROUP + 1)]
-        self.views: list[tuple[np.ndarray, tuple[int, ...], np.ndarray] | None] = [None] * len(
-            self.slots
-        )
+        self.views: list[tuple[weakref.ref, tuple[int, ...], np.ndarray | None] | None] = [
+            None
+        ] * len(self.slots)
 
 
 class GradientTable:
     """The validated gradients of one step's fused slots of one dtype, in ``layout``'s order.
 
     ``flat``: each as a read-only C-contiguous 1-D array (a strided one copied). A caller
-    that passes the same writable C-contiguous arrays every step (its own gradient
-    buffers) gets the views of the step before (``layout.views``): an array object's
-    memory never moves while a view of it lives (NumPy refuses ``resize``), its shape
-    was checked, and its strides are compared. Gradients that tiegrad made are read-only
-    and new every step; keeping them would hold a step's gradients for longer.
+    that passes the same writable C-contiguous arrays step after step (its own gradient
+    buffers) gets the view made for the second of them from then on (``layout.views``):
+    an array object's memory never moves while a view of it lives (NumPy refuses
+    ``resize``), its shape was checked and its strides are compared. Arrays new at
+    every step (tiegrad's gradients, a clipped copy) are only referenced weakly, so a
+    step keeps none of them alive.
     """
 
     def __init__(self, layout: Layout, arrays: list[np.ndarray]) -> None:
@@ -144,14 +147,17 @@ class GradientTable:
         flat = []
         for i, a in enumerate(arrays):
             kept = views[i]
-            if kept is not None and kept[0] is a and kept[1] == a.strides:
-                flat.append(kept[2])
+            if kept is not None and kept[0]() is a and kept[1] == a.strides:
+                view = kept[2]
+                if view is None:  # the same array again: the caller's own buffer
+                    view = _read_only(a)
+                    views[i] = (kept[0], kept[1], view)
+                flat.append(view)
                 continue
-            view = _read_only(a)
             flags = a.flags
-            keep = flags.writeable and flags.c_contiguous  # a view of ``a``, not a copy
-            views[i] = (a, a.strides, view) if keep else None
-            flat.append(view)
+            keep = flags.writeable and flags.c_contiguous  # its view is a view, not a copy
+            views[i] = (weakref.ref(a), a.strides, None) if keep else None
+            flat.append(_read_only(a))
         self.flat = flat
 
     def first_nonfinite(self) -> int | None:
