@@ -347,6 +347,26 @@ def test_layer_norm_on_device_with_only_the_affine_parameters_trainable():
         np.testing.assert_allclose(dev, host, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("targets_dtype", [np.uint8, np.int16, np.int64])
+def test_cross_entropy_on_the_generic_device_path_keeps_the_logits_dtype(targets_dtype):
+    # float16 logits take the op's own code on the device (not the backend's fused
+    # kernel); a float32 loss scale must not widen the cotangent: the gradient's bits are
+    # those of the same scale in float16. Small integer targets index rows as int64.
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((300, 5)) * 3).astype(np.float16)
+    targets = rng.integers(0, 5, 300).astype(targets_dtype)
+    targets[::7] = 1
+    grads = []
+    for scale_dtype in (np.float32, np.float16):
+        s = EagerSession(device=DEVICE)
+        x = s.leaf(logits)
+        loss = ops.cross_entropy(x, targets, ignore_index=1, label_smoothing=0.1)
+        scaled = ops.mul(loss, s.constant(np.array(1.5, scale_dtype)))
+        grads.append(s.backend.to_numpy(s.backward(scaled)[x]))
+    assert grads[0].dtype == np.float16
+    np.testing.assert_array_equal(grads[0], grads[1])
+
+
 def test_index_checks_and_the_mean_count_hold_for_host_arrays_lists_and_device_tensors():
     """NumPy index data is checked and counted on the host (no device synchronisation);
     lists and device tensors on the device; each gives the same error and the same loss."""

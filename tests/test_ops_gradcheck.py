@@ -278,6 +278,21 @@ def test_cross_entropy_2d_and_custom_ignore_index():
     check_grad(lambda a: T.cross_entropy(a, targets, label_smoothing=1.0), [rnd(5, 3)])
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_targets_of_small_integer_types_over_many_rows(dtype, smoothing):
+    # 300 rows: more than an int8 or uint8 row index can count
+    targets = np.random.default_rng(3).integers(0, 5, 300)
+    grads = []
+    for t in (targets, targets.astype(dtype)):
+        s = EagerSession()
+        x = s.leaf(rnd(300, 5))
+        loss = T.cross_entropy(x, t, reduction="sum", label_smoothing=smoothing)
+        grads.append((float(loss.value), s.backward(loss)[x]))
+    assert grads[0][0] == grads[1][0]
+    np.testing.assert_array_equal(grads[0][1], grads[1][1])
+
+
 def test_cross_entropy_all_ignored_is_zero_with_zero_gradient():
     s = EagerSession()
     x = s.leaf(rnd(2, 3))

@@ -105,15 +105,18 @@ def cross_entropy(
     hit = 1.0 - label_smoothing
 
     def vjp(g):  # runs only when ``want``: the tape keeps no VJP of a node without grad
-        w = g if reduction == "none" else bk.broadcast_to(g / (count or 1.0), shape[:-1])
-        if vmask is not None:
-            w = vmask * w
-        scale = bk.reshape(w, (rows, 1))
+        # the mask, or without one a single 1 of the logits' dtype: the weights take the
+        # dtype the mask gives them (the backend's promotion of the logits' and g's)
+        unit = bk.ones((1,), lv.dtype) if vmask is None else vmask
+        w = unit * (g if reduction == "none" else g / (count or 1.0))
+        w = bk.reshape(w, (-1,))  # one weight per row, or one for every row
+        scale = bk.reshape(w, (-1, 1))
         grad = bk.reshape(probs, (rows, c)) * scale
         if label_smoothing:
             grad -= scale * (label_smoothing / c)
         # one target per row: an indexed update (no index repeats, nothing to accumulate)
-        grad[bk.arange(rows, t.dtype), bk.reshape(flat_t, (rows,))] += bk.reshape(w, (rows,)) * -hit
+        rows_t = (bk.arange(rows, bk.int64), bk.astype(bk.reshape(flat_t, (rows,)), bk.int64))
+        grad[rows_t] += w * -hit
         return (bk.reshape(grad, shape),)
 
     return s._record(out, (logits.id,), vjp)
