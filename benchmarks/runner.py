@@ -7,10 +7,9 @@ Method (issue 9):
   probe, normally the loss, is compared across sides: a relative gap above
   ``PROBE_RTOL`` prints a warning, which catches mismatched models), then the sides
   take turns in runs of steps, alternating the order every round (ABBA); a run starts
-  with a short pause and untimed steps (another framework's idle worker threads
-  keep spinning for a while) and untimed steps for ``WARM_S`` (the machine is slow
-  for tens of milliseconds after it idled), the other steps are timed with
-  ``time.perf_counter``.
+  with a short pause (another framework's idle worker threads keep spinning for a
+  while) and untimed steps for ``WARM_S`` (the machine is slow for tens of
+  milliseconds after it idled); the other steps are timed with ``time.perf_counter``.
   The table reports the median and the min-max in ms per step and the ratio of
   medians tiegrad/PyTorch.
 - Peak RSS is measured per side in a fresh subprocess (``python -m benchmarks rss``,
