@@ -293,6 +293,23 @@ def test_cross_entropy_targets_of_small_integer_types_over_many_rows(dtype, smoo
     np.testing.assert_array_equal(grads[0][1], grads[1][1])
 
 
+@pytest.mark.parametrize("device", [None, "torch:cpu"])
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0, 4)])
+def test_cross_entropy_of_an_empty_batch(device, shape):
+    # no position: a sum (and tiegrad's mean) of 0, no per-position loss, an empty gradient
+    if device is not None:
+        pytest.importorskip("torch")
+    for reduction in ("mean", "sum", "none"):
+        s = EagerSession(device=device)
+        x = s.leaf(np.zeros(shape, np.float32))
+        loss = T.cross_entropy(x, np.zeros(shape[:-1], np.int64), reduction=reduction)
+        value = s.backend.to_numpy(loss.value)
+        seed = np.ones(shape[:-1], np.float32) if reduction == "none" else None
+        grad = s.backend.to_numpy(s.backward(loss, seed)[x])
+        assert value.shape == (shape[:-1] if reduction == "none" else ())
+        assert value.sum() == 0.0 and grad.shape == shape
+
+
 def test_cross_entropy_all_ignored_is_zero_with_zero_gradient():
     s = EagerSession()
     x = s.leaf(rnd(2, 3))

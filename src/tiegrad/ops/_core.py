@@ -205,9 +205,12 @@ def _block_shift(bk: Backend, x: Array) -> Array:
 
     One fast reduction over contiguous memory instead of a slow per-row maximum; it is at
     least each row's maximum, so no exponential overflows. A block of only ``-inf``
-    gets 0.
+    gets 0, and so does an array without elements (a maximum of nothing has no value).
     """
-    axes = (-2, -1) if len(tuple(x.shape)) > 1 else (-1,)
+    shape = tuple(x.shape)
+    axes = (-2, -1) if len(shape) > 1 else (-1,)
+    if not math.prod(shape):
+        return bk.zeros(shape[: -len(axes)] + (1,) * len(axes), x.dtype)
     c = bk.max(x, axis=axes, keepdims=True)
     return bk.where(c == -math.inf, 0.0, c)
 
