@@ -86,7 +86,7 @@ def cross_entropy(
             valid = t != ignore_index
             t_safe = bk.where(valid, t, 0)
         vmask = bk.astype(valid, lv.dtype)
-    flat_t = bk.reshape(t if vmask is None else t_safe, (rows, 1))
+    flat_t = bk.astype(bk.reshape(t if vmask is None else t_safe, (rows, 1)), bk.int64)
     shifted, probs, den = shifted_exp(bk, lv)
     log_den = bk.reshape(bk.log(den), shape[:-1])
     picked = bk.take_along_axis(bk.reshape(shifted, (rows, c)), flat_t, -1)
@@ -115,8 +115,7 @@ def cross_entropy(
         if label_smoothing:
             grad -= scale * (label_smoothing / c)
         # one target per row: an indexed update (no index repeats, nothing to accumulate)
-        rows_t = (bk.arange(rows, bk.int64), bk.astype(bk.reshape(flat_t, (rows,)), bk.int64))
-        grad[rows_t] += w * -hit
+        grad[bk.arange(rows, bk.int64), bk.reshape(flat_t, (rows,))] += w * -hit
         return (bk.reshape(grad, shape),)
 
     return s._record(out, (logits.id,), vjp)

@@ -154,10 +154,9 @@ class GradientTable:
                     views[i] = (kept[0], kept[1], view)
                 flat.append(view)
                 continue
-            flags = a.flags
-            keep = flags.writeable and flags.c_contiguous  # its view is a view, not a copy
-            views[i] = (weakref.ref(a), a.strides, None) if keep else None
-            flat.append(_read_only(a))
+            view, of_writable = _read_only_view(a)
+            views[i] = (weakref.ref(a), a.strides, None) if of_writable else None
+            flat.append(view)
         self.flat = flat
 
     def first_nonfinite(self) -> int | None:
@@ -289,12 +288,23 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
     The one type the kernels are given what they only read: one specialisation each.
     """
+    return _read_only_view(a)[0]
+
+
+def _read_only_view(a: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``_read_only(a)``, and whether it is a view of a writable ``a`` (not a copy).
+
+    ``reshape`` gives a new object every time: a view, whose ``base`` is the memory's
+    owner, or a copy of a strided ``a``, which owns its memory.
+    """
     flat = a.reshape(-1)
     flags = flat.flags
-    if flags.writeable or not flags.c_contiguous:  # a strided 1-D ``a`` is its own view
-        flat = (flat if flags.c_contiguous else flat.copy()).view()
-        flat.setflags(write=False)  # 0.8 against 1.25 us through ``flags.writeable``
-    return flat
+    if not flags.writeable and flags.c_contiguous:  # a read-only ``a``'s own view
+        return flat, False
+    of_writable = flags.c_contiguous and flat.base is not None
+    flat = (flat if flags.c_contiguous else flat.copy()).view()  # a strided 1-D ``a``: a view
+    flat.setflags(write=False)  # 0.8 against 1.25 us through ``flags.writeable``
+    return flat, of_writable
 
 
 def _owner(a: np.ndarray) -> np.ndarray | None:
