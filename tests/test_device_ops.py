@@ -22,6 +22,11 @@ torch = pytest.importorskip("torch")
 DEVICE = os.environ.get("TIEGRAD_TEST_DEVICE", "torch:cpu")
 
 
+def _host(a: object) -> np.ndarray:
+    """A NumPy copy of a host array or a device tensor."""
+    return a.cpu().numpy() if isinstance(a, torch.Tensor) else np.array(a)
+
+
 def _r(*shape: int, seed: int = 0, positive: bool = False) -> np.ndarray:
     a = np.random.default_rng(seed + 7 * len(shape) + sum(shape)).standard_normal(shape)
     return np.abs(a) + 0.5 if positive else a
@@ -100,6 +105,15 @@ CASES = {
     "self_attention:padding": (
         lambda x: ops.self_attention(x, 3, key_padding_mask=PADDING),
         [_r(2, 4, 18)],
+    ),
+    # 64 keys: batched products on torch's CPU (torch_backend._in_cache), flash elsewhere
+    "scaled_dot_product_attention:products": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, scale=0.4),
+        [_r(2, 3, 5), _r(2, 64, 5, seed=1), _r(2, 64, 3)],
+    ),
+    "self_attention:causal-products": (
+        lambda x: ops.self_attention(x, 2, causal=True),
+        [_r(2, 64, 12)],
     ),
     "conv2d": (
         lambda x, w, b: ops.conv2d(x, w, b, stride=2, padding=1),
@@ -271,9 +285,10 @@ def test_uploads_are_copies_and_constants_do_not_alias_read_only_arrays():
     assert bk.to_numpy(bk.asarray(frozen)).tolist() == [0.0, 1.0, 2.0]
 
 
-def test_fused_device_kernels_allow_a_second_backward_and_no_grad():
+@pytest.mark.parametrize("t", [5, 64])  # 64: attention as batched products on torch's CPU
+def test_fused_device_kernels_allow_a_second_backward_and_no_grad(t):
     """PyTorch's fused attention, layer norm and GELU keep what a second backward needs."""
-    x0 = _r(2, 5, 12)
+    x0 = _r(2, t, 12)
     s = EagerSession(device=DEVICE)
     x = s.leaf(x0)
     y = ops.self_attention(x, 2, causal=True)
@@ -405,3 +420,80 @@ def test_relu_vjp_on_device_is_the_host_product_bit_for_bit():
             np.testing.assert_array_equal(bk.to_numpy(got).view(bits), want.view(bits))
         wide = bk.relu_vjp(bk.asarray(g), bk.asarray(out.astype(np.float32)))
         np.testing.assert_array_equal(bk.to_numpy(wide), g * (out > 0))
+
+
+@pytest.mark.skipif(DEVICE != "torch:cpu", reason="the products path is torch's CPU's")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "b, t, h, flash", [(3, 64, 2, False), (2, 100, 4, False), (2, 32, 2, True), (24, 256, 4, True)]
+)
+def test_attention_on_torch_cpu_runs_products_where_scores_are_small(
+    monkeypatch, b, t, h, flash, causal
+):
+    """On torch's CPU, attention over at least 64 keys whose scores fit in 4 MiB runs as
+    batched products (torch_backend._in_cache); otherwise PyTorch's flash kernel. Both
+    agree with PyTorch's own float32 attention within float32 rounding."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    )
+    d = 8 * h
+    x0 = _r(b, t, 3 * d).astype(np.float32)
+    w0 = _r(b, t, d, seed=1).astype(np.float32)
+    s = EagerSession(device=DEVICE)
+    x = s.leaf(x0)
+    y = ops.self_attention(x, h, causal=causal)
+    grad = s.backward(ops.sum(y * s.leaf(w0, requires_grad=False)))[x]
+    assert bool(calls) == flash
+    xt = torch.tensor(x0, requires_grad=True)
+    q, k, v = xt.reshape(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+    want = sdpa(q, k, v, is_causal=causal).transpose(1, 2).reshape(b, t, d)
+    (want * torch.tensor(w0)).sum().backward()
+    np.testing.assert_allclose(y.numpy(), want.detach().numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), xt.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_on_device_gives_zeros_where_every_score_is_minus_infinity(causal):
+    """Finite q and k whose products overflow to -inf: that query gets zeros and no
+    gradient on the device (batched products on torch's CPU, flash elsewhere), as on
+    the host; a NaN input stays NaN."""
+    rng = np.random.default_rng(5)
+    q0, k0, v0 = (rng.standard_normal((1, 64, 4)).astype(np.float32) for _ in range(3))
+    k0 = np.abs(k0) + 0.5
+    q0[0, 0] = -3e38  # query 0's products with every key overflow to -inf
+    results = []
+    for device in (None, DEVICE):
+        s = EagerSession(device=device)
+        q, k, v = (s.leaf(a) for a in (q0, k0, v0))
+        with np.errstate(over="ignore"):  # the host's product overflows, as intended
+            y = ops.scaled_dot_product_attention(q, k, v, causal=causal)
+        grads = s.backward(ops.sum(y))
+        results.append([np.asarray(y.numpy())] + [_host(grads[r]) for r in (q, k, v)])
+    for host, dev in zip(*results):
+        assert np.isfinite(dev).all()
+        np.testing.assert_allclose(dev, host, rtol=1e-4, atol=1e-5)
+    assert not results[1][0][0, 0].any()
+    q0[0, 3, 1] = np.nan
+    s = EagerSession(device=DEVICE)
+    y = ops.scaled_dot_product_attention(*(s.leaf(a) for a in (q0, k0, v0)), causal=causal)
+    assert np.isnan(y.numpy()[0, 3]).all() and not np.isnan(y.numpy()[0, 4:]).any()
+
+
+@pytest.mark.parametrize("t", [5, 64])
+def test_attention_on_device_takes_a_wider_cotangent_like_the_host(t):
+    rng = np.random.default_rng(6)
+    q0, k0, v0 = (rng.standard_normal((2, t, 8)).astype(np.float32) for _ in range(3))
+    w = rng.standard_normal((2, t, 8))  # float64: the product's cotangent is float64
+    grads = []
+    for device in (None, DEVICE):
+        s = EagerSession(device=device)
+        refs = [s.leaf(a) for a in (q0, k0, v0)]
+        g = s.backward(ops.sum(ops.scaled_dot_product_attention(*refs, causal=True) * w))
+        grads.append([_host(g[r]) for r in refs])
+    for host, dev in zip(*grads):
+        assert dev.dtype == host.dtype == np.float32
+        np.testing.assert_allclose(dev, host, rtol=1e-4, atol=1e-5)

@@ -332,10 +332,14 @@ class TorchBackend(Backend):
     def fused_attention(
         self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
     ) -> tuple[Array, Any] | None:
+        """PyTorch's ``scaled_dot_product_attention``; on torch's CPU, where the scores are
+        small (``_in_cache``), batched products and torch's softmax kernels instead."""
         if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or not (
             q.dtype == k.dtype == v.dtype
         ):
             return None
+        if self.torch_device.type == "cpu" and _in_cache(q, k):
+            return _products_attention(q, k, v, causal, scale, want)
         if not want:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
             return out, None
@@ -475,3 +479,54 @@ class TorchBackend(Backend):
         """Samples from the session's NumPy generator, uploaded: the same stream as the host."""
         np_dtype = np.dtype(self.dtype_name(self.to_dtype(dtype)))
         return self.asarray(generator.random(tuple(shape), dtype=np_dtype))
+
+
+# Attention on torch's CPU: batched products beat PyTorch's flash kernel where each
+# head's scores span at least _KEYS_MIN keys and all of a call's scores stay within
+# _SCORES_MAX bytes (cache-resident). Forward and backward together, 2-core AMD EPYC,
+# torch 2.13, each in its own process: (B, T, H, D) = (32, 64, 4, 32) 3.6 against
+# 4.7-7.2 ms, (16, 128, 8, 64) 17.9 against 21.5 ms; flash was faster with 32 keys
+# ((64, 32, 4, 32): 6.7 against 3.4-4.5 ms) and with 8 MB of scores at 64 keys.
+_KEYS_MIN = 64
+_SCORES_MAX = 4 << 20
+_PRODUCTS_DTYPES = (torch.float32, torch.float64)
+
+
+def _in_cache(q: Array, k: Array) -> bool:
+    """Whether attention of ``q`` over ``k`` runs as batched products (see above)."""
+    tk = k.shape[-2]
+    scores = q.shape[:-1].numel() * tk * q.element_size()
+    return q.dtype in _PRODUCTS_DTYPES and tk >= _KEYS_MIN and scores <= _SCORES_MAX
+
+
+def _products_attention(
+    q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
+) -> tuple[Array, Any]:
+    """``softmax(q k^T * scale + mask) v`` as ``scaled_dot_product_attention``'s math:
+    batched products and torch's softmax kernels, within float rounding of the flash
+    kernel's results (not bit for bit). A query whose scores are all ``-inf`` (every key
+    hidden, or products overflowing) gets zeros and no gradient, as from the flash
+    kernel and the host; NaN stays NaN. The VJP keeps the probabilities (``_in_cache``
+    bounds them) and q, k and v as batches of matrices (copies of strided views)."""
+    lead, tq, tk = q.shape[:-2], q.shape[-2], k.shape[-2]
+    q3, k3, v3 = (t.reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
+    if causal:  # key j hidden from query i when j > i (top-left aligned, as is_causal)
+        bias = torch.zeros((tq, tk), dtype=q.dtype, device=q.device)
+        bias.masked_fill_(torch.ones_like(bias, dtype=torch.bool).triu_(1), -torch.inf)
+        scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)
+    else:
+        scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)
+    p = torch._safe_softmax(scores, -1)  # rows of -inf only: zeros
+    out = torch.bmm(p, v3).reshape(lead + (tq, v.shape[-1]))
+    if not want:
+        return out, None
+
+    def vjp(g: Array) -> tuple[Array, Array, Array]:
+        g3 = g.reshape((-1, tq, g.shape[-1])).to(p.dtype)  # a wider cotangent: p's dtype
+        gv = torch.bmm(p.transpose(1, 2), g3)
+        gs = torch._softmax_backward_data(torch.bmm(g3, v3.transpose(1, 2)), p, -1, p.dtype)
+        gq = torch.bmm(gs, k3).mul_(scale)
+        gk = torch.bmm(gs.transpose(1, 2), q3).mul_(scale)
+        return gq.reshape(q.shape), gk.reshape(k.shape), gv.reshape(v.shape)
+
+    return out, vjp
