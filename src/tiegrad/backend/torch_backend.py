@@ -12,6 +12,7 @@ device, so storages and sessions can compare backends by identity.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -506,8 +507,10 @@ def _products_attention(
     batched products and torch's softmax kernels, within float rounding of the flash
     kernel's results (not bit for bit). A query whose scores are all ``-inf`` (every key
     hidden, or products overflowing) gets zeros and no gradient, as from the flash
-    kernel and the host; NaN stays NaN. The VJP keeps the probabilities (``_in_cache``
-    bounds them) and q, k and v as batches of matrices (copies of strided views)."""
+    kernel and the host; NaN stays NaN. One sum of the output tells whether a row needs
+    that (torch's CPU: nothing to wait for). The VJP keeps the probabilities
+    (``_in_cache`` bounds them) and q, k and v as batches of matrices (copies of strided
+    views)."""
     lead, tq, tk = q.shape[:-2], q.shape[-2], k.shape[-2]
     q3, k3, v3 = (t.reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
     if causal:  # key j hidden from query i when j > i (top-left aligned, as is_causal)
@@ -516,8 +519,12 @@ def _products_attention(
         scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)
     else:
         scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)
-    p = torch._safe_softmax(scores, -1)  # rows of -inf only: zeros
-    out = torch.bmm(p, v3).reshape(lead + (tq, v.shape[-1]))
+    p = torch.softmax(scores, -1)
+    out = torch.bmm(p, v3)
+    if math.isnan(float(out.sum())):  # a NaN input, or a row of -inf scores only (NaN)
+        p = torch._safe_softmax(scores, -1)  # the latter: zeros (4x softmax's time)
+        out = torch.bmm(p, v3)
+    out = out.reshape(lead + (tq, v.shape[-1]))
     if not want:
         return out, None
 
