@@ -477,10 +477,15 @@ def test_attention_on_device_gives_zeros_where_every_score_is_minus_infinity(cau
         assert np.isfinite(dev).all()
         np.testing.assert_allclose(dev, host, rtol=1e-4, atol=1e-5)
     assert not results[1][0][0, 0].any()
-    q0[0, 3, 1] = np.nan
-    s = EagerSession(device=DEVICE)
-    y = ops.scaled_dot_product_attention(*(s.leaf(a) for a in (q0, k0, v0)), causal=causal)
-    assert np.isnan(y.numpy()[0, 3]).all() and not np.isnan(y.numpy()[0, 4:]).any()
+    q0[0, 3, 1], q0[0, 5, 2] = np.nan, np.inf  # a NaN score, scores of +inf and -inf
+    nan_rows = []
+    for device in (None, DEVICE):
+        s = EagerSession(device=device)
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = ops.scaled_dot_product_attention(*(s.leaf(a) for a in (q0, k0, v0)), causal=causal)
+        nan_rows.append(np.isnan(_host(y.value)).all(axis=-1))
+    assert nan_rows[1].tolist() == nan_rows[0].tolist()
+    assert np.flatnonzero(nan_rows[1][0]).tolist() == [3, 5]
 
 
 @pytest.mark.parametrize("t", [5, 64])

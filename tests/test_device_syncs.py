@@ -98,6 +98,14 @@ def test_a_tied_lm_step_with_adamw_in_two_groups_synchronises_once():
     _steps(model, opt, [(b[:, :-1], b[:, 1:]) for b in ids])
 
 
+def test_a_tied_lm_step_over_64_positions_synchronises_once():
+    """64 keys: attention as batched products on torch's CPU, no synchronisation either."""
+    model = TiedLM(16, 16, 1, 2, 64, seed=0)
+    opt = AdamW(model.parameters(), lr=3e-3)
+    ids = np.random.default_rng(2).integers(0, 16, (2, 2, 65))
+    _steps(model, opt, [(b[:, :-1], b[:, 1:]) for b in ids])
+
+
 def test_a_refused_step_finds_the_slot_after_its_one_verdict():
     model = MLPClassifier(4, [4], 2)
     opt = SGD(model.parameters(), lr=0.1, nonfinite="skip")
