@@ -493,7 +493,9 @@ _PRODUCTS_DTYPES = (torch.float32, torch.float64)
 
 
 def _in_cache(q: Array, k: Array) -> bool:
-    """Whether attention of ``q`` over ``k`` runs as batched products (see above)."""
+    """Whether attention of ``q`` over ``k`` runs as batched products (see above); q and
+    k have the same leading axes (``fused_attention`` checks), so the scores are q's
+    rows times the keys."""
     tk = k.shape[-2]
     scores = q.shape[:-1].numel() * tk * q.element_size()
     return q.dtype in _PRODUCTS_DTYPES and tk >= _KEYS_MIN and scores <= _SCORES_MAX
@@ -507,9 +509,10 @@ def _products_attention(
     kernel's results (not bit for bit). A query whose scores are all ``-inf`` (every key
     hidden, or products overflowing) gets zeros and no gradient, as from the flash
     kernel and the host (without torch's ``_safe_softmax``, 4x the softmax's time, and
-    without a synchronisation); NaN stays NaN. The VJP keeps the probabilities
-    (``_in_cache`` bounds them) and q, k and v as batches of matrices (copies of strided
-    views)."""
+    without a synchronisation); NaN stays NaN, and an infinite or NaN value reaching
+    such a row through v or k makes its gradient NaN, as on the host. The VJP keeps the
+    probabilities (``_in_cache`` bounds them) and q, k and v as batches of matrices
+    (copies of strided views)."""
     lead, tq, tk = q.shape[:-2], q.shape[-2], k.shape[-2]
     q3, k3, v3 = (t.reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
     if causal:  # key j hidden from query i when j > i (top-left aligned, as is_causal)
