@@ -22,11 +22,6 @@ torch = pytest.importorskip("torch")
 DEVICE = os.environ.get("TIEGRAD_TEST_DEVICE", "torch:cpu")
 
 
-def _host(a: object) -> np.ndarray:
-    """A NumPy copy of a host array or a device tensor."""
-    return a.cpu().numpy() if isinstance(a, torch.Tensor) else np.array(a)
-
-
 def _r(*shape: int, seed: int = 0, positive: bool = False) -> np.ndarray:
     a = np.random.default_rng(seed + 7 * len(shape) + sum(shape)).standard_normal(shape)
     return np.abs(a) + 0.5 if positive else a
@@ -472,7 +467,7 @@ def test_attention_on_device_gives_zeros_where_every_score_is_minus_infinity(cau
         with np.errstate(over="ignore"):  # the host's product overflows, as intended
             y = ops.scaled_dot_product_attention(q, k, v, causal=causal)
         grads = s.backward(ops.sum(y))
-        results.append([np.asarray(y.numpy())] + [_host(grads[r]) for r in (q, k, v)])
+        results.append([np.asarray(y.numpy())] + [s.backend.to_numpy(grads[r]) for r in (q, k, v)])
     for host, dev in zip(*results):
         assert np.isfinite(dev).all()
         np.testing.assert_allclose(dev, host, rtol=1e-4, atol=1e-5)
@@ -483,7 +478,7 @@ def test_attention_on_device_gives_zeros_where_every_score_is_minus_infinity(cau
         s = EagerSession(device=device)
         with np.errstate(over="ignore", invalid="ignore"):
             y = ops.scaled_dot_product_attention(*(s.leaf(a) for a in (q0, k0, v0)), causal=causal)
-        nan_rows.append(np.isnan(_host(y.value)).all(axis=-1))
+        nan_rows.append(np.isnan(s.backend.to_numpy(y.value)).all(axis=-1))
     assert nan_rows[1].tolist() == nan_rows[0].tolist()
     assert np.flatnonzero(nan_rows[1][0]).tolist() == [3, 5]
 
@@ -498,7 +493,7 @@ def test_attention_on_device_takes_a_wider_cotangent_like_the_host(t):
         s = EagerSession(device=device)
         refs = [s.leaf(a) for a in (q0, k0, v0)]
         g = s.backward(ops.sum(ops.scaled_dot_product_attention(*refs, causal=True) * w))
-        grads.append([_host(g[r]) for r in refs])
+        grads.append([s.backend.to_numpy(g[r]) for r in refs])
     for host, dev in zip(*grads):
         assert dev.dtype == host.dtype == np.float32
         np.testing.assert_allclose(dev, host, rtol=1e-4, atol=1e-5)

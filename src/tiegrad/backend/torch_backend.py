@@ -516,8 +516,7 @@ def _products_attention(
     lead, tq, tk = q.shape[:-2], q.shape[-2], k.shape[-2]
     q3, k3, v3 = (t.reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
     if causal:  # key j hidden from query i when j > i (top-left aligned, as is_causal)
-        bias = torch.zeros((tq, tk), dtype=q.dtype, device=q.device)
-        bias.masked_fill_(torch.ones_like(bias, dtype=torch.bool).triu_(1), -torch.inf)
+        bias = torch.full((tq, tk), -torch.inf, dtype=q.dtype, device=q.device).triu_(1)
         scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)
     else:
         scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)
