@@ -18,8 +18,8 @@ from typing import Any
 EXIT_INTERRUPTED = 130
 TRAINING_COMMANDS = ("train", "resume")
 # The parts of a training step whose kernels a child compiles, one child each
-# (tiegrad.train.precompile.PARTS); the run compiles its forward's itself.
-PRECOMPILED = ("backward", "optimizer")
+# (tiegrad.train.precompile.PARTS).
+PRECOMPILED = ("step", "optimizer")
 # A child runs one small step: more threads than one would only slow the others.
 CHILD_THREADS = ("TIEGRAD_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 MIN_IDLE_CPUS = 1.0

@@ -10,9 +10,10 @@ everywhere. ``kernels`` is how every caller asks: the kernel module, or None whe
 switch is off or numba is missing or fails to import (with one warning), so the library
 runs the same without it, only slower.
 
-``defer`` lets the ``tiegrad`` command hold back a module whose kernels give the NumPy
-code's bits until its child processes have compiled them into numba's cache
-(``tiegrad.train.precompile``): ``kernels`` gives None (the NumPy code runs) until then.
+``defer`` lets the ``tiegrad`` command hold a kernel module back until its child
+processes have compiled it into numba's cache (``tiegrad.train.precompile``):
+``kernels`` gives a stand-in until then, NumPy code with the kernels' bits (a module of
+the same functions, or None where the caller's own NumPy code gives those bits).
 Nothing defers a module on import.
 """
 
@@ -31,33 +32,34 @@ from typing import Any
 ENV_SWITCH = "TIEGRAD_NO_NUMBA"
 ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
 
-# module -> set once its kernels are in numba's cache
-_deferred: dict[str, threading.Event] = {}
+# module -> (set once its kernels are in numba's cache, the stand-in's name or None)
+_deferred: dict[str, tuple[threading.Event, str | None]] = {}
 
 
 def kernels(module: str) -> ModuleType | None:
     """The kernel module ``module`` (absolute name) where ``ENABLED``, else None.
 
     The switch is read at every call; the import (which compiles or loads the kernels)
-    happens once. A deferred module (``defer``) is None until its event is set; the
-    module from then on.
+    happens once. A deferred module (``defer``) gives its stand-in until its event is
+    set, the module from then on.
     """
     if not ENABLED:
         return None
     if _deferred:
-        ready = _deferred.get(module)
+        ready, stand_in = _deferred.get(module, (None, None))
         if ready is not None:
             if not ready.is_set():
-                return None
+                return None if stand_in is None else importlib.import_module(stand_in)
             _deferred.pop(module, None)
     return _load(module)
 
 
-def defer(module: str, ready: threading.Event) -> None:
-    """Hold ``kernels(module)`` back until ``ready`` is set: it returns None meanwhile
-    (the NumPy code runs, which must then give the kernels' bits). The command's thread
-    sets ``ready`` once the children compiling the module's kernels have ended."""
-    _deferred[module] = ready
+def defer(module: str, ready: threading.Event, stand_in: str | None = None) -> None:
+    """Hold ``kernels(module)`` back until ``ready`` is set; it gives meanwhile the
+    module ``stand_in`` (absolute name), whose functions must give the kernels' bits,
+    or None, where the callers' NumPy code must. The command's thread sets ``ready``
+    once the children compiling the module's kernels have ended."""
+    _deferred[module] = (ready, stand_in)
 
 
 @functools.cache

@@ -1,8 +1,9 @@
 """Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU and its VJP,
 products and sums, a scatter-add of rows, layer norm, softmax.
 
-Imported only through ``tiegrad._numba.kernels``, by ``numpy_backend``, which decides when
-to use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``). numba
+Imported through ``tiegrad._numba.kernels``, by ``numpy_backend``, which decides when to
+use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
+``host_reference`` for the kernels' constants. numba
 compiles each kernel on its first call, so a kernel a process never calls costs it no
 compile time. Every kernel takes arrays and scalars, and the elementwise
 and row kernels the range ``lo .. hi`` of elements or rows they handle; they release
@@ -19,13 +20,15 @@ index that may be negative (``range(lo, hi)``) makes numba wrap it around, and L
 then turns each load and store into a gather or scatter; the GELU kernel ran 2.3 times
 slower that way (2.2 against 0.95 ns per element).
 
-Accuracy: float32 throughout; ``exp_neg`` is within 1 ulp where it is compiled without
-reassociation (a ``reassoc`` caller would reorder its range reduction: ~60 ulp), so the
-elementwise kernels allow only ``contract`` (fused multiply-adds); the row kernels
-(layer norm, the softmax VJP) allow nothing. No kernel may be reassociated: a row's
-sums run in the order ``_lanes`` writes out, so their bits are the same in every
-process, however the kernel was compiled, and can differ from NumPy's sums in the last
-bits. NaN propagates through every kernel.
+Accuracy and bits: float32 throughout, compiled without fast-math, so every operation
+rounds as written. The fused multiply-adds are explicit (``_fma``, one rounding each;
+with separate products and sums the GELU kernel ran 35% slower), and a row's sums run
+in the order ``_lanes`` writes out. A kernel's bits thus follow from its source alone:
+they are the same in every process however the kernel was compiled, ``host_reference``
+computes them with NumPy (while a ``tiegrad train`` child compiles the kernels), and
+they can differ in the last bits from the NumPy backend's own code for the same op.
+``exp_neg`` is within 1 ulp (a ``reassoc`` caller would reorder its range reduction:
+~60 ulp). NaN propagates through every kernel.
 """
 
 from __future__ import annotations
@@ -41,10 +44,9 @@ from numba.extending import intrinsic
 
 from .. import _numba
 
-# ``contract`` lets LLVM fuse a * b + c into one FMA (one rounding instead of two): the
-# GELU kernel runs about 25% faster, and no result is less accurate.
-_kernel = _numba.jit(nogil=True, error_model="numpy", fastmath={"contract"})
-_row_kernel = _numba.jit(nogil=True, error_model="numpy")  # IEEE order: _lanes' sums
+# No fast-math: every operation rounds as written (the fused multiply-adds are ``_fma``),
+# so the kernels' bits follow from their source, as ``host_reference``'s do.
+_kernel = _numba.jit(nogil=True, error_model="numpy")
 _inline = _numba.jit(inline="always")
 
 _F = np.float32
@@ -77,6 +79,21 @@ _F32_MAX = _F(np.finfo(np.float32).max)
 
 
 @intrinsic
+def _fma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+    """``a * b + c`` of float32 values with one rounding (``llvm.fma``: one instruction
+    where the CPU has it, vectorized with the loop; the correctly rounded result
+    everywhere)."""
+    f32 = types.float32
+    if not (a == f32 and b == f32 and c == f32):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fma(*args)
+
+    return f32(f32, f32, f32), codegen
+
+
+@intrinsic
 def float_from_bits(typingctx: Any, bits: Any) -> Any:
     """The float32 whose IEEE bit pattern is the int32 ``bits``."""
     sig = types.float32(types.int32)
@@ -94,16 +111,15 @@ def exp_neg(z: Any) -> Any:
     ``z = k ln 2 + r`` with ``|r| <= ln(2) / 2``; ``2**k`` is built from its exponent bits.
     """
     zc = z if z >= _EXP_MIN else _EXP_MIN
-    k = np.floor(zc * _LOG2E + _F(0.5))
-    r = zc - k * _LN2_HI
-    r = r - k * _LN2_LO
-    p = _EXP_P[0]
-    p = p * r + _EXP_P[1]
-    p = p * r + _EXP_P[2]
-    p = p * r + _EXP_P[3]
-    p = p * r + _EXP_P[4]
-    p = p * r + _EXP_P[5]
-    p = p * (r * r) + r + _F(1.0)
+    k = np.floor(_fma(zc, _LOG2E, _F(0.5)))
+    r = _fma(-k, _LN2_HI, zc)
+    r = _fma(-k, _LN2_LO, r)
+    p = _fma(_EXP_P[0], r, _EXP_P[1])
+    p = _fma(p, r, _EXP_P[2])
+    p = _fma(p, r, _EXP_P[3])
+    p = _fma(p, r, _EXP_P[4])
+    p = _fma(p, r, _EXP_P[5])
+    p = _fma(p, r * r, r) + _F(1.0)
     e = p * float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
     if z >= _EXP_MIN:
         return e
@@ -327,21 +343,20 @@ def gelu(x: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
         v = x[i]
         a = abs(v)
         a = _F32_MAX if a > _F32_MAX else a
-        t = _F(1.0) / (_F(1.0) + _TAIL_P * a)
+        t = _F(1.0) / _fma(_TAIL_P, a, _F(1.0))
         e = exp_neg(_F(-0.5) * (a * a))
-        tail = t * _TAIL_C[0]
-        tail = (tail + _TAIL_C[1]) * t
-        tail = (tail + _TAIL_C[2]) * t
-        tail = (tail + _TAIL_C[3]) * t
-        tail = (tail + _TAIL_C[4]) * t
-        tail = (tail + _TAIL_C[5]) * t
-        tail = tail * e
-        y[i] = (v if v > _F(0.0) else _F(0.0)) - a * tail
+        tail = _fma(t, _TAIL_C[0], _TAIL_C[1])
+        tail = _fma(tail, t, _TAIL_C[2])
+        tail = _fma(tail, t, _TAIL_C[3])
+        tail = _fma(tail, t, _TAIL_C[4])
+        tail = _fma(tail, t, _TAIL_C[5])
+        tail = tail * t * e
+        y[i] = _fma(-a, tail, v if v > _F(0.0) else _F(0.0))
         half = _F(0.5) - tail
-        d[i] = (half if v >= _F(0.0) else -half) + _F(0.5) + v * e * _INV_SQRT_2PI
+        d[i] = _fma(v * e, _INV_SQRT_2PI, (half if v >= _F(0.0) else -half) + _F(0.5))
 
 
-@_row_kernel
+@_kernel
 def layer_norm(
     x: np.ndarray,
     w: np.ndarray,
@@ -387,7 +402,7 @@ COLUMN_CHUNK = 64
 """Rows per partial column sum of ``layer_norm_backward`` (a block holds whole chunks)."""
 
 
-@_row_kernel
+@_kernel
 def layer_norm_backward(
     g: np.ndarray,
     w: np.ndarray,
@@ -458,7 +473,7 @@ def softmax(x: np.ndarray, lo: int, hi: int) -> None:
             row[j] *= scale
 
 
-@_row_kernel
+@_kernel
 def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
     """Rows ``lo .. hi``: ``gp`` (the cotangent of ``p = softmax(s)``) becomes that of ``s``.
 

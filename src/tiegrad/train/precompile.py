@@ -6,22 +6,19 @@ compile every kernel it calls, one after the other, in the training process. The
 no process) instead starts, before it imports tiegrad and where a CPU is idle for them,
 child processes (``python -m tiegrad.train.precompile PART``, ``PARTS``) that run a part
 of a training step on the default model of ``tiegrad train``, which compiles the
-kernels it calls into numba's cache, and then mark the part done there. The run compiles
-the kernels of its forward itself, while a child compiles those of the backward: a
-numba dispatcher looks in the cache for every signature it has not compiled yet, so
-the run's backward loads what the child has finished and compiles only what it has not.
-``Precompiling`` watches the children from a thread of the command, which also sets up
-numba's compiler while the run is built; children whose part an earlier run's child
-marked done are stopped (nothing is left for them to compile).
+kernels it calls into numba's cache, and then mark the part done there, at the lowest
+priority: the run does not wait for them. ``Precompiling`` watches the children from a
+thread of the command, which also sets up numba's compiler while the run steps;
+children whose part an earlier run's child marked done are stopped (nothing is left
+for them to compile).
 
-Results never depend on timing. The host kernels (GELU, layer norm, softmax) round
-differently from the NumPy code (the tests compare them within a tolerance), so a run
-uses them from its first step, as a run from a filled cache does. The optimizer's
-kernels give the NumPy code's bits (the tests compare the bytes), so the run's first
-steps update on the NumPy code while their child, at the lowest priority, compiles them,
-and switch to them once it has ended (``tiegrad._numba.defer``). A child that fails, is
-killed or compiles another signature only costs time: the run compiles what the cache
-lacks on first use. After the run's last step the command waits for the children still
+Results never depend on timing. Until a part's child has ended, the run steps on NumPy
+code that gives the bits of that part's kernels (``tiegrad._numba.defer``): the host
+kernels' stand-in ``tiegrad.backend.host_reference`` (the forward and the backward),
+the optimizer's own NumPy code (the update); then it switches to the kernels, which
+numba loads from the cache. A child that fails, is killed or compiles another
+signature only costs time: the run compiles what the cache lacks on first use after
+the switch. After the run's last step the command waits for the children still
 compiling, so that the next run finds every kernel in the cache.
 """
 
@@ -38,20 +35,23 @@ from typing import Any, NamedTuple
 from .. import _numba
 
 WAIT_S = 300  # a child still compiling after this is killed; the command compiles itself
-NICENESS = 19  # a child nothing waits for yields its CPU to the run and the other children
+NICENESS = 19  # the children yield their CPU to the run and to each other
 HOST_KERNELS = "tiegrad.backend.host_kernels"
+HOST_BLOCKS = "tiegrad.backend.host_blocks"
 OPTIMIZER_KERNELS = "tiegrad.optim.kernels"
-SAME_BITS = frozenset({OPTIMIZER_KERNELS})  # modules whose kernels give the NumPy code's bits
 
 
 class Precompiling:
     """A command's compile children and the thread that watches them.
 
     ``children``: part name (``PARTS``) -> its child process (``_tiegrad_launcher``).
-    Each kernel module in ``SAME_BITS`` with children is deferred
-    (``tiegrad._numba.defer``): the run steps on the NumPy code until its children have
-    ended (``_watch``). Without compiled kernels (``tiegrad._numba.ENABLED`` false) the
-    children are stopped at once and no thread starts.
+    A child whose part an earlier run's child marked done in the cache (``_done_path``)
+    is stopped at once: nothing is left for it to compile. The kernel module of every
+    other part, and the modules whose kernels call it, are deferred
+    (``tiegrad._numba.defer``, with the part's stand-in): the run steps on NumPy code
+    with the kernels' bits until the module's children have ended (``_watch``).
+    Without compiled kernels (``tiegrad._numba.ENABLED`` false) the children are
+    stopped at once and no thread starts.
     """
 
     def __init__(self, children: dict[str, subprocess.Popen[Any]]) -> None:
@@ -61,11 +61,17 @@ class Precompiling:
             self.stop()
             return
         deferred: dict[str, threading.Event] = {}
-        for part in children:
-            module = PARTS[part].module
-            if module in SAME_BITS and module not in deferred:
+        for part, child in children.items():
+            module, _, stand_in, callers = PARTS[part]
+            kernels = _numba._load(module)
+            done = _done_path(kernels, part) if kernels is not None else None
+            if done is not None and os.path.exists(done):
+                _kill(child)
+            elif module not in deferred:
                 deferred[module] = threading.Event()
-                _numba.defer(module, deferred[module])
+                _numba.defer(module, deferred[module], stand_in)
+                for caller in callers:
+                    _numba.defer(caller, deferred[module])
         if children:
             self.watcher = threading.Thread(
                 target=self._watch, args=(deferred,), name="tiegrad-precompile", daemon=True
@@ -87,22 +93,19 @@ class Precompiling:
             self.watcher.join()
 
     def _watch(self, deferred: dict[str, threading.Event]) -> None:
-        """(a thread of the command) Import the children's kernel modules, stop the
-        children whose part is marked done in the cache (``_done_path``), set up numba's
-        compiler (``tiegrad._numba.warm_up``), then set each ``deferred`` module's event
-        once its children have ended, however they ended."""
+        """(a thread of the command) Set each ``deferred`` module's event once its
+        children have ended, however they ended, and set up numba's compiler
+        (``tiegrad._numba.warm_up``), which the run's next kernel call needs to load the
+        kernels: here it starts at once, beside the run's step. With nothing deferred
+        (every part compiled by an earlier run) the set-up starts at once."""
         try:
-            for part, child in self.children.items():
-                kernels = _numba._load(PARTS[part].module)
-                done = _done_path(kernels, part) if kernels is not None else None
-                if done is not None and os.path.exists(done):
-                    _kill(child)
-            _numba.warm_up()
             for module, ready in deferred.items():
                 for part, child in self.children.items():
                     if PARTS[part].module == module:
                         _wait(child)
                 ready.set()
+                _numba.warm_up()
+            _numba.warm_up()
         finally:
             for ready in deferred.values():
                 ready.set()
@@ -191,18 +194,14 @@ def _gradients(model: Any, optimizer: Any, batch: Any) -> list[Any]:
     return grads
 
 
-def _backward_kernels() -> None:
-    """The host kernels of the backward: a training step's backward, from a forward on
-    the NumPy code (which records the same operand types)."""
+def _step_kernels() -> None:
+    """The host kernels of a training step: its forward and backward."""
     from ..session import EagerSession
 
     model, _, batch = _default_run()
     model.train()
     s = EagerSession()
-    _numba.ENABLED = False
-    loss = model.loss(s, *batch)
-    _numba.ENABLED = True
-    s.backward(loss)
+    s.backward(model.loss(s, *batch))
 
 
 def _optimizer_kernels() -> None:
@@ -216,15 +215,19 @@ def _optimizer_kernels() -> None:
 
 
 class Part(NamedTuple):
-    """A part of a training step run by one child: the kernel module it compiles."""
+    """A part of a training step run by one child: the kernel module it compiles
+    (``run``), and what the run uses meanwhile: ``stand_in``, a module of NumPy code
+    with the kernels' bits (None: the callers' own NumPy code gives them), and nothing
+    of ``callers``, modules whose kernels call the module's."""
 
     module: str
     run: Callable[[], None]
+    stand_in: str | None = None
+    callers: tuple[str, ...] = ()
 
 
-# The run compiles its forward's kernels itself (``Precompiling``).
 PARTS: dict[str, Part] = {
-    "backward": Part(HOST_KERNELS, _backward_kernels),
+    "step": Part(HOST_KERNELS, _step_kernels, "tiegrad.backend.host_reference", (HOST_BLOCKS,)),
     "optimizer": Part(OPTIMIZER_KERNELS, _optimizer_kernels),
 }
 
@@ -236,8 +239,8 @@ def main(part: str) -> int:
     if part not in PARTS:
         print(f"tiegrad.train.precompile: unknown part {part!r}", file=sys.stderr)
         return 2
-    module, run = PARTS[part]
-    if module in SAME_BITS and hasattr(os, "nice"):
+    module, run, _, _ = PARTS[part]
+    if hasattr(os, "nice"):
         os.nice(NICENESS)  # the run does not wait for these kernels
     kernels = _numba.kernels(module)
     if kernels is not None:

@@ -1,0 +1,233 @@
+"""The host kernels' NumPy stand-in (``tiegrad.backend.host_reference``) gives their bits.
+
+``tiegrad train`` steps on the stand-in until a child has compiled the kernels, then
+switches (``tiegrad.train.precompile``): every function must give the bits of its
+kernel for every input, NaN where it gives NaN, whatever blocks the rows come in. The
+fused multiply-add by way of float64 is checked against the compiled one and against
+exact arithmetic, halfway cases included.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from tiegrad.backend import host_kernels as hk  # noqa: E402
+from tiegrad.backend import host_reference as ref  # noqa: E402
+
+SPECIAL = np.array(
+    [0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3.4e38, -3.4e38, 88, -88, 1e19, -1e19],
+    np.float32,
+)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """NaN at the same places, the same bits elsewhere (-0.0 is not 0.0)."""
+    nan = np.isnan(a)
+    return np.array_equal(nan, np.isnan(b)) and np.array_equal(
+        a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]
+    )
+
+
+def values(rng: np.random.Generator, shape: tuple[int, ...], special: bool = True) -> np.ndarray:
+    """float32 values over many scales, with special values at random places."""
+    n = int(np.prod(shape))
+    x = rng.standard_normal(n) * rng.choice([1e-3, 0.1, 1.0, 3.0, 10.0, 100.0], n)
+    x = x.astype(np.float32)
+    if special and n:
+        x[rng.integers(0, n, max(1, n // 10))] = rng.choice(SPECIAL, max(1, n // 10))
+    return x.reshape(shape)
+
+
+@numba.njit
+def _fma_all(a, b, c, out):
+    for i in range(out.size):
+        out[i] = hk._fma(a[i], b[i], c[i])
+
+
+def test_fma_rounds_once_where_float64_rounds_halfway():
+    # (1 + 2^-23) * -(1 - 2^-23) 2^-24 + (1 + 2^-23) = 1 + 2^-24 + 2^-70: float64 rounds
+    # the sum to 1 + 2^-24, halfway between two float32 numbers, and float32's ties to
+    # even would then give 1; the exact sum rounds up to 1 + 2^-23.
+    a, b, c = np.float32(1 + 2**-23), np.float32(-(1 - 2**-23) * 2**-24), np.float32(1 + 2**-23)
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    assert exact == 1 + Fraction(1, 2**24) + Fraction(1, 2**70)
+    want = np.float32(1 + 2**-23)
+    assert np.float32(np.float64(a) * np.float64(b) + np.float64(c)) != want  # double rounding
+    assert ref.fma(np.array([a]), b, c)[0] == want
+    out = np.empty(1, np.float32)
+    _fma_all(np.array([a]), np.array([b]), np.array([c]), out)
+    assert out[0] == want
+
+
+def _halfway_triples(rng: np.random.Generator, n: int) -> tuple[np.ndarray, ...]:
+    """Triples whose float64 sum lands halfway between float32 numbers, above or below
+    the exact one: ``a * b`` is ``±(2^46 - 1)`` times a power of two, ``c`` a float32
+    with a random last bit."""
+    a = np.full(n, 1 + 2**-23, np.float32)
+    sign = rng.choice([-1.0, 1.0], n)
+    scale = 2.0 ** rng.integers(-30, 30, n)
+    b = (sign * (1 - 2**-23) * 2**-24 * scale).astype(np.float32)
+    mantissa = rng.integers(2**23, 2**24, n) * 2.0**-23
+    c = (rng.choice([-1.0, 1.0], n) * mantissa * scale).astype(np.float32)
+    return a, b, c
+
+
+@pytest.mark.parametrize("kind", ["random", "halfway", "special"])
+def test_fma_is_the_compiled_fma_bit_for_bit(kind):
+    rng = np.random.default_rng(7)
+    n = 400_000
+    if kind == "random":
+        a, b, c = (values(rng, (n,), special=False) for _ in range(3))
+        c *= np.float32(2.0) ** rng.integers(-40, 40, n).astype(np.float32)
+    elif kind == "halfway":
+        a, b, c = _halfway_triples(rng, n)
+    else:
+        a, b, c = (
+            rng.choice(np.concatenate([SPECIAL, [1.0, -2.5]]), n).astype(np.float32)
+            for _ in range(3)
+        )
+    out = np.empty(n, np.float32)
+    with np.errstate(all="ignore"):
+        _fma_all(a, b, c, out)
+        assert same_bits(ref.fma(a, b, c), out)
+    if kind == "halfway":  # exact arithmetic on a sample
+        for i in range(0, n, n // 200):
+            exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+            nearest = np.float32(float(exact))
+            below, above = np.nextafter(nearest, -np.inf), np.nextafter(nearest, np.inf)
+            assert all(abs(exact - Fraction(float(x))) >= abs(exact - Fraction(float(out[i])))
+                       for x in (nearest, below, above))  # fmt: skip
+
+
+@numba.njit
+def _exp_all(z, out):
+    for i in range(z.size):
+        out[i] = hk.exp_neg(z[i])
+
+
+def test_exp_neg_is_the_kernels_bit_for_bit():
+    rng = np.random.default_rng(3)
+    with np.errstate(all="ignore"):
+        z = -np.abs(values(rng, (300_000,))) * np.float32(30)
+        z = np.concatenate([z, -np.linspace(0, 90, 100_001, dtype=np.float32), SPECIAL])
+        out = np.empty_like(z)
+        _exp_all(z, out)
+        assert same_bits(ref.exp_neg(z), out)
+
+
+SIZES = [1, 7, 8, 9, 17, 63, 64, 65, 100, 128, 1000, 40_000]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", ["relu", "gelu"])
+def test_one_input_elementwise_kernels(name, n):
+    rng = np.random.default_rng(n)
+    x = values(rng, (n,))
+    outputs = 2 if name == "gelu" else 1
+    got = [np.empty(n, np.float32) for _ in range(outputs)]
+    want = [np.empty(n, np.float32) for _ in range(outputs)]
+    getattr(hk, name)(x, *want, 0, n)
+    half = n // 3
+    for lo, hi in ((0, half), (half, n)):  # in blocks
+        getattr(ref, name)(x, *got, lo, hi)
+    assert all(same_bits(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", ["relu_vjp", "multiply", "add"])
+def test_two_input_elementwise_kernels(name, n):
+    rng = np.random.default_rng(n)
+    a, b = values(rng, (n,)), values(rng, (n,))
+    got, want = np.empty(n, np.float32), np.empty(n, np.float32)
+    getattr(hk, name)(a, b, want, 0, n)
+    getattr(ref, name)(a, b, got, 0, n)
+    assert same_bits(got, want)
+
+
+SHAPES = [(1, 1), (3, 7), (5, 8), (7, 9), (70, 64), (130, 100), (200, 128), (33, 17), (2, 300)]
+
+
+def _row_blocks(rows: int, align: int = 1) -> list[tuple[int, int]]:
+    """Rows cut into two blocks, the first a multiple of ``align`` rows."""
+    cut = (rows // 2) // align * align
+    return [(0, cut), (cut, rows)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_softmax_and_its_backward(shape):
+    rng = np.random.default_rng(shape[0] * 1000 + shape[1])
+    rows = shape[0]
+    for x in (values(rng, shape), values(rng, shape, special=False) * np.float32(5)):
+        x[0] = -np.inf  # a query that sees no key
+        x[-1, 0] = np.nan
+        want, got = x.copy(), x.copy()
+        hk.softmax(want, 0, rows)
+        for lo, hi in _row_blocks(rows):
+            ref.softmax(got, lo, hi)
+        assert same_bits(got, want)
+    p = x.copy()
+    hk.softmax(p, 0, rows)
+    gp = values(rng, shape, special=False)
+    want, got = gp.copy(), gp.copy()
+    hk.softmax_backward(want, p, 0, rows)
+    for lo, hi in _row_blocks(rows):
+        ref.softmax_backward(got, p, lo, hi)
+    assert same_bits(got, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("eps", [1e-5, 0.1])
+def test_layer_norm_and_its_backward(shape, eps):
+    rng = np.random.default_rng(shape[0] * 1000 + shape[1])
+    rows, n = shape
+    x = values(rng, shape, special=False)
+    x[-1] = values(rng, (n,))  # one row of special values
+    w, b = values(rng, (n,), special=False), values(rng, (n,), special=False)
+    want = [
+        np.empty(shape, np.float32),
+        np.empty((rows, 1), np.float32),
+        np.empty(shape, np.float32),
+    ]
+    got = [
+        np.empty(shape, np.float32),
+        np.empty((rows, 1), np.float32),
+        np.empty(shape, np.float32),
+    ]
+    hk.layer_norm(x, w, b, eps, *want, 0, rows)
+    for lo, hi in _row_blocks(rows):
+        ref.layer_norm(x, w, b, eps, *got, lo, hi)
+    assert all(same_bits(g, k) for g, k in zip(got, want))
+    xhat, rstd = want[0], want[1]
+    g = values(rng, shape, special=False)
+    chunks = -(-rows // hk.COLUMN_CHUNK)
+
+    def outputs():
+        return [np.empty(shape, np.float32), *np.zeros((2, chunks, n), np.float32)]
+
+    want, got = outputs(), outputs()
+    hk.layer_norm_backward(g, w, xhat, rstd, *want, 0, rows)
+    for lo, hi in _row_blocks(rows, hk.COLUMN_CHUNK):
+        ref.layer_norm_backward(g, w, xhat, rstd, *got, lo, hi)
+    assert all(same_bits(a, k) for a, k in zip(got, want))
+
+
+def test_rows_plus_a_vector_and_the_scatter_add_of_rows():
+    rng = np.random.default_rng(5)
+    x, v = values(rng, (50, 24)), values(rng, (24,))
+    want, got = x.copy(), x.copy()
+    hk.add_row_vector(want, v, 0, 50)
+    ref.add_row_vector(got, v, 0, 20)
+    ref.add_row_vector(got, v, 20, 50)
+    assert same_bits(got, want)
+    ids = rng.integers(0, 10, 300)  # many repeats: the order of the sums shows
+    rows = values(rng, (300, 24), special=False)
+    want, got = values(rng, (10, 24), special=False), None
+    got = want.copy()
+    hk.index_add_rows(want, ids, rows)
+    ref.index_add_rows(got, ids, rows)
+    assert same_bits(got, want)
