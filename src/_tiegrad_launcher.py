@@ -3,9 +3,9 @@ package imports (NumPy, numba, the kernels) exits quietly with code 130, as Ctrl
 at any later point, instead of printing a ``KeyboardInterrupt`` traceback.
 
 For ``tiegrad train`` and ``tiegrad resume`` it first starts the child processes that
-compile the kernels into numba's cache while the command imports tiegrad and builds its
-run (``tiegrad.train.precompile``; this file only starts them, with the standard
-library, before tiegrad's own import).
+compile the kernels into numba's cache while the command imports tiegrad, builds its
+run and takes its first steps (``tiegrad.train.precompile``; this file only starts
+them, with the standard library, before tiegrad's own import).
 """
 
 from __future__ import annotations

@@ -165,17 +165,30 @@ def test_each_module_is_used_once_its_child_has_ended(kernels):
     assert _numba.kernels("pkg.calls_a") is kernels
 
 
-def test_one_module_waits_for_its_child_alone(kernels):
-    a = _child("import time; time.sleep(0.5)")
-    b = _child("import time; time.sleep(60)")
+def test_a_module_waits_for_its_own_children_alone(kernels):
+    # a's child still compiles when b's ends: b is used at once, a keeps its stand-in.
+    a = _child("import time; time.sleep(60)")
+    b = _child("import time; time.sleep(0.5)")
     compiling = precompile.Precompiling({"a": a, "b": b})
-    a.wait(60)
+    b.wait(60)
     for _ in range(600):
-        if _numba.kernels("pkg.a") is kernels:
+        if _numba.kernels("pkg.b") is kernels:
             break
         threading.Event().wait(0.1)
-    assert _numba.kernels("pkg.a") is kernels and _numba.kernels("pkg.calls_a") is kernels
-    assert _numba.kernels("pkg.b") is None and b.poll() is None
+    assert _numba.kernels("pkg.b") is kernels
+    assert _numba.kernels("pkg.a") is sys.modules["string"] and a.poll() is None
+    assert _numba.kernels("pkg.calls_a") is None
+    compiling.stop()
+
+
+def test_without_numba_the_children_are_stopped(kernels, monkeypatch):
+    # numba installed but failing to import: the children have nothing to compile and
+    # the stand-in, which takes the kernels' constants, is not used.
+    monkeypatch.setattr(_numba, "_load", lambda name: None)
+    a, b = _child("import time; time.sleep(60)"), _child("import time; time.sleep(60)")
+    compiling = precompile.Precompiling({"a": a, "b": b})
+    assert a.returncode is not None and b.returncode is not None
+    assert _numba._deferred == {}
     compiling.stop()
 
 
@@ -186,6 +199,16 @@ def test_a_part_marked_done_by_an_earlier_run_stops_its_child(tmp_path, kernels)
     assert b.returncode is not None  # stopped at once: nothing was left for it to compile
     assert _numba.kernels("pkg.b") is kernels  # nothing deferred
     compiling.finish()
+    compiling.stop()
+
+
+def test_without_a_cache_the_children_are_stopped(kernels, monkeypatch):
+    # A child passes its kernels on through numba's cache alone.
+    monkeypatch.setattr(precompile, "_done_path", lambda kernels, part: None)
+    a, b = _child("import time; time.sleep(60)"), _child("import time; time.sleep(60)")
+    compiling = precompile.Precompiling({"a": a, "b": b})
+    assert a.returncode is not None and b.returncode is not None
+    assert _numba._deferred == {}
     compiling.stop()
 
 

@@ -59,22 +59,26 @@ def test_fma_rounds_once_where_float64_rounds_halfway():
     want = np.float32(1 + 2**-23)
     assert np.float32(np.float64(a) * np.float64(b) + np.float64(c)) != want  # double rounding
     assert ref.fma(np.array([a]), b, c)[0] == want
+    assert ref.fma(a, b, c) == want  # scalars too
     out = np.empty(1, np.float32)
     _fma_all(np.array([a]), np.array([b]), np.array([c]), out)
     assert out[0] == want
 
 
 def _halfway_triples(rng: np.random.Generator, n: int) -> tuple[np.ndarray, ...]:
-    """Triples whose float64 sum lands halfway between float32 numbers, above or below
-    the exact one: ``a * b`` is ``±(2^46 - 1)`` times a power of two, ``c`` a float32
-    with a random last bit."""
-    a = np.full(n, 1 + 2**-23, np.float32)
-    sign = rng.choice([-1.0, 1.0], n)
-    scale = 2.0 ** rng.integers(-30, 30, n)
-    b = (sign * (1 - 2**-23) * 2**-24 * scale).astype(np.float32)
-    mantissa = rng.integers(2**23, 2**24, n) * 2.0**-23
-    c = (rng.choice([-1.0, 1.0], n) * mantissa * scale).astype(np.float32)
-    return a, b, c
+    """Triples whose float64 sum lands halfway between float32 numbers (or close to it
+    below float32's normal range), above or below the exact one, for ``c`` in every
+    binade from the subnormal ones to the largest: ``a * b`` is ``±(1 - 2^-46)`` times
+    half the spacing of float32 numbers at ``c``."""
+    exponent = rng.integers(-149, 128, n)  # c's binade: 2^exponent <= |c| < 2^(exponent+1)
+    spacing = 2.0 ** np.maximum(exponent - 23, -149)
+    mantissa = np.where(exponent >= -126, rng.integers(2**23, 2**24, n), rng.integers(1, 2**23, n))
+    c = rng.choice([-1.0, 1.0], n) * mantissa * np.where(exponent >= -126, spacing, 2.0**-149)
+    c[:2] = [np.finfo(np.float32).max, -np.finfo(np.float32).max]
+    half = np.log2(spacing).astype(np.int64) - 1
+    a = np.float32(1 + 2**-23) * 2.0 ** (half // 2)
+    b = rng.choice([-1.0, 1.0], n) * (1 - 2**-23) * 2.0 ** (half - half // 2)
+    return a.astype(np.float32), b.astype(np.float32), c.astype(np.float32)
 
 
 @pytest.mark.parametrize("kind", ["random", "halfway", "special"])
@@ -95,13 +99,14 @@ def test_fma_is_the_compiled_fma_bit_for_bit(kind):
     with np.errstate(all="ignore"):
         _fma_all(a, b, c, out)
         assert same_bits(ref.fma(a, b, c), out)
-    if kind == "halfway":  # exact arithmetic on a sample
-        for i in range(0, n, n // 200):
-            exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
-            nearest = np.float32(float(exact))
+    for i in range(0, n, n // 200) if kind == "halfway" else ():  # exact arithmetic
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        nearest = np.float32(float(exact))
+        with np.errstate(over="ignore"):  # the neighbours of the largest float32
             below, above = np.nextafter(nearest, -np.inf), np.nextafter(nearest, np.inf)
-            assert all(abs(exact - Fraction(float(x))) >= abs(exact - Fraction(float(out[i])))
-                       for x in (nearest, below, above))  # fmt: skip
+        err = abs(exact - Fraction(float(out[i])))
+        neighbours = [x for x in (nearest, below, above) if np.isfinite(x)]
+        assert all(abs(exact - Fraction(float(x))) >= err for x in neighbours)
 
 
 @numba.njit

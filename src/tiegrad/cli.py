@@ -208,8 +208,9 @@ def main(argv: Sequence[str] | None = None, precompiling: dict[str, Any] | None 
 
     ``precompiling``: the child processes compiling the kernels (``_tiegrad_launcher``,
     ``tiegrad.train.precompile``): a thread watches them (``Precompiling``) while the
-    run loads from numba's cache what they compiled; the command waits for them after
-    a run that succeeded, and stops them where it ends otherwise."""
+    run steps on NumPy code with the kernels' bits, until it switches to what they
+    compiled; the command waits for them after a run that succeeded, and stops them
+    where it ends otherwise."""
     from .train import precompile
 
     compiling = precompile.Precompiling(precompiling or {})

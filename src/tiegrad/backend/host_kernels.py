@@ -3,7 +3,8 @@ products and sums, a scatter-add of rows, layer norm, softmax.
 
 Imported through ``tiegrad._numba.kernels``, by ``numpy_backend``, which decides when to
 use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
-``host_reference`` for the kernels' constants. numba
+``host_blocks`` (their drivers on numba's threads) and ``host_reference`` (the kernels'
+constants). numba
 compiles each kernel on its first call, so a kernel a process never calls costs it no
 compile time. Every kernel takes arrays and scalars, and the elementwise
 and row kernels the range ``lo .. hi`` of elements or rows they handle; they release
@@ -27,8 +28,8 @@ in the order ``_lanes`` writes out. A kernel's bits thus follow from its source 
 they are the same in every process however the kernel was compiled, ``host_reference``
 computes them with NumPy (while a ``tiegrad train`` child compiles the kernels), and
 they can differ in the last bits from the NumPy backend's own code for the same op.
-``exp_neg`` is within 1 ulp (a ``reassoc`` caller would reorder its range reduction:
-~60 ulp). NaN propagates through every kernel.
+``exp_neg`` is within 1 ulp (reassociated, as fast-math would allow, its range
+reduction lost ~60 ulp). NaN propagates through every kernel.
 """
 
 from __future__ import annotations

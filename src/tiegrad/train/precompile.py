@@ -29,12 +29,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .. import _numba
 
 WAIT_S = 300  # a child still compiling after this is killed; the command compiles itself
+POLL_S = 0.05  # how often the watching thread looks at the children
 NICENESS = 19  # the children yield their CPU to the run and to each other
 HOST_KERNELS = "tiegrad.backend.host_kernels"
 HOST_BLOCKS = "tiegrad.backend.host_blocks"
@@ -46,7 +48,8 @@ class Precompiling:
 
     ``children``: part name (``PARTS``) -> its child process (``_tiegrad_launcher``).
     A child whose part an earlier run's child marked done in the cache (``_done_path``)
-    is stopped at once: nothing is left for it to compile. The kernel module of every
+    is stopped at once: nothing is left for it to compile; so is one whose kernels have
+    no cache to pass them on through (the run compiles them). The kernel module of every
     other part, and the modules whose kernels call it, are deferred
     (``tiegrad._numba.defer``, with the part's stand-in): the run steps on NumPy code
     with the kernels' bits until the module's children have ended (``_watch``).
@@ -65,7 +68,7 @@ class Precompiling:
             module, _, stand_in, callers = PARTS[part]
             kernels = _numba._load(module)
             done = _done_path(kernels, part) if kernels is not None else None
-            if done is not None and os.path.exists(done):
+            if done is None or os.path.exists(done):  # nothing a child could pass on
                 _kill(child)
             elif module not in deferred:
                 deferred[module] = threading.Event()
@@ -93,18 +96,26 @@ class Precompiling:
             self.watcher.join()
 
     def _watch(self, deferred: dict[str, threading.Event]) -> None:
-        """(a thread of the command) Set each ``deferred`` module's event once its
-        children have ended, however they ended, and set up numba's compiler
-        (``tiegrad._numba.warm_up``), which the run's next kernel call needs to load the
-        kernels: here it starts at once, beside the run's step. With nothing deferred
-        (every part compiled by an earlier run) the set-up starts at once."""
+        """(a thread of the command) Set each ``deferred`` module's event once its own
+        children have ended, however they ended (children still running after
+        ``WAIT_S`` are killed), numba's compiler set up first
+        (``tiegrad._numba.warm_up``): the run's next kernel call needs it to load the
+        kernels, and the run keeps stepping on NumPy code meanwhile. With nothing
+        deferred (every part compiled by an earlier run) the set-up starts at once."""
         try:
-            for module, ready in deferred.items():
-                for part, child in self.children.items():
-                    if PARTS[part].module == module:
-                        _wait(child)
-                ready.set()
-                _numba.warm_up()
+            deadline = time.monotonic() + WAIT_S
+            pending = dict(deferred)
+            while pending:
+                for module in list(pending):
+                    children = [c for p, c in self.children.items() if PARTS[p].module == module]
+                    if all(child.poll() is not None for child in children):
+                        _numba.warm_up()
+                        pending.pop(module).set()
+                if time.monotonic() > deadline:
+                    for child in self.children.values():
+                        _kill(child)
+                if pending:
+                    time.sleep(POLL_S)
             _numba.warm_up()
         finally:
             for ready in deferred.values():
