@@ -108,36 +108,43 @@ def _lanes(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
 
 @_quiet
 def relu(x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``host_kernels.relu``'s bits."""
     np.maximum(x[lo:hi], _F(0.0), out=out[lo:hi])
 
 
 @_quiet
 def relu_vjp(g: np.ndarray, y: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``host_kernels.relu_vjp``'s bits."""
     np.multiply(g[lo:hi], y[lo:hi] > 0, out=out[lo:hi])
 
 
 @_quiet
 def multiply(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``host_kernels.multiply``'s bits."""
     np.multiply(a[lo:hi], b[lo:hi], out=out[lo:hi])
 
 
 @_quiet
 def add(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``host_kernels.add``'s bits."""
     np.add(a[lo:hi], b[lo:hi], out=out[lo:hi])
 
 
 @_quiet
 def add_row_vector(x: np.ndarray, v: np.ndarray, lo: int, hi: int) -> None:
+    """``host_kernels.add_row_vector``'s bits."""
     x[lo:hi] += v
 
 
 @_quiet
 def index_add_rows(out: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
+    """``host_kernels.index_add_rows``'s bits."""
     np.add.at(out, ids, values)  # row by row in the order of ids, as the kernel
 
 
 @_quiet
 def gelu(x: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
+    """``host_kernels.gelu``'s bits."""
     for first in range(lo, hi, _PIECE):
         _gelu(x, y, d, first, min(hi, first + _PIECE))
 
@@ -169,6 +176,7 @@ def layer_norm(
     lo: int,
     hi: int,
 ) -> None:
+    """``host_kernels.layer_norm``'s bits."""
     inv_n = _F(1.0) / _F(x.shape[1])
     xr = x[lo:hi]
     mean = _lanes(xr) * inv_n
@@ -192,6 +200,7 @@ def layer_norm_backward(
     lo: int,
     hi: int,
 ) -> None:
+    """``host_kernels.layer_norm_backward``'s bits."""
     inv_n = _F(1.0) / _F(g.shape[1])
     gr, hr = g[lo:hi], xhat[lo:hi]
     gh = gr * w
@@ -212,6 +221,7 @@ def layer_norm_backward(
 
 @_quiet
 def softmax(x: np.ndarray, lo: int, hi: int) -> None:
+    """``host_kernels.softmax``'s bits."""
     step = max(1, _PIECE // max(1, x.shape[1]))
     for first in range(lo, hi, step):
         rows = x[first : min(hi, first + step)]
@@ -225,6 +235,7 @@ def softmax(x: np.ndarray, lo: int, hi: int) -> None:
 
 @_quiet
 def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
+    """``host_kernels.softmax_backward``'s bits."""
     gr, pr = gp[lo:hi], p[lo:hi]
     dot = _lanes(gr, pr)
     gr[...] = pr * (gr - dot[:, None])
