@@ -6,9 +6,9 @@ compile every kernel it calls, one after the other, in the training process. The
 no process) instead starts, before it imports tiegrad and where a CPU is idle for them,
 child processes (``python -m tiegrad.train.precompile PART``, ``PARTS``) that run a part
 of a training step on the default model of ``tiegrad train``, which compiles the
-kernels it calls into numba's cache, and then mark the part done there, at the lowest
-priority: the run does not wait for them. ``Precompiling`` watches the children from a
-thread of the command, which also sets up numba's compiler while the run steps;
+kernels it calls into numba's cache, and then mark the part done there; the run does
+not wait for them (``NICENESS`` says which yield their CPU). ``Precompiling`` watches
+the children from a thread of the command, which also sets up numba's compiler while the run steps;
 children whose part an earlier run's child marked done are stopped (nothing is left
 for them to compile).
 
@@ -37,7 +37,11 @@ from .. import _numba
 
 WAIT_S = 300  # a child still compiling after this is killed; the command compiles itself
 POLL_S = 0.05  # how often the watching thread looks at the children
-NICENESS = 19  # the children yield their CPU to the run and to each other
+# A child whose stand-in is the callers' own NumPy code yields its CPU to everything
+# else: the run loses little on that code. The host kernels' child may not: the run's
+# threads on the stand-in keep every CPU busy, and at the lowest priority it would
+# never end (a 120-step run stayed on the stand-in throughout).
+NICENESS = 19
 HOST_KERNELS = "tiegrad.backend.host_kernels"
 HOST_BLOCKS = "tiegrad.backend.host_blocks"
 OPTIMIZER_KERNELS = "tiegrad.optim.kernels"
@@ -228,8 +232,9 @@ def _optimizer_kernels() -> None:
 class Part(NamedTuple):
     """A part of a training step run by one child: the kernel module it compiles
     (``run``), and what the run uses meanwhile: ``stand_in``, a module of NumPy code
-    with the kernels' bits (None: the callers' own NumPy code gives them), and nothing
-    of ``callers``, modules whose kernels call the module's."""
+    with the kernels' bits (None: the callers' own NumPy code gives them, and the
+    child runs at ``NICENESS``), and nothing of ``callers``, modules whose kernels call
+    the module's."""
 
     module: str
     run: Callable[[], None]
@@ -250,9 +255,9 @@ def main(part: str) -> int:
     if part not in PARTS:
         print(f"tiegrad.train.precompile: unknown part {part!r}", file=sys.stderr)
         return 2
-    module, run, _, _ = PARTS[part]
-    if hasattr(os, "nice"):
-        os.nice(NICENESS)  # the run does not wait for these kernels
+    module, run, stand_in, _ = PARTS[part]
+    if stand_in is None and hasattr(os, "nice"):
+        os.nice(NICENESS)
     kernels = _numba.kernels(module)
     if kernels is not None:
         run()
