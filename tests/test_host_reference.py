@@ -16,6 +16,8 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
+from test_host_kernels import _exp_all  # noqa: E402
+
 from tiegrad.backend import host_kernels as hk  # noqa: E402
 from tiegrad.backend import host_reference as ref  # noqa: E402
 
@@ -107,12 +109,6 @@ def test_fma_is_the_compiled_fma_bit_for_bit(kind):
         err = abs(exact - Fraction(float(out[i])))
         neighbours = [x for x in (nearest, below, above) if np.isfinite(x)]
         assert all(abs(exact - Fraction(float(x))) >= err for x in neighbours)
-
-
-@numba.njit
-def _exp_all(z, out):
-    for i in range(z.size):
-        out[i] = hk.exp_neg(z[i])
 
 
 def test_exp_neg_is_the_kernels_bit_for_bit():

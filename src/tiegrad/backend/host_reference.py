@@ -60,13 +60,14 @@ def fma(a: Any, b: Any, c: Any) -> np.ndarray:
     included; NumPy's floating-point warnings as the caller set them.
     """
     p = np.multiply(a, b, dtype=np.float64)
-    s = np.asarray(p + np.asarray(c, np.float64))  # an array even of scalars: bumped in place
+    c = np.asarray(c, np.float64)
+    s = np.asarray(p + c)  # an array even of scalars: bumped in place
     flat = s.reshape(-1)
     halfway = (flat.view(np.int64) & _BELOW_FLOAT32) == _HALF_FLOAT32
     near = np.flatnonzero(halfway | (np.abs(flat) < _TINY))
     if near.size:
         pn = np.broadcast_to(p, s.shape).reshape(-1)[near]
-        cn = np.broadcast_to(np.asarray(c, np.float64), s.shape).reshape(-1)[near]
+        cn = np.broadcast_to(c, s.shape).reshape(-1)[near]
         sn = flat[near]
         z = sn - pn
         err = (pn - (sn - z)) + (cn - z)  # (p + c) - s exactly (Knuth's two-sum)

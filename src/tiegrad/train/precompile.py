@@ -108,13 +108,16 @@ class Precompiling:
         deferred (every part compiled by an earlier run) the set-up starts at once."""
         try:
             deadline = time.monotonic() + WAIT_S
-            pending = dict(deferred)
+            pending = {
+                module: [c for p, c in self.children.items() if PARTS[p].module == module]
+                for module in deferred
+            }
             while pending:
-                for module in list(pending):
-                    children = [c for p, c in self.children.items() if PARTS[p].module == module]
+                for module, children in list(pending.items()):
                     if all(child.poll() is not None for child in children):
                         _numba.warm_up()
-                        pending.pop(module).set()
+                        del pending[module]
+                        deferred[module].set()
                 if time.monotonic() > deadline:
                     for child in self.children.values():
                         _kill(child)
