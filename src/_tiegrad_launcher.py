@@ -2,10 +2,10 @@
 package imports (NumPy, numba, the kernels) exits quietly with code 130, as Ctrl-C does
 at any later point, instead of printing a ``KeyboardInterrupt`` traceback.
 
-For ``tiegrad train`` and ``tiegrad resume`` it first starts the child processes that
-compile the kernels into numba's cache while the command imports tiegrad, builds its
+For ``tiegrad train`` and ``tiegrad resume`` it first starts the child process that
+compiles the kernels into numba's cache while the command imports tiegrad, builds its
 run and takes its first steps (``tiegrad.train.precompile``; this file only starts
-them, with the standard library, before tiegrad's own import).
+it, with the standard library, before tiegrad's own import).
 """
 
 from __future__ import annotations
@@ -13,50 +13,40 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
 
 EXIT_INTERRUPTED = 130
 TRAINING_COMMANDS = ("train", "resume")
-# The parts of a training step whose kernels a child compiles, one child each
-# (tiegrad.train.precompile.PARTS).
-PRECOMPILED = ("step", "optimizer")
-# A child runs one small step: more threads than one would only slow the others.
+# The child runs one small step: more threads than one would only slow the run.
 CHILD_THREADS = ("TIEGRAD_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 MIN_IDLE_CPUS = 1.0
 
 
-def start_precompile(argv: list[str]) -> dict[str, subprocess.Popen[Any]]:
-    """The compile children for the command line ``argv`` (part name -> process): none
-    but for a training command in this process (not ``--nproc``, which relaunches, nor
-    ``--help``), and none unless a CPU is idle for them besides this process's own
-    (``idle_cpus``): on a busy machine they would only compete with the command for the
-    same CPUs, and the command compiles its kernels itself, as fast without them. The
-    run stops those whose kernels it finds in the cache already."""
+def start_precompile(argv: list[str]) -> subprocess.Popen[str] | None:
+    """The compile child for the command line ``argv``: none but for a training command
+    in this process (not ``--nproc``, which relaunches, nor ``--help``), and none unless
+    a CPU is idle for it besides this process's own (``idle_cpus``): on a busy machine
+    it would only compete with the command for the same CPUs, and the command compiles
+    its kernels itself, as fast without it. The run reads what it has compiled from its
+    standard output, and stops it where it finds the kernels in the cache already."""
     if not argv or argv[0] not in TRAINING_COMMANDS:
-        return {}
+        return None
     if any(a in ("-h", "--help") or a.startswith("--nproc") for a in argv[1:]):
-        return {}
+        return None
     if idle_cpus() < MIN_IDLE_CPUS:
-        return {}
+        return None
     env = dict(os.environ, **{name: "1" for name in CHILD_THREADS})
-    command = [sys.executable, "-m", "tiegrad.train.precompile"]
-    quiet = subprocess.DEVNULL
-    # A process group of their own: the terminal's Ctrl-C stops the run after its step
-    # (a checkpoint), which then stops them itself (tiegrad.train.precompile). Not a
-    # session of their own: where the scheduler groups processes by session
-    # (autogroup), a child's niceness would then count against nothing but itself.
+    # A process group of its own: the terminal's Ctrl-C stops the run after its step
+    # (a checkpoint), which then stops the child itself (tiegrad.train.precompile).
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
-    return {
-        part: subprocess.Popen(
-            [*command, part],
-            stdin=quiet,
-            stdout=quiet,
-            stderr=quiet,
-            env=env,
-            **group,
-        )
-        for part in PRECOMPILED
-    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "tiegrad.train.precompile"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        **group,
+    )
 
 
 def idle_cpus() -> float:
@@ -73,14 +63,14 @@ def idle_cpus() -> float:
 
 
 def main() -> int:
-    """Start the compile children, import and run ``tiegrad.cli.main``; its exit code."""
-    children = start_precompile(sys.argv[1:])
+    """Start the compile child, import and run ``tiegrad.cli.main``; its exit code."""
+    child = start_precompile(sys.argv[1:])
     try:
         from tiegrad.cli import main as cli_main
     except KeyboardInterrupt:
         print("tiegrad: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return cli_main(precompiling=children)
+    return cli_main(precompiling=child)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pytest
 
 import _tiegrad_launcher as launcher
 from tiegrad import EagerSession, _numba
+from tiegrad.optim.clip import clip_grad_norm
 from tiegrad.train import precompile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +47,14 @@ def test_default_dependencies_carry_numba_where_it_has_wheels():
     assert "fast" in project["optional-dependencies"]  # old install commands keep working
 
 
-def test_launcher_and_children_agree_on_the_kernel_modules():
-    assert set(launcher.PRECOMPILED) == set(precompile.PARTS)
+def test_the_child_runs_the_parts_in_their_order(monkeypatch):
+    # The run lets a module in after the last of its parts in PARTS' order.
+    monkeypatch.setattr(_numba, "ENABLED", False)  # NumPy code: nothing to compile here
+    niceness = []
+    monkeypatch.setattr(os, "nice", niceness.append, raising=False)
+    assert list(precompile._parts()) == list(precompile.PARTS)
+    assert niceness == ([precompile.NICENESS] if hasattr(os, "nice") else [])
+    assert set(precompile.PARTS.values()) == set(precompile.MODULES)
 
 
 class _FakePopen:
@@ -67,174 +74,198 @@ class _FakePopen:
 def test_launcher_starts_no_child_but_for_a_training_command(argv, monkeypatch):
     monkeypatch.setattr(launcher.subprocess, "Popen", _FakePopen)
     _FakePopen.started = []
-    assert launcher.start_precompile(argv) == {}
+    assert launcher.start_precompile(argv) is None
     assert _FakePopen.started == []
 
 
-def test_launcher_starts_one_single_threaded_child_per_part(monkeypatch):
+def test_launcher_starts_one_single_threaded_child(monkeypatch):
     monkeypatch.setattr(launcher.subprocess, "Popen", _FakePopen)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(launcher.os, "getloadavg", lambda: (0.5, 0.5, 0.5), raising=False)
-    children = launcher.start_precompile(["train", "--steps", "3"])
-    assert set(children) == set(launcher.PRECOMPILED)
-    for part, child in children.items():
-        assert child.command == [sys.executable, "-m", "tiegrad.train.precompile", part]
-        assert all(child.env[name] == "1" for name in launcher.CHILD_THREADS)
-        assert "start_new_session" not in child.kw  # niceness counts within the session
-        if sys.version_info >= (3, 11):
-            assert child.group == 0  # the terminal's Ctrl-C reaches the run, not the children
+    child = launcher.start_precompile(["train", "--steps", "3"])
+    assert child.command == [sys.executable, "-m", "tiegrad.train.precompile"]
+    assert child.kw["stdout"] == subprocess.PIPE and child.kw["text"]  # its reports
+    assert all(child.env[name] == "1" for name in launcher.CHILD_THREADS)
+    assert "start_new_session" not in child.kw  # niceness counts within the session
+    if sys.version_info >= (3, 11):
+        assert child.group == 0  # the terminal's Ctrl-C reaches the run, not the child
 
 
 def test_launcher_starts_no_child_without_an_idle_cpu(monkeypatch):
     monkeypatch.setattr(launcher.subprocess, "Popen", _FakePopen)
     monkeypatch.setattr(launcher.os, "getloadavg", lambda: (1.5, 0.5, 0.5), raising=False)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert launcher.start_precompile(["train"]) == {}  # busy: the command compiles itself
+    assert launcher.start_precompile(["train"]) is None  # busy: the command compiles itself
     monkeypatch.setattr(launcher.os, "getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert launcher.start_precompile(["train"]) == {}  # one CPU
+    assert launcher.start_precompile(["train"]) is None  # one CPU
+
+
+class _Kernels:
+    """A compiled kernel module: ``capwords`` and ``Template`` of its own."""
+
+    capwords = Template = object()
 
 
 @pytest.fixture
 def loads(monkeypatch):
-    """``tiegrad._numba`` on, nothing deferred, ``_load`` recording the modules it loads."""
+    """``tiegrad._numba`` on, nothing deferred, ``_load`` recording the modules it loads
+    and giving ``_Kernels`` for every one."""
     loaded = []
-    monkeypatch.setattr(_numba, "_load", lambda module: loaded.append(module) or module)
+    monkeypatch.setattr(_numba, "_load", lambda module: loaded.append(module) or _Kernels)
     monkeypatch.setattr(_numba, "ENABLED", True)
     monkeypatch.setattr(_numba, "_deferred", {})
     return loaded
 
 
 def test_a_deferred_module_gives_its_stand_in_until_ready(loads):
-    ready, own = threading.Event(), threading.Event()
-    _numba.defer("pkg.a", ready)
-    _numba.defer("pkg.c", own, "string")  # any importable module as the stand-in
-    assert _numba.kernels("pkg.b") == "pkg.b"  # another module is not deferred
+    _numba.defer("pkg.a")
+    _numba.defer("pkg.c", "string")  # any importable module as the stand-in
+    assert _numba.kernels("pkg.b") is _Kernels  # another module is not deferred
     assert _numba.kernels("pkg.a") is None  # the callers' NumPy code runs
     assert _numba.kernels("pkg.c") is sys.modules["string"]
-    ready.set()
-    own.set()
-    assert _numba.kernels("pkg.a") == "pkg.a"
-    assert _numba.kernels("pkg.a") == "pkg.a"
-    assert _numba.kernels("pkg.c") == "pkg.c"
-    assert loads == ["pkg.b", "pkg.a", "pkg.a", "pkg.c"]
+    _numba.ready("pkg.a", ["capwords"])  # nothing to mix into the callers' own code
+    assert _numba.kernels("pkg.a") is None
+    _numba.ready("pkg.a")
+    _numba.ready("pkg.c")
+    assert _numba.kernels("pkg.a") is _numba.kernels("pkg.c") is _Kernels
+    assert loads == ["pkg.b", "pkg.a", "pkg.c"]
     assert _numba._deferred == {}
+    _numba.ready("pkg.d")  # not deferred: nothing
+
+
+def test_the_kernels_let_in_by_name_replace_the_stand_ins_functions_alone(loads):
+    import string
+
+    _numba.defer("pkg.c", "string")
+    _numba.ready("pkg.c", ["capwords"])
+    mixed = _numba.kernels("pkg.c")
+    assert mixed.capwords is _Kernels.capwords
+    assert mixed.Template is string.Template and mixed.ascii_letters == string.ascii_letters
+    assert string.capwords is not _Kernels.capwords  # the stand-in itself is unchanged
+    _numba.ready("pkg.c", ["Template"])
+    assert _numba.kernels("pkg.c").capwords is _numba.kernels("pkg.c").Template is _Kernels.Template
+    _numba.ready("pkg.c")
+    assert _numba.kernels("pkg.c") is _Kernels
 
 
 def test_the_switch_off_wins_over_a_deferred_module(monkeypatch):
     monkeypatch.setattr(_numba, "ENABLED", False)
-    ready = threading.Event()
-    ready.set()
-    monkeypatch.setattr(_numba, "_deferred", {"pkg.a": (ready, "string")})
+    monkeypatch.setattr(_numba, "_deferred", {"pkg.a": sys.modules["string"]})
     assert _numba.kernels("pkg.a") is None
 
 
 def _child(code):
-    return subprocess.Popen([sys.executable, "-c", code])
+    """A child process running ``code``, its standard output read by the run."""
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def _reports(*lines, then="import time; time.sleep(60)"):
+    """A child printing ``lines`` as the compile child reports its parts, then ``then``."""
+    return _child(f"print({chr(10).join(lines)!r}, flush=True)\n{then}")
 
 
 @pytest.fixture
 def kernels(monkeypatch, loads, tmp_path):
-    """Part ``a`` of module ``pkg.a`` (stand-in ``string``, module ``pkg.calls_a``
-    calling its kernels) and part ``b`` of ``pkg.b`` (the callers' NumPy code), each
-    marked done at ``tmp_path / part``; ``_load`` gives one module object for all, and
-    numba's set-up is left out."""
-    module = type("Kernels", (), {})
-    monkeypatch.setattr(_numba, "_load", lambda name: loads.append(name) or module)
+    """Parts ``a1`` and ``a2`` of module ``pkg.a`` (stand-in ``string``, module
+    ``pkg.calls_a`` calling its kernels) and part ``b`` of ``pkg.b`` (the callers' NumPy
+    code), each marked done at ``tmp_path / part``; ``_load`` gives ``_Kernels`` for
+    every module, and numba's set-up is left out."""
     monkeypatch.setattr(_numba, "warm_up", lambda: None)
-    parts = {
-        "a": precompile.Part("pkg.a", lambda: None, "string", ("pkg.calls_a",)),
-        "b": precompile.Part("pkg.b", lambda: None),
-    }
-    monkeypatch.setattr(precompile, "PARTS", parts)
+    monkeypatch.setattr(
+        precompile,
+        "MODULES",
+        {"pkg.a": precompile.Kernels("string", ("pkg.calls_a",)), "pkg.b": precompile.Kernels()},
+    )
+    monkeypatch.setattr(precompile, "PARTS", {"a1": "pkg.a", "a2": "pkg.a", "b": "pkg.b"})
     monkeypatch.setattr(precompile, "_done_path", lambda kernels, part: str(tmp_path / part))
-    return module
+    return _Kernels
 
 
-def test_each_module_is_used_once_its_child_has_ended(kernels):
-    a = _child("import time; time.sleep(60)")
-    b = _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"a": a, "b": b})
+def _until(condition):
+    """Wait up to a minute for ``condition()``; its last value."""
+    for _ in range(600):
+        if condition():
+            return True
+        threading.Event().wait(0.1)
+    return condition()
+
+
+def test_the_kernels_of_each_part_are_let_in_once_the_child_reports_it(kernels):
+    import string
+
+    child = _reports("a1 capwords")
+    compiling = precompile.Precompiling(child)
     assert set(_numba._deferred) == {"pkg.a", "pkg.calls_a", "pkg.b"}
-    assert _numba.kernels("pkg.a") is sys.modules["string"]  # the stand-in meanwhile
-    assert _numba.kernels("pkg.calls_a") is None
-    assert _numba.kernels("pkg.b") is None  # the NumPy code meanwhile
-    compiling.stop()  # the command ends early: the children are killed
-    assert a.returncode is not None and b.returncode is not None
+    assert _until(lambda: _numba.kernels("pkg.a").capwords is kernels.capwords)
+    assert _numba.kernels("pkg.a").Template is string.Template  # a2's: the stand-in's
+    assert _numba.kernels("pkg.calls_a") is None and _numba.kernels("pkg.b") is None
+    compiling.stop()  # the command ends early: the child is killed, every module let in
+    assert child.returncode is not None and not compiling.watcher.is_alive()
     assert _numba.kernels("pkg.a") is _numba.kernels("pkg.b") is kernels
     assert _numba.kernels("pkg.calls_a") is kernels
 
 
-def test_a_module_waits_for_its_own_children_alone(kernels):
-    # a's child still compiles when b's ends: b is used at once, a keeps its stand-in.
-    a = _child("import time; time.sleep(60)")
-    b = _child("import time; time.sleep(0.5)")
-    compiling = precompile.Precompiling({"a": a, "b": b})
-    b.wait(60)
-    for _ in range(600):
-        if _numba.kernels("pkg.b") is kernels:
-            break
-        threading.Event().wait(0.1)
-    assert _numba.kernels("pkg.b") is kernels
-    assert _numba.kernels("pkg.a") is sys.modules["string"] and a.poll() is None
-    assert _numba.kernels("pkg.calls_a") is None
+def test_a_module_is_let_in_whole_after_its_last_part(kernels):
+    # a's parts are done while b's is not: a and its callers are used, b keeps waiting.
+    child = _reports("not a part", "a1 capwords", "a2 capwords Template")
+    compiling = precompile.Precompiling(child)
+    assert _until(lambda: _numba.kernels("pkg.a") is kernels)
+    assert _numba.kernels("pkg.calls_a") is kernels
+    assert _numba.kernels("pkg.b") is None and child.poll() is None
     compiling.stop()
 
 
-def test_without_numba_the_children_are_stopped(kernels, monkeypatch):
-    # numba installed but failing to import: the children have nothing to compile and
-    # the stand-in, which takes the kernels' constants, is not used.
+def test_without_numba_the_child_is_stopped(kernels, monkeypatch):
+    # numba installed but failing to import: the child has nothing to compile and the
+    # stand-in, which takes the kernels' constants, is not used.
     monkeypatch.setattr(_numba, "_load", lambda name: None)
-    a, b = _child("import time; time.sleep(60)"), _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"a": a, "b": b})
-    assert a.returncode is not None and b.returncode is not None
-    assert _numba._deferred == {}
+    child = _reports()
+    compiling = precompile.Precompiling(child)
+    assert child.returncode is not None and _numba._deferred == {}
     compiling.stop()
 
 
-def test_a_part_marked_done_by_an_earlier_run_stops_its_child(tmp_path, kernels):
+def test_a_module_whose_parts_an_earlier_run_marked_done_is_not_deferred(tmp_path, kernels):
     (tmp_path / "b").touch()
-    b = _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"b": b})
-    assert b.returncode is not None  # stopped at once: nothing was left for it to compile
-    assert _numba.kernels("pkg.b") is kernels  # nothing deferred
+    (tmp_path / "a1").touch()
+    child = _reports()
+    compiling = precompile.Precompiling(child)
+    assert set(_numba._deferred) == {"pkg.a", "pkg.calls_a"}  # a2 is not marked
+    assert _numba.kernels("pkg.b") is kernels and child.poll() is None
+    compiling.stop()
+    (tmp_path / "a2").touch()
+    child = _reports()
+    compiling = precompile.Precompiling(child)
+    assert child.returncode is not None  # stopped at once: nothing left to compile
+    assert _numba._deferred == {}
     compiling.finish()
     compiling.stop()
 
 
-def test_without_a_cache_the_children_are_stopped(kernels, monkeypatch):
-    # A child passes its kernels on through numba's cache alone.
+def test_without_a_cache_the_child_is_stopped(kernels, monkeypatch):
+    # The child passes its kernels on through numba's cache alone.
     monkeypatch.setattr(precompile, "_done_path", lambda kernels, part: None)
-    a, b = _child("import time; time.sleep(60)"), _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"a": a, "b": b})
-    assert a.returncode is not None and b.returncode is not None
-    assert _numba._deferred == {}
+    child = _reports()
+    compiling = precompile.Precompiling(child)
+    assert child.returncode is not None and _numba._deferred == {}
     compiling.stop()
 
 
-def test_a_failed_or_stuck_child_only_costs_time(kernels, monkeypatch):
-    failed = _child("raise SystemExit(3)")
+@pytest.mark.parametrize("code", ["raise SystemExit(3)", "import time; time.sleep(60)"])
+def test_a_failed_or_stuck_child_only_costs_time(code, kernels, monkeypatch):
     monkeypatch.setattr(precompile, "WAIT_S", 0.5)
-    stuck = _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"a": failed, "b": stuck})
+    child = _reports("a1 capwords", then=code)
+    compiling = precompile.Precompiling(child)
     compiling.watcher.join(60)
-    assert failed.poll() == 3
-    assert stuck.returncode is not None  # killed after WAIT_S
+    assert child.returncode is not None  # ended, or killed after WAIT_S
     assert _numba.kernels("pkg.a") is _numba.kernels("pkg.b") is kernels  # compiled on use
     compiling.stop()
 
 
-def test_stop_kills_the_children_and_ends_the_watcher(kernels):
-    running = _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"b": running})
-    compiling.stop()
-    assert running.returncode is not None
-    assert not compiling.watcher.is_alive()
-
-
-def test_finish_waits_for_the_children(tmp_path, kernels):
-    child = _child(f"import time; time.sleep(0.5); open({str(tmp_path / 'b')!r}, 'w')")
-    compiling = precompile.Precompiling({"b": child})
+def test_finish_waits_for_the_child(tmp_path, kernels):
+    child = _reports(then=f"import time; time.sleep(0.5); open({str(tmp_path / 'b')!r}, 'w')")
+    compiling = precompile.Precompiling(child)
     assert _numba.kernels("pkg.b") is None  # the NumPy code meanwhile
     compiling.finish()
     assert child.returncode == 0
@@ -242,17 +273,24 @@ def test_finish_waits_for_the_children(tmp_path, kernels):
     assert (tmp_path / "b").exists()  # marked for the next run
 
 
-def test_without_compiled_kernels_the_children_are_stopped(monkeypatch):
+def test_without_compiled_kernels_the_child_is_stopped(monkeypatch):
     monkeypatch.setattr(_numba, "ENABLED", False)
     monkeypatch.setattr(_numba, "_deferred", {})
-    running = _child("import time; time.sleep(60)")
-    compiling = precompile.Precompiling({"optimizer": running})
-    assert running.returncode is not None
+    child = _reports()
+    compiling = precompile.Precompiling(child)
+    assert child.returncode is not None
     assert compiling.watcher is None and _numba._deferred == {}
 
 
+def test_without_a_child_nothing_is_deferred(kernels):
+    compiling = precompile.Precompiling(None)  # python -m tiegrad, or a busy machine
+    assert compiling.watcher is None and _numba._deferred == {}
+    compiling.finish()
+    compiling.stop()
+
+
 @pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
-def test_every_kernel_module_waits_for_its_child_on_numpy_code_with_its_bits(monkeypatch, tmp_path):
+def test_every_kernel_module_waits_for_the_child_on_numpy_code_with_its_bits(monkeypatch, tmp_path):
     # The host kernels' stand-in gives their bits (test_host_reference), the optimizer's
     # own NumPy code gives its kernels' (test_optim_fused); host_blocks' drivers call
     # the host kernels, so they wait too. An empty cache: no part is marked done.
@@ -260,10 +298,10 @@ def test_every_kernel_module_waits_for_its_child_on_numpy_code_with_its_bits(mon
     monkeypatch.setattr(_numba, "ENABLED", True)
     monkeypatch.setattr(_numba, "_deferred", {})
     monkeypatch.setattr(precompile, "_done_path", lambda kernels, part: str(tmp_path / part))
-    compiling = precompile.Precompiling({part: _child("pass") for part in precompile.PARTS})
+    compiling = precompile.Precompiling(_reports())
     deferred = dict(_numba._deferred)
     compiling.stop()
-    assert {module: stand_in for module, (_, stand_in) in deferred.items()} == {
+    assert {module: getattr(v, "__name__", None) for module, v in deferred.items()} == {
         "tiegrad.backend.host_kernels": "tiegrad.backend.host_reference",
         "tiegrad.backend.host_blocks": None,
         "tiegrad.optim.kernels": None,
@@ -290,7 +328,7 @@ def test_import_starts_no_thread_and_no_process():
 SHORT = ["--corpus-chars", "20000", "--steps", "2", "--eval-batches", "1", "--no-progress"]
 
 
-# The console script with its compile children, however busy the machine is.
+# The console script with its compile child, however busy the machine is.
 WITH_CHILDREN = [
     "-c",
     "import sys, _tiegrad_launcher as m; m.idle_cpus = lambda: 2.0; sys.exit(m.main())",
@@ -312,16 +350,35 @@ def _train(command, folder, cache, run):
 
 @pytest.mark.slow
 @pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
-def test_children_compile_every_kernel_and_the_run_computes_the_same(tmp_path):
+def test_the_child_reports_each_part_with_the_kernels_compiled_so_far(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop(_numba.ENV_SWITCH, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiegrad.train.precompile"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert [line[0] for line in lines] == list(precompile.PARTS)
+    reported = {part: names for part, *names in lines}
+    assert reported["forward"] == FORWARD
+    assert set(FORWARD) < set(reported["backward"])  # the same module: and the backward's
+    assert {"adam", "nonfinite"} <= set(reported["optimizer"])
+    assert len(list(tmp_path.rglob("tiegrad-*.done"))) == len(precompile.PARTS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
+def test_the_child_compiles_every_kernel_and_the_run_computes_the_same(tmp_path):
     # The command with an empty cache: the run compiles no kernel itself (numba's cache
     # log of the run's own process; it steps on NumPy code with the kernels' bits until
-    # the children have compiled them), and it waits for the children at its end, so
-    # that the next run loads every kernel from the cache. The same bits either way.
+    # the child has compiled them), and it waits for the child at its end, so that the
+    # next run loads every kernel from the cache. The same bits either way.
     out, cold = _train(WITH_CHILDREN, tmp_path, tmp_path / "cache", "cold")
     assert "data saved" not in out, out
     assert len(list((tmp_path / "cache").rglob("tiegrad-*.done"))) == len(precompile.PARTS)
-    # From the filled cache with children (stopped: their parts are marked done) and
-    # without them (the package's entry point): nothing compiles, the same bits.
+    # From the filled cache with a child (stopped: its parts are marked done) and
+    # without one (the package's entry point): nothing compiles, the same bits.
     runs = [cold]
     for command, name in ((WITH_CHILDREN, "warm"), (WITHOUT_CHILDREN, "cached")):
         out, run = _train(command, tmp_path, tmp_path / "cache", name)
@@ -341,16 +398,19 @@ def _training():
     return model, optimizer, batch
 
 
-def _three_steps(switch, ready):
+def _three_steps(switch):
     """Three training steps of the default model on one batch at a learning rate of
-    0.01; ``ready`` set before step ``switch``'s update (None: never). The losses and
-    the parameters' bytes."""
+    0.01, the optimizer's kernels let in before step ``switch``'s update (None: never).
+    The losses and the parameters' bytes."""
     model, optimizer, batch = _training()
     losses = []
     for step in range(3):
-        grads = precompile._gradients(model, optimizer, batch)
+        s = EagerSession()
+        grads = optimizer.canonical_gradients(s.backward(model.loss(s, *batch)))
+        s.reset()
+        clip_grad_norm(grads, 1.0)
         if step == switch:
-            ready.set()
+            _numba.ready("tiegrad.optim.kernels")
         optimizer.step(grads)
         losses.append(float(model.loss(EagerSession(), *batch).value))
     return losses, [p.value.tobytes() for p in optimizer.params]
@@ -360,8 +420,8 @@ def _three_steps(switch, ready):
 def numpy_updates():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_numba, "_deferred", {})
-        _numba.defer("tiegrad.optim.kernels", threading.Event())
-        return _three_steps(None, threading.Event())
+        _numba.defer("tiegrad.optim.kernels")
+        return _three_steps(None)
 
 
 @pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
@@ -373,32 +433,34 @@ def test_a_switch_to_the_optimizer_kernels_within_a_run_changes_no_bit(
     # the same bits as a run whose updates all ran on the NumPy code.
     monkeypatch.setattr(_numba, "ENABLED", True)
     monkeypatch.setattr(_numba, "_deferred", {})
-    ready = threading.Event()
-    _numba.defer("tiegrad.optim.kernels", ready)
-    assert _three_steps(switch, ready) == numpy_updates
+    _numba.defer("tiegrad.optim.kernels")
+    assert _three_steps(switch) == numpy_updates
     assert _numba._deferred == {}
     losses, _ = numpy_updates
     assert len(set(losses)) == 3  # the updates changed the model
 
 
-def _host_switch_steps(switch):
+FORWARD = ["gelu", "layer_norm", "softmax"]  # what the child reports after the forward
+
+
+def _host_switch_steps(switch, names=None):
     """Three training steps of the default model on one batch at a learning rate of
     0.01, the host kernels deferred to their stand-in until the forward of step
-    ``switch`` has run (its backward then runs on the kernels; None: never; -1: not
-    deferred at all). The losses and the parameters' bytes."""
+    ``switch`` has run, then let in: those called ``names``, or the module (None).
+    ``switch`` None: never; -1: not deferred at all. The losses and the parameters'
+    bytes."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_numba, "ENABLED", True)
         mp.setattr(_numba, "_deferred", {})
-        ready = threading.Event()
         if switch != -1:
-            _numba.defer(precompile.HOST_KERNELS, ready, "tiegrad.backend.host_reference")
+            _numba.defer(precompile.HOST_KERNELS, "tiegrad.backend.host_reference")
         model, optimizer, batch = _training()
         losses = []
         for step in range(3):
             s = EagerSession()
             loss = model.loss(s, *batch)
             if step == switch:
-                ready.set()
+                _numba.ready(precompile.HOST_KERNELS, names)
             grads = optimizer.canonical_gradients(s.backward(loss))
             s.reset()
             optimizer.step(grads)
@@ -408,8 +470,10 @@ def _host_switch_steps(switch):
 
 @pytest.mark.skipif(_numba.kernels(precompile.HOST_KERNELS) is None, reason="needs numba")
 def test_a_switch_to_the_host_kernels_within_a_run_changes_no_bit():
-    # Forward and backward on the stand-in (None), the switch between a forward and
-    # its backward (0, 2), the kernels throughout (-1): the same bits.
-    runs = [_host_switch_steps(switch) for switch in (-1, None, 0, 2)]
-    assert runs[1] == runs[0] and runs[2] == runs[0] and runs[3] == runs[0]
-    assert len(set(runs[0][0])) == 3  # the updates changed the model
+    # Forward and backward on the stand-in (None), the switch between a forward and its
+    # backward (0, 2), of the whole module or of the forward's kernels alone (the
+    # backward's then stay on the stand-in), the kernels throughout (-1): the same bits.
+    kernels = _host_switch_steps(-1)
+    assert len(set(kernels[0])) == 3  # the updates changed the model
+    for switch, names in [(None, None), (0, None), (2, None), (0, FORWARD), (1, FORWARD)]:
+        assert _host_switch_steps(switch, names) == kernels, (switch, names)

@@ -11,9 +11,10 @@ switch is off or numba is missing or fails to import (with one warning), so the 
 runs the same without it, only slower.
 
 ``defer`` lets the ``tiegrad`` command hold a kernel module back until its child
-processes have compiled it into numba's cache (``tiegrad.train.precompile``):
-``kernels`` gives a stand-in until then, NumPy code with the kernels' bits (a module of
-the same functions, or None where the caller's own NumPy code gives those bits).
+process has compiled it into numba's cache (``tiegrad.train.precompile``): ``kernels``
+gives a stand-in until then, NumPy code with the kernels' bits (a module of the same
+functions, or None where the caller's own NumPy code gives those bits), and ``ready``
+lets the kernels in, some at a time (a module with a stand-in) or all at once.
 Nothing defers a module on import.
 """
 
@@ -23,43 +24,54 @@ import functools
 import importlib
 import importlib.util
 import os
-import threading
+import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
 ENV_SWITCH = "TIEGRAD_NO_NUMBA"
 ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
 
-# module -> (set once its kernels are in numba's cache, the stand-in's name or None)
-_deferred: dict[str, tuple[threading.Event, str | None]] = {}
+# A deferred module -> what ``kernels`` gives meanwhile: None, its stand-in, or a copy
+# of the stand-in with the kernels that are ready in place of theirs.
+_deferred: dict[str, ModuleType | types.SimpleNamespace | None] = {}
 
 
-def kernels(module: str) -> ModuleType | None:
+def kernels(module: str) -> ModuleType | types.SimpleNamespace | None:
     """The kernel module ``module`` (absolute name) where ``ENABLED``, else None.
 
     The switch is read at every call; the import (which compiles or loads the kernels)
-    happens once. A deferred module (``defer``) gives its stand-in until its event is
-    set, the module from then on.
+    happens once. A deferred module (``defer``) gives its stand-in instead, with the
+    kernels that are ``ready`` in place of theirs, until ``ready`` lets the module in.
     """
     if not ENABLED:
         return None
-    if _deferred:
-        ready, stand_in = _deferred.get(module, (None, None))
-        if ready is not None:
-            if not ready.is_set():
-                return None if stand_in is None else importlib.import_module(stand_in)
-            _deferred.pop(module, None)
+    if _deferred and module in _deferred:
+        return _deferred[module]
     return _load(module)
 
 
-def defer(module: str, ready: threading.Event, stand_in: str | None = None) -> None:
-    """Hold ``kernels(module)`` back until ``ready`` is set; it gives meanwhile the
+def defer(module: str, stand_in: str | None = None) -> None:
+    """Hold ``kernels(module)`` back until ``ready(module)``; it gives meanwhile the
     module ``stand_in`` (absolute name), whose functions must give the kernels' bits,
-    or None, where the callers' NumPy code must. The command's thread sets ``ready``
-    once the children compiling the module's kernels have ended."""
-    _deferred[module] = (ready, stand_in)
+    or None, where the callers' NumPy code must."""
+    _deferred[module] = None if stand_in is None else importlib.import_module(stand_in)
+
+
+def ready(module: str, names: Iterable[str] | None = None) -> None:
+    """Let the kernels of the deferred ``module`` in, now in numba's cache: those called
+    ``names``, in place of the stand-in's functions (nothing where the stand-in is the
+    callers' own code), or, where ``names`` is None, the module itself from now on.
+    Nothing for a module not deferred; safe from another thread than the callers'."""
+    meanwhile = _deferred.get(module)
+    if names is None:
+        _deferred.pop(module, None)
+    elif meanwhile is not None and (compiled := _load(module)) is not None:
+        mixed = types.SimpleNamespace(**vars(meanwhile))
+        for name in names:
+            setattr(mixed, name, getattr(compiled, name))
+        _deferred[module] = mixed  # one store: a caller sees the old mix or the new
 
 
 @functools.cache

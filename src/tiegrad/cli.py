@@ -28,10 +28,13 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .backend.tuning import tune_process
 from .errors import CheckpointError, ConfigError, TiegradError
+
+if TYPE_CHECKING:
+    import subprocess
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -202,18 +205,20 @@ def _add_no_progress(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None, precompiling: dict[str, Any] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, precompiling: subprocess.Popen[str] | None = None
+) -> int:
     """Run the command line; returns the exit code (0, 2 bad input, 130 interrupted,
     143 terminated). Ctrl-C at any point (the imports included) exits quietly with 130.
 
-    ``precompiling``: the child processes compiling the kernels (``_tiegrad_launcher``,
-    ``tiegrad.train.precompile``): a thread watches them (``Precompiling``) while the
-    run steps on NumPy code with the kernels' bits, until it switches to what they
-    compiled; the command waits for them after a run that succeeded, and stops them
+    ``precompiling``: the child process compiling the kernels (``_tiegrad_launcher``,
+    ``tiegrad.train.precompile``): a thread watches it (``Precompiling``) while the
+    run steps on NumPy code with the kernels' bits, switching to the kernels as it
+    compiles them; the command waits for it after a run that succeeded, and stops it
     where it ends otherwise."""
     from .train import precompile
 
-    compiling = precompile.Precompiling(precompiling or {})
+    compiling = precompile.Precompiling(precompiling)
     try:
         code = _main(argv)
         if code == 0:

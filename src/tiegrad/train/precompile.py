@@ -1,25 +1,26 @@
-"""Compiling a ``tiegrad train`` run's kernels in child processes while the run starts.
+"""Compiling a ``tiegrad train`` run's kernels in a child process while the run starts.
 
 With an empty numba cache (a first run after install) the first training step used to
 compile every kernel it calls, one after the other, in the training process. The
 ``tiegrad`` command (``_tiegrad_launcher``, its own process; importing tiegrad starts
-no process) instead starts, before it imports tiegrad and where a CPU is idle for them,
-child processes (``python -m tiegrad.train.precompile PART``, ``PARTS``) that run a part
-of a training step on the default model of ``tiegrad train``, which compiles the
-kernels it calls into numba's cache, and then mark the part done there; the run does
-not wait for them (``NICENESS`` says which yield their CPU). ``Precompiling`` watches
-the children from a thread of the command, which also sets up numba's compiler while the run steps;
-children whose part an earlier run's child marked done are stopped (nothing is left
-for them to compile).
+no process) instead starts, before it imports tiegrad and where a CPU is idle for it, a
+child process (``python -m tiegrad.train.precompile``) that runs a training step of the
+default model of ``tiegrad train`` part by part (``PARTS``: the forward, the backward,
+the update), which compiles the kernels they call into numba's cache, marks each part
+done there and says so on its standard output. The run does not wait for it.
+``Precompiling`` reads those lines from a thread of the command, which also sets up
+numba's compiler while the run steps; a child whose parts an earlier run's child marked
+done is stopped (nothing is left for it to compile).
 
-Results never depend on timing. Until a part's child has ended, the run steps on NumPy
-code that gives the bits of that part's kernels (``tiegrad._numba.defer``): the host
-kernels' stand-in ``tiegrad.backend.host_reference`` (the forward and the backward),
-the optimizer's own NumPy code (the update); then it switches to the kernels, which
-numba loads from the cache. A child that fails, is killed or compiles another
-signature only costs time: the run compiles what the cache lacks on first use after
-the switch. After the run's last step the command waits for the children still
-compiling, so that the next run finds every kernel in the cache.
+Results never depend on timing. Until a part is done, the run steps on NumPy code that
+gives the bits of that part's kernels (``tiegrad._numba.defer``): the host kernels'
+stand-in ``tiegrad.backend.host_reference`` (the forward and the backward), the
+optimizer's own NumPy code (the update); then it switches to the part's kernels, which
+numba loads from the cache: the forward's alone after the forward (``tiegrad._numba.ready``
+with their names), the whole module after its last part. A child that fails, is killed
+or compiles another signature only costs time: the run compiles what the cache lacks
+on first use after the switch. After the run's last step the command waits for the
+child, so that the next run finds every kernel in the cache.
 """
 
 from __future__ import annotations
@@ -29,112 +30,143 @@ import os
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .. import _numba
 
 WAIT_S = 300  # a child still compiling after this is killed; the command compiles itself
-POLL_S = 0.05  # how often the watching thread looks at the children
-# A child whose stand-in is the callers' own NumPy code yields its CPU to everything
-# else: the run loses little on that code. The host kernels' child may not: the run's
-# threads on the stand-in keep every CPU busy, and at the lowest priority it would
-# never end (a 120-step run stayed on the stand-in throughout).
+# The child's niceness once the host kernels are compiled: a default step takes as long
+# on the optimizer's NumPy code as on its kernels (79 ms each, measured), and the child
+# compiling at normal priority beside the run's threads only slows the run's steps.
 NICENESS = 19
 HOST_KERNELS = "tiegrad.backend.host_kernels"
 HOST_BLOCKS = "tiegrad.backend.host_blocks"
 OPTIMIZER_KERNELS = "tiegrad.optim.kernels"
 
 
-class Precompiling:
-    """A command's compile children and the thread that watches them.
+class Kernels(NamedTuple):
+    """A kernel module the child compiles, and what the run uses meanwhile:
+    ``stand_in``, a module of NumPy code with the kernels' bits (None: the callers' own
+    NumPy code gives them), and nothing of ``callers``, modules whose kernels call the
+    module's, until the module's last part is done."""
 
-    ``children``: part name (``PARTS``) -> its child process (``_tiegrad_launcher``).
-    A child whose part an earlier run's child marked done in the cache (``_done_path``)
-    is stopped at once: nothing is left for it to compile; so is one whose kernels have
-    no cache to pass them on through (the run compiles them). The kernel module of every
-    other part, and the modules whose kernels call it, are deferred
-    (``tiegrad._numba.defer``, with the part's stand-in): the run steps on NumPy code
-    with the kernels' bits until the module's children have ended (``_watch``).
-    Without compiled kernels (``tiegrad._numba.ENABLED`` false) the children are
-    stopped at once and no thread starts.
+    stand_in: str | None = None
+    callers: tuple[str, ...] = ()
+
+
+MODULES: dict[str, Kernels] = {
+    HOST_KERNELS: Kernels("tiegrad.backend.host_reference", (HOST_BLOCKS,)),
+    OPTIMIZER_KERNELS: Kernels(),
+}
+# The child's parts, in the order it runs them (``_parts``) -> the module compiled.
+PARTS: dict[str, str] = {
+    "forward": HOST_KERNELS,
+    "backward": HOST_KERNELS,
+    "optimizer": OPTIMIZER_KERNELS,
+}
+
+
+class Precompiling:
+    """A command's compile child and the thread that watches it.
+
+    ``child``: the process (``_tiegrad_launcher``), or None. If an earlier run's child
+    marked every part done in the cache (``_done_path``), it is stopped at once: nothing
+    is left for it to compile; so is one whose kernels have no cache to pass them on
+    through (the run compiles them). Every other module of ``MODULES`` with a part not
+    done, and its callers, are deferred (``tiegrad._numba.defer``, with the module's
+    stand-in) until the child says their parts are done (``_watch``). Without compiled
+    kernels (``tiegrad._numba.ENABLED`` false) the child is stopped at once and no
+    thread starts.
     """
 
-    def __init__(self, children: dict[str, subprocess.Popen[Any]]) -> None:
-        self.children = children
+    def __init__(self, child: subprocess.Popen[str] | None) -> None:
+        self.child = child
         self.watcher: threading.Thread | None = None
         if not _numba.ENABLED:
             self.stop()
             return
-        deferred: dict[str, threading.Event] = {}
-        for part, child in children.items():
-            module, _, stand_in, callers = PARTS[part]
-            kernels = _numba._load(module)
-            done = _done_path(kernels, part) if kernels is not None else None
-            if done is None or os.path.exists(done):  # nothing a child could pass on
-                _kill(child)
-            elif module not in deferred:
-                deferred[module] = threading.Event()
-                _numba.defer(module, deferred[module], stand_in)
-                for caller in callers:
-                    _numba.defer(caller, deferred[module])
-        if children:
+        deferred = [module for module in MODULES if not _all_done(module)] if child else []
+        for module in deferred:
+            _numba.defer(module, MODULES[module].stand_in)
+            for caller in MODULES[module].callers:
+                _numba.defer(caller)
+        if not deferred:
+            self.stop()
+        if child is not None:
             self.watcher = threading.Thread(
                 target=self._watch, args=(deferred,), name="tiegrad-precompile", daemon=True
             )
             self.watcher.start()
 
     def finish(self) -> None:
-        """Wait for the children still compiling, after the run's last step: they fill
-        the cache that the next run loads its kernels from."""
-        for child in self.children.values():
-            _wait(child)
+        """Wait for the child if it is still compiling, after the run's last step: it
+        fills the cache that the next run loads its kernels from."""
+        if self.child is not None:
+            try:
+                self.child.wait(timeout=WAIT_S)
+            except subprocess.TimeoutExpired:
+                _kill(self.child)
 
     def stop(self) -> None:
-        """Kill the children still running (the command ends early) and wait for the
+        """Kill the child if it still runs (the command ends early) and wait for the
         watching thread."""
-        for child in self.children.values():
-            _kill(child)
+        if self.child is not None:
+            _kill(self.child)
         if self.watcher is not None:
             self.watcher.join()
 
-    def _watch(self, deferred: dict[str, threading.Event]) -> None:
-        """(a thread of the command) Set each ``deferred`` module's event once its own
-        children have ended, however they ended (children still running after
-        ``WAIT_S`` are killed), numba's compiler set up first
+    def _watch(self, deferred: list[str]) -> None:
+        """(a thread of the command) Let each part's kernels in once the child prints
+        that the part is done (``main``), numba's compiler set up first
         (``tiegrad._numba.warm_up``): the run's next kernel call needs it to load the
-        kernels, and the run keeps stepping on NumPy code meanwhile. With nothing
-        deferred (every part compiled by an earlier run) the set-up starts at once."""
+        kernels, and the run keeps stepping on NumPy code meanwhile. The child is killed
+        after ``WAIT_S``; every deferred module is let in once the child has ended,
+        however it ended. With nothing deferred the set-up starts at once."""
+        timer = threading.Timer(WAIT_S, _kill, (self.child,))
+        timer.daemon = True
         try:
-            deadline = time.monotonic() + WAIT_S
-            pending = {
-                module: [c for p, c in self.children.items() if PARTS[p].module == module]
-                for module in deferred
-            }
-            while pending:
-                for module, children in list(pending.items()):
-                    if all(child.poll() is not None for child in children):
+            if deferred and self.child is not None and self.child.stdout is not None:
+                timer.start()
+                for line in self.child.stdout:
+                    words = line.split()
+                    if words and words[0] in PARTS:
                         _numba.warm_up()
-                        del pending[module]
-                        deferred[module].set()
-                if time.monotonic() > deadline:
-                    for child in self.children.values():
-                        _kill(child)
-                if pending:
-                    time.sleep(POLL_S)
+                        _let_in(words[0], words[1:])
+                self.child.wait()  # its output ended: it has ended, or ends now
             _numba.warm_up()
         finally:
-            for ready in deferred.values():
-                ready.set()
+            timer.cancel()
+            for module in deferred:
+                _let_in(_last_part(module), [])
 
 
-def _wait(child: subprocess.Popen[Any]) -> None:
-    """Wait for ``child``; kill it after ``WAIT_S`` seconds."""
-    try:
-        child.wait(timeout=WAIT_S)
-    except subprocess.TimeoutExpired:
-        _kill(child)
+def _let_in(part: str, names: list[str]) -> None:
+    """Let in the kernels of ``part``, called ``names``; all of its module's, and its
+    callers, after the module's last part."""
+    module = PARTS[part]
+    if part != _last_part(module):
+        _numba.ready(module, names)
+        return
+    _numba.ready(module)
+    for caller in MODULES[module].callers:
+        _numba.ready(caller)
+
+
+def _last_part(module: str) -> str:
+    """The last of ``PARTS`` that compiles ``module``'s kernels."""
+    return [part for part, compiled in PARTS.items() if compiled == module][-1]
+
+
+def _all_done(module: str) -> bool:
+    """Whether an earlier run's child marked every part of ``module`` done; True where
+    there is nothing a child could pass on: numba does not load, or the module's
+    kernels have no cache."""
+    kernels = _numba._load(module)
+    if kernels is None:
+        return True
+    paths = [_done_path(kernels, part) for part, compiled in PARTS.items() if compiled == module]
+    return all(path is None or os.path.exists(path) for path in paths)
 
 
 def _kill(child: subprocess.Popen[Any]) -> None:
@@ -145,7 +177,7 @@ def _kill(child: subprocess.Popen[Any]) -> None:
 
 
 def _done_path(kernels: Any, part: str) -> str | None:
-    """The file by which the child of ``part`` marks its kernels compiled into numba's
+    """The file by which the child marks the kernels of ``part`` compiled into numba's
     cache: in the cache folder of the module ``kernels``, under a name that changes with
     numba's version, the Python's and the module's source (numba's own index of the
     cached code changes with them too); None where the module's kernels have no cache.
@@ -168,6 +200,11 @@ def _is_kernel(obj: Any) -> bool:
     from numba.extending import is_jitted
 
     return is_jitted(obj)
+
+
+def _is_compiled(obj: Any) -> bool:
+    """Whether ``obj`` is a kernel compiled for a signature or more."""
+    return _is_kernel(obj) and bool(obj.signatures)
 
 
 def _mark_done(kernels: Any, part: str) -> None:
@@ -199,74 +236,42 @@ def _default_run() -> tuple[Any, Any, Any]:
     return model, optimizer, dataset.eval_batches("train", size, 1)[0]
 
 
-def _gradients(model: Any, optimizer: Any, batch: Any) -> list[Any]:
-    """What a training step does before the update: forward, backward, the gradients
-    summed per canonical slot and clipped (``Trainer.train_step``)."""
+def _parts() -> Iterator[str]:
+    """(the child) A training step of the default model and its AdamW update, as
+    ``Trainer.train_step`` runs them: yields the name of each part of ``PARTS`` once
+    it has run, in their order. Before the update the process lowers its priority to
+    ``NICENESS``."""
     from ..optim.clip import clip_grad_norm
     from ..session import EagerSession
 
-    s = EagerSession()
-    grads = optimizer.canonical_gradients(s.backward(model.loss(s, *batch)))
-    s.reset()
-    clip_grad_norm(grads, 1.0)
-    return grads
-
-
-def _step_kernels() -> None:
-    """The host kernels of a training step: its forward and backward."""
-    from ..session import EagerSession
-
-    model, _, batch = _default_run()
+    model, optimizer, batch = _default_run()
     model.train()
     s = EagerSession()
-    s.backward(model.loss(s, *batch))
-
-
-def _optimizer_kernels() -> None:
-    """The optimizer's kernels: one AdamW step, from gradients computed by the NumPy
-    code (so that this child compiles only the optimizer's kernels)."""
-    model, optimizer, batch = _default_run()
-    _numba.ENABLED = False
-    grads = _gradients(model, optimizer, batch)
-    _numba.ENABLED = True
-    optimizer.step(grads)
-
-
-class Part(NamedTuple):
-    """A part of a training step run by one child: the kernel module it compiles
-    (``run``), and what the run uses meanwhile: ``stand_in``, a module of NumPy code
-    with the kernels' bits (None: the callers' own NumPy code gives them, and the
-    child runs at ``NICENESS``), and nothing of ``callers``, modules whose kernels call
-    the module's."""
-
-    module: str
-    run: Callable[[], None]
-    stand_in: str | None = None
-    callers: tuple[str, ...] = ()
-
-
-PARTS: dict[str, Part] = {
-    "step": Part(HOST_KERNELS, _step_kernels, "tiegrad.backend.host_reference", (HOST_BLOCKS,)),
-    "optimizer": Part(OPTIMIZER_KERNELS, _optimizer_kernels),
-}
-
-
-def main(part: str) -> int:
-    """(the child) Run ``part`` (``PARTS``), compiling its kernels into numba's cache,
-    and mark it done there (``_mark_done``); 0, or 2 for an unknown part. Nothing to
-    do without compiled kernels."""
-    if part not in PARTS:
-        print(f"tiegrad.train.precompile: unknown part {part!r}", file=sys.stderr)
-        return 2
-    module, run, stand_in, _ = PARTS[part]
-    if stand_in is None and hasattr(os, "nice"):
+    loss = model.loss(s, *batch)
+    yield "forward"
+    grads = optimizer.canonical_gradients(s.backward(loss))
+    yield "backward"
+    if hasattr(os, "nice"):
         os.nice(NICENESS)
-    kernels = _numba.kernels(module)
-    if kernels is not None:
-        run()
+    s.reset()
+    clip_grad_norm(grads, 1.0)
+    optimizer.step(grads)
+    yield "optimizer"
+
+
+def main() -> int:
+    """(the child) Run ``PARTS``, compiling their kernels into numba's cache; mark each
+    part done there (``_mark_done``) and print its name and the names of the kernels of
+    its module compiled so far, a line each. Nothing to do without compiled kernels."""
+    for part in _parts():
+        kernels = _numba.kernels(PARTS[part])
+        if kernels is None:
+            break
         _mark_done(kernels, part)
+        compiled = sorted(name for name, obj in vars(kernels).items() if _is_compiled(obj))
+        print(part, *compiled, flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))
+    sys.exit(main())
