@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     cold.add_argument(
         "--children",
         action="store_true",
-        help="the command starts its compile children whatever the load (an idle machine)",
+        help="the command starts its compile child whatever the load (an idle machine)",
     )
     cold.add_argument("--kernels", action="store_true", help="per-kernel compile seconds instead")
     args = parser.parse_args(argv)

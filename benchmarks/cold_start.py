@@ -7,16 +7,16 @@ and reads the step times
 from the run's ``metrics.jsonl`` (``elapsed``: seconds since the training loop started):
 
 - ``cold``: numba on, ``NUMBA_CACHE_DIR`` a fresh empty folder (a first run after install);
-  the command starts its compile children only where a CPU is idle (the load average),
-  ``--children`` makes it start them whatever the load (the command on an idle machine);
+  the command starts its compile child only where a CPU is idle (the load average),
+  ``--children`` makes it start it whatever the load (the command on an idle machine);
 - ``cold in-process``: the same with ``python -m tiegrad``, which starts no compile
-  children (``tiegrad.train.precompile``): the run compiles every kernel itself;
+  child (``tiegrad.train.precompile``): the run compiles every kernel itself;
 - ``cached``: the same folder again (every later run);
 - ``numpy``: ``TIEGRAD_NO_NUMBA=1`` (the NumPy route, nothing to compile).
 
 The table gives per route the median of the repeats: the first step, the second step,
 the process's wall clock (start to exit, imports and the end-of-run checkpoint included)
-and the CPU seconds of the process and its compile children (``resource``'s children
+and the CPU seconds of the process and its compile child (``resource``'s children
 usage; Unix). The goal: the ``cold`` first step at most 2 s.
 
 ``--kernels`` prints instead where a cold compile spends its time: one child trains one
@@ -43,13 +43,13 @@ from . import thread_environment
 
 KERNEL_MODULES = ("tiegrad.backend.host_kernels", "tiegrad.optim.kernels")
 ROUTES = ("cold", "cold in-process", "cached", "numpy")
-LAUNCHER = ["-m", "_tiegrad_launcher"]  # the console script: starts the compile children
-# The console script as on an idle machine: it starts its children whatever the load.
+LAUNCHER = ["-m", "_tiegrad_launcher"]  # the console script: starts the compile child
+# The console script as on an idle machine: it starts its child whatever the load.
 WITH_CHILDREN = [
     "-c",
     "import sys, _tiegrad_launcher as m; m.idle_cpus = lambda: 2.0; sys.exit(m.main())",
 ]
-IN_PROCESS = ["-m", "tiegrad"]  # the package's entry point: no compile children
+IN_PROCESS = ["-m", "tiegrad"]  # the package's entry point: no compile child
 TIMEOUT_S = 600
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +83,7 @@ def _children_cpu() -> float:
 
 def measure(steps: int, repeats: int, children: bool = False) -> dict[str, list[dict[str, float]]]:
     """``repeats`` rounds of the four routes, each cold run with its own empty cache;
-    ``children``: the command starts its compile children whatever the load."""
+    ``children``: the command starts its compile child whatever the load."""
     results: dict[str, list[dict[str, float]]] = {route: [] for route in ROUTES}
     base = thread_environment()
     base.pop("TIEGRAD_NO_NUMBA", None)
@@ -190,7 +190,7 @@ def main(args: Any) -> int:
     else:
         print(format_table(measure(args.steps, args.repeats, args.children)))
         if args.children:
-            print("(--children: the command started its compile children whatever the load)")
+            print("(--children: the command started its compile child whatever the load)")
     return 0
 
 

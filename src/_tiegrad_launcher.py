@@ -36,7 +36,9 @@ def start_precompile(argv: list[str]) -> subprocess.Popen[str] | None:
         return None
     env = dict(os.environ, **{name: "1" for name in CHILD_THREADS})
     # A process group of its own: the terminal's Ctrl-C stops the run after its step
-    # (a checkpoint), which then stops the child itself (tiegrad.train.precompile).
+    # (a checkpoint), which then stops the child itself (tiegrad.train.precompile). Not a
+    # session of its own: where the scheduler groups processes by session (autogroup),
+    # the child's niceness would then count against nothing but itself.
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
     return subprocess.Popen(
         [sys.executable, "-m", "tiegrad.train.precompile"],
@@ -44,6 +46,7 @@ def start_precompile(argv: list[str]) -> subprocess.Popen[str] | None:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        errors="replace",
         env=env,
         **group,
     )

@@ -1,5 +1,5 @@
 """Fast by default and the cold start (issue 17): numba is a default dependency where it
-has wheels, and the ``tiegrad`` command compiles its kernels in child processes without
+has wheels, and the ``tiegrad`` command compiles its kernels in a child process without
 changing what a run computes."""
 
 import json
@@ -49,11 +49,13 @@ def test_default_dependencies_carry_numba_where_it_has_wheels():
 
 def test_the_child_runs_the_parts_in_their_order(monkeypatch):
     # The run lets a module in after the last of its parts in PARTS' order.
+    # The child lowers its priority after the host kernels' parts, before the update.
     monkeypatch.setattr(_numba, "ENABLED", False)  # NumPy code: nothing to compile here
-    niceness = []
-    monkeypatch.setattr(os, "nice", niceness.append, raising=False)
-    assert list(precompile._parts()) == list(precompile.PARTS)
-    assert niceness == ([precompile.NICENESS] if hasattr(os, "nice") else [])
+    events = []
+    monkeypatch.setattr(os, "nice", lambda n: events.append(("nice", n)), raising=False)
+    parts = [part for part in precompile._parts() if not events.append(part)]
+    assert parts == list(precompile.PARTS)
+    assert events == [*list(precompile.PARTS)[:-1], ("nice", precompile.NICENESS), "optimizer"]
     assert set(precompile.PARTS.values()) == set(precompile.MODULES)
 
 
@@ -104,7 +106,7 @@ def test_launcher_starts_no_child_without_an_idle_cpu(monkeypatch):
 class _Kernels:
     """A compiled kernel module: ``capwords`` and ``Template`` of its own."""
 
-    capwords = Template = object()
+    capwords, Template = object(), object()
 
 
 @pytest.fixture
@@ -138,18 +140,20 @@ def test_the_kernels_let_in_by_name_replace_the_stand_ins_functions_alone(loads)
     import string
 
     _numba.defer("pkg.c", "string")
-    _numba.ready("pkg.c", ["capwords"])
+    _numba.ready("pkg.c", ["capwords", "nothing"])  # a name neither has: left out
     mixed = _numba.kernels("pkg.c")
+    assert not hasattr(mixed, "nothing")
     assert mixed.capwords is _Kernels.capwords
     assert mixed.Template is string.Template and mixed.ascii_letters == string.ascii_letters
     assert string.capwords is not _Kernels.capwords  # the stand-in itself is unchanged
     _numba.ready("pkg.c", ["Template"])
-    assert _numba.kernels("pkg.c").capwords is _numba.kernels("pkg.c").Template is _Kernels.Template
+    mixed = _numba.kernels("pkg.c")
+    assert mixed.capwords is _Kernels.capwords and mixed.Template is _Kernels.Template
     _numba.ready("pkg.c")
     assert _numba.kernels("pkg.c") is _Kernels
 
 
-def test_the_switch_off_wins_over_a_deferred_module(monkeypatch):
+def test_the_switch_off_wins_over_a_deferred_module(monkeypatch, watch):
     monkeypatch.setattr(_numba, "ENABLED", False)
     monkeypatch.setattr(_numba, "_deferred", {"pkg.a": sys.modules["string"]})
     assert _numba.kernels("pkg.a") is None
@@ -182,6 +186,16 @@ def kernels(monkeypatch, loads, tmp_path):
     return _Kernels
 
 
+@pytest.fixture
+def watch(monkeypatch):
+    """``Precompiling`` of a child; each one stopped at the end of the test, before the
+    patches of ``_numba`` are undone, whatever the test asserted."""
+    started = []
+    yield lambda child: started.append(precompile.Precompiling(child)) or started[-1]
+    for compiling in started:
+        compiling.stop()
+
+
 def _until(condition):
     """Wait up to a minute for ``condition()``; its last value."""
     for _ in range(600):
@@ -191,11 +205,11 @@ def _until(condition):
     return condition()
 
 
-def test_the_kernels_of_each_part_are_let_in_once_the_child_reports_it(kernels):
+def test_the_kernels_of_each_part_are_let_in_once_the_child_reports_it(kernels, watch):
     import string
 
-    child = _reports("a1 capwords")
-    compiling = precompile.Precompiling(child)
+    child = _reports("a1 nothing capwords", "\xff\n")  # names the module lacks: left out
+    compiling = watch(child)
     assert set(_numba._deferred) == {"pkg.a", "pkg.calls_a", "pkg.b"}
     assert _until(lambda: _numba.kernels("pkg.a").capwords is kernels.capwords)
     assert _numba.kernels("pkg.a").Template is string.Template  # a2's: the stand-in's
@@ -206,66 +220,61 @@ def test_the_kernels_of_each_part_are_let_in_once_the_child_reports_it(kernels):
     assert _numba.kernels("pkg.calls_a") is kernels
 
 
-def test_a_module_is_let_in_whole_after_its_last_part(kernels):
+def test_a_module_is_let_in_whole_after_its_last_part(kernels, watch):
     # a's parts are done while b's is not: a and its callers are used, b keeps waiting.
     child = _reports("not a part", "a1 capwords", "a2 capwords Template")
-    compiling = precompile.Precompiling(child)
+    watch(child)
     assert _until(lambda: _numba.kernels("pkg.a") is kernels)
     assert _numba.kernels("pkg.calls_a") is kernels
     assert _numba.kernels("pkg.b") is None and child.poll() is None
-    compiling.stop()
 
 
-def test_without_numba_the_child_is_stopped(kernels, monkeypatch):
+def test_without_numba_the_child_is_stopped(kernels, monkeypatch, watch):
     # numba installed but failing to import: the child has nothing to compile and the
     # stand-in, which takes the kernels' constants, is not used.
     monkeypatch.setattr(_numba, "_load", lambda name: None)
     child = _reports()
-    compiling = precompile.Precompiling(child)
+    watch(child)
     assert child.returncode is not None and _numba._deferred == {}
-    compiling.stop()
 
 
-def test_a_module_whose_parts_an_earlier_run_marked_done_is_not_deferred(tmp_path, kernels):
+def test_a_module_whose_parts_an_earlier_run_marked_done_is_not_deferred(tmp_path, kernels, watch):
     (tmp_path / "b").touch()
     (tmp_path / "a1").touch()
     child = _reports()
-    compiling = precompile.Precompiling(child)
+    compiling = watch(child)
     assert set(_numba._deferred) == {"pkg.a", "pkg.calls_a"}  # a2 is not marked
     assert _numba.kernels("pkg.b") is kernels and child.poll() is None
     compiling.stop()
     (tmp_path / "a2").touch()
     child = _reports()
-    compiling = precompile.Precompiling(child)
+    compiling = watch(child)
     assert child.returncode is not None  # stopped at once: nothing left to compile
     assert _numba._deferred == {}
     compiling.finish()
-    compiling.stop()
 
 
-def test_without_a_cache_the_child_is_stopped(kernels, monkeypatch):
+def test_without_a_cache_the_child_is_stopped(kernels, monkeypatch, watch):
     # The child passes its kernels on through numba's cache alone.
     monkeypatch.setattr(precompile, "_done_path", lambda kernels, part: None)
     child = _reports()
-    compiling = precompile.Precompiling(child)
+    watch(child)
     assert child.returncode is not None and _numba._deferred == {}
-    compiling.stop()
 
 
 @pytest.mark.parametrize("code", ["raise SystemExit(3)", "import time; time.sleep(60)"])
-def test_a_failed_or_stuck_child_only_costs_time(code, kernels, monkeypatch):
+def test_a_failed_or_stuck_child_only_costs_time(code, kernels, monkeypatch, watch):
     monkeypatch.setattr(precompile, "WAIT_S", 0.5)
     child = _reports("a1 capwords", then=code)
-    compiling = precompile.Precompiling(child)
+    compiling = watch(child)
     compiling.watcher.join(60)
     assert child.returncode is not None  # ended, or killed after WAIT_S
     assert _numba.kernels("pkg.a") is _numba.kernels("pkg.b") is kernels  # compiled on use
-    compiling.stop()
 
 
-def test_finish_waits_for_the_child(tmp_path, kernels):
+def test_finish_waits_for_the_child(tmp_path, kernels, watch):
     child = _reports(then=f"import time; time.sleep(0.5); open({str(tmp_path / 'b')!r}, 'w')")
-    compiling = precompile.Precompiling(child)
+    compiling = watch(child)
     assert _numba.kernels("pkg.b") is None  # the NumPy code meanwhile
     compiling.finish()
     assert child.returncode == 0
@@ -273,24 +282,25 @@ def test_finish_waits_for_the_child(tmp_path, kernels):
     assert (tmp_path / "b").exists()  # marked for the next run
 
 
-def test_without_compiled_kernels_the_child_is_stopped(monkeypatch):
+def test_without_compiled_kernels_the_child_is_stopped(monkeypatch, watch):
     monkeypatch.setattr(_numba, "ENABLED", False)
     monkeypatch.setattr(_numba, "_deferred", {})
     child = _reports()
-    compiling = precompile.Precompiling(child)
+    compiling = watch(child)
     assert child.returncode is not None
     assert compiling.watcher is None and _numba._deferred == {}
 
 
-def test_without_a_child_nothing_is_deferred(kernels):
-    compiling = precompile.Precompiling(None)  # python -m tiegrad, or a busy machine
+def test_without_a_child_nothing_is_deferred(kernels, watch):
+    compiling = watch(None)  # python -m tiegrad, or a busy machine
     assert compiling.watcher is None and _numba._deferred == {}
     compiling.finish()
-    compiling.stop()
 
 
 @pytest.mark.skipif(_numba.kernels("tiegrad.optim.kernels") is None, reason="needs numba")
-def test_every_kernel_module_waits_for_the_child_on_numpy_code_with_its_bits(monkeypatch, tmp_path):
+def test_every_kernel_module_waits_for_the_child_on_numpy_code_with_its_bits(
+    monkeypatch, tmp_path, watch
+):
     # The host kernels' stand-in gives their bits (test_host_reference), the optimizer's
     # own NumPy code gives its kernels' (test_optim_fused); host_blocks' drivers call
     # the host kernels, so they wait too. An empty cache: no part is marked done.
@@ -298,7 +308,7 @@ def test_every_kernel_module_waits_for_the_child_on_numpy_code_with_its_bits(mon
     monkeypatch.setattr(_numba, "ENABLED", True)
     monkeypatch.setattr(_numba, "_deferred", {})
     monkeypatch.setattr(precompile, "_done_path", lambda kernels, part: str(tmp_path / part))
-    compiling = precompile.Precompiling(_reports())
+    compiling = watch(_reports())
     deferred = dict(_numba._deferred)
     compiling.stop()
     assert {module: getattr(v, "__name__", None) for module, v in deferred.items()} == {
@@ -324,7 +334,7 @@ def test_import_starts_no_thread_and_no_process():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-# The default model (the children compile for its sizes), few steps on a short corpus.
+# The default model (the child compiles for its sizes), few steps on a short corpus.
 SHORT = ["--corpus-chars", "20000", "--steps", "2", "--eval-batches", "1", "--no-progress"]
 
 
@@ -361,6 +371,7 @@ def test_the_child_reports_each_part_with_the_kernels_compiled_so_far(tmp_path):
     lines = [line.split() for line in proc.stdout.splitlines()]
     assert [line[0] for line in lines] == list(precompile.PARTS)
     reported = {part: names for part, *names in lines}
+    assert reported["gelu"] == ["gelu"] and reported["softmax"] == ["gelu", "softmax"]
     assert reported["forward"] == FORWARD
     assert set(FORWARD) < set(reported["backward"])  # the same module: and the backward's
     assert {"adam", "nonfinite"} <= set(reported["optimizer"])
@@ -452,8 +463,9 @@ def _host_switch_steps(switch, names=None):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_numba, "ENABLED", True)
         mp.setattr(_numba, "_deferred", {})
-        if switch != -1:
+        if switch != -1:  # as the command defers them (precompile.MODULES)
             _numba.defer(precompile.HOST_KERNELS, "tiegrad.backend.host_reference")
+            _numba.defer(precompile.HOST_BLOCKS)
         model, optimizer, batch = _training()
         losses = []
         for step in range(3):
@@ -461,6 +473,8 @@ def _host_switch_steps(switch, names=None):
             loss = model.loss(s, *batch)
             if step == switch:
                 _numba.ready(precompile.HOST_KERNELS, names)
+                if names is None:
+                    _numba.ready(precompile.HOST_BLOCKS)
             grads = optimizer.canonical_gradients(s.backward(loss))
             s.reset()
             optimizer.step(grads)
@@ -471,9 +485,10 @@ def _host_switch_steps(switch, names=None):
 @pytest.mark.skipif(_numba.kernels(precompile.HOST_KERNELS) is None, reason="needs numba")
 def test_a_switch_to_the_host_kernels_within_a_run_changes_no_bit():
     # Forward and backward on the stand-in (None), the switch between a forward and its
-    # backward (0, 2), of the whole module or of the forward's kernels alone (the
-    # backward's then stay on the stand-in), the kernels throughout (-1): the same bits.
+    # backward (0, 2), of the whole module or of the kernels the child reports first
+    # (the others then stay on the stand-in), the kernels throughout (-1): the same bits.
     kernels = _host_switch_steps(-1)
     assert len(set(kernels[0])) == 3  # the updates changed the model
-    for switch, names in [(None, None), (0, None), (2, None), (0, FORWARD), (1, FORWARD)]:
+    switches = [(None, None), (0, None), (2, None), (0, ["gelu"]), (1, ["gelu", "softmax"])]
+    for switch, names in [*switches, (0, FORWARD), (1, FORWARD)]:
         assert _host_switch_steps(switch, names) == kernels, (switch, names)

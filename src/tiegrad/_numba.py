@@ -36,6 +36,7 @@ ENABLED: bool = os.environ.get(ENV_SWITCH, "") in ("", "0")
 # A deferred module -> what ``kernels`` gives meanwhile: None, its stand-in, or a copy
 # of the stand-in with the kernels that are ready in place of theirs.
 _deferred: dict[str, ModuleType | types.SimpleNamespace | None] = {}
+_NOT_DEFERRED = object()
 
 
 def kernels(module: str) -> ModuleType | types.SimpleNamespace | None:
@@ -47,8 +48,10 @@ def kernels(module: str) -> ModuleType | types.SimpleNamespace | None:
     """
     if not ENABLED:
         return None
-    if _deferred and module in _deferred:
-        return _deferred[module]
+    if _deferred:
+        meanwhile = _deferred.get(module, _NOT_DEFERRED)  # one read: ``ready`` may pop it
+        if meanwhile is not _NOT_DEFERRED:
+            return meanwhile
     return _load(module)
 
 
@@ -61,17 +64,20 @@ def defer(module: str, stand_in: str | None = None) -> None:
 
 def ready(module: str, names: Iterable[str] | None = None) -> None:
     """Let the kernels of the deferred ``module`` in, now in numba's cache: those called
-    ``names``, in place of the stand-in's functions (nothing where the stand-in is the
-    callers' own code), or, where ``names`` is None, the module itself from now on.
-    Nothing for a module not deferred; safe from another thread than the callers'."""
+    ``names`` in place of the stand-in's functions of those names (none where the
+    stand-in is the callers' own code; a name the stand-in or the module lacks is
+    left out), or, where ``names`` is None, the module itself from now on. Nothing for
+    a module not deferred; one store, so callers on other threads see the stand-in
+    before it or the kernels after it."""
     meanwhile = _deferred.get(module)
     if names is None:
         _deferred.pop(module, None)
     elif meanwhile is not None and (compiled := _load(module)) is not None:
         mixed = types.SimpleNamespace(**vars(meanwhile))
         for name in names:
-            setattr(mixed, name, getattr(compiled, name))
-        _deferred[module] = mixed  # one store: a caller sees the old mix or the new
+            if hasattr(meanwhile, name) and hasattr(compiled, name):
+                setattr(mixed, name, getattr(compiled, name))
+        _deferred[module] = mixed
 
 
 @functools.cache
