@@ -153,7 +153,14 @@ def test_the_kernels_let_in_by_name_replace_the_stand_ins_functions_alone(loads)
     assert _numba.kernels("pkg.c") is _Kernels
 
 
-def test_the_switch_off_wins_over_a_deferred_module(monkeypatch, watch):
+def test_the_set_up_of_a_numba_that_does_not_import_does_nothing(monkeypatch):
+    # The watching thread sets numba up first; kernels() warns of a broken numba.
+    monkeypatch.setitem(sys.modules, "numba", None)  # ``import numba`` raises ImportError
+    monkeypatch.setattr(_numba.importlib.util, "find_spec", lambda name: object())
+    assert _numba.warm_up.__wrapped__() is None
+
+
+def test_the_switch_off_wins_over_a_deferred_module(monkeypatch):
     monkeypatch.setattr(_numba, "ENABLED", False)
     monkeypatch.setattr(_numba, "_deferred", {"pkg.a": sys.modules["string"]})
     assert _numba.kernels("pkg.a") is None
