@@ -66,11 +66,17 @@ def idle_cpus() -> float:
 
 
 def main() -> int:
-    """Start the compile child, import and run ``tiegrad.cli.main``; its exit code."""
+    """Start the compile child, import and run ``tiegrad.cli.main``; its exit code. The
+    child is stopped where the import fails or is interrupted."""
     child = start_precompile(sys.argv[1:])
     try:
         from tiegrad.cli import main as cli_main
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if child is not None:
+            child.kill()
+            child.wait()
+        if not isinstance(e, KeyboardInterrupt):
+            raise
         print("tiegrad: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
     return cli_main(precompiling=child)

@@ -109,6 +109,25 @@ class _Kernels:
     capwords, Template = object(), object()
 
 
+class _Interrupt:
+    """A finder interrupting the import of ``tiegrad.cli`` (Ctrl-C while it imports)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "tiegrad.cli":
+            raise KeyboardInterrupt
+        return None
+
+
+def test_the_child_is_stopped_where_the_commands_import_is_interrupted(monkeypatch):
+    child = _reports()
+    monkeypatch.setattr(launcher, "start_precompile", lambda argv: child)
+    monkeypatch.delitem(sys.modules, "tiegrad.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_Interrupt(), *sys.meta_path])
+    assert launcher.main() == launcher.EXIT_INTERRUPTED
+    assert child.returncode is not None
+    child.stdout.close()
+
+
 @pytest.fixture
 def loads(monkeypatch):
     """``tiegrad._numba`` on, nothing deferred, ``_load`` recording the modules it loads
