@@ -5,9 +5,10 @@ compile every kernel it calls, one after the other, in the training process. The
 ``tiegrad`` command (``_tiegrad_launcher``, its own process; importing tiegrad starts
 no process) instead starts, before it imports tiegrad and where a CPU is idle for it, a
 child process (``python -m tiegrad.train.precompile``) that runs a training step of the
-default model of ``tiegrad train`` part by part (``PARTS``: the forward, the backward,
-the update), which compiles the kernels they call into numba's cache, marks each part
-done there and says so on its standard output. The run does not wait for it.
+default model of ``tiegrad train`` part by part (``PARTS``: GELU and softmax alone, the
+rest of the forward, the backward, the update), which compiles the kernels they call
+into numba's cache, marks each part done there and says so on its standard output.
+The run does not wait for it.
 ``Precompiling`` reads those lines from a thread of the command, which first sets up
 numba's compiler while the run takes its first step; a child whose parts an earlier
 run's child marked done is stopped (nothing is left for it to compile).
@@ -16,8 +17,8 @@ Results never depend on timing. Until a part is done, the run steps on NumPy cod
 gives the bits of that part's kernels (``tiegrad._numba.defer``): the host kernels'
 stand-in ``tiegrad.backend.host_reference`` (the forward and the backward), the
 optimizer's own NumPy code (the update); then it switches to the part's kernels, which
-numba loads from the cache: the forward's alone after the forward (``tiegrad._numba.ready``
-with their names), the whole module after its last part. A child that fails, is killed
+numba loads from the cache: the kernels the child has compiled so far by their names
+(``tiegrad._numba.ready``), the whole module after its last part. A child that fails, is killed
 or compiles another signature only costs time: the run compiles what the cache lacks
 on first use after the switch. After the run's last step the command waits for the
 child, so that the next run finds every kernel in the cache.
