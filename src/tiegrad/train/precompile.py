@@ -166,9 +166,14 @@ def _let_in(part: str, names: list[str]) -> None:
         _numba.ready(caller)
 
 
+def _parts_of(module: str) -> list[str]:
+    """The parts of ``PARTS`` that compile ``module``'s kernels, in their order."""
+    return [part for part, compiled in PARTS.items() if compiled == module]
+
+
 def _last_part(module: str) -> str:
     """The last of ``PARTS`` that compiles ``module``'s kernels."""
-    return [part for part, compiled in PARTS.items() if compiled == module][-1]
+    return _parts_of(module)[-1]
 
 
 def _all_done(module: str) -> bool:
@@ -178,7 +183,7 @@ def _all_done(module: str) -> bool:
     kernels = _numba._load(module)
     if kernels is None:
         return True
-    paths = [_done_path(kernels, part) for part, compiled in PARTS.items() if compiled == module]
+    paths = [_done_path(kernels, part) for part in _parts_of(module)]
     return all(path is None or os.path.exists(path) for path in paths)
 
 
@@ -196,8 +201,8 @@ def _done_path(kernels: Any, part: str) -> str | None:
     cached code changes with them too); None where the module's kernels have no cache.
     A run that needs a signature the child did not compile (another model) only costs
     time: it compiles that one itself."""
-    dispatchers = [obj for obj in vars(kernels).values() if _is_kernel(obj)]
-    folder = dispatchers[0].stats.cache_path if dispatchers else None
+    first = next((obj for obj in vars(kernels).values() if _is_kernel(obj)), None)
+    folder = first.stats.cache_path if first is not None else None
     if not folder:
         return None
     import numba
@@ -262,9 +267,10 @@ def _parts() -> Iterator[str]:
     from ..session import EagerSession
 
     rows = np.zeros((2, 8), np.float32)
-    backend_of(rows).gelu(rows)
+    host = backend_of(rows)
+    host.gelu(rows)
     yield "gelu"
-    backend_of(rows).softmax_rows_(rows)
+    host.softmax_rows_(rows)
     yield "softmax"
     model, optimizer, batch = _default_run()
     model.train()
