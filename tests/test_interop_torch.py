@@ -134,3 +134,24 @@ def test_unsupported_dtype_is_named():
     m = nn.Linear(2, 2).to(torch.bfloat16)
     with pytest.raises(DTypeError, match="'weight': torch dtype bfloat16"):
         from_torch(m)
+
+
+def test_parameters_with_no_element_are_tied_only_when_they_are_one_parameter():  # C1
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.empty(0))
+    m.b = torch.nn.Parameter(torch.empty(0))
+    m.c = m.a
+    params = from_torch(m)
+    assert params["a"].storage is params["c"].storage
+    assert params["a"].storage is not params["b"].storage
+
+
+def test_to_torch_refuses_a_buffer_value_its_dtype_would_round_and_writes_nothing():  # C6
+    m = torch.nn.BatchNorm1d(3)
+    params = from_torch(m)
+    params["weight"].set_value(np.full(3, 2.0, np.float32))
+    with pytest.raises(DTypeError, match="num_batches_tracked.*float64.*torch.int64"):
+        to_torch(params, m, buffers={"num_batches_tracked": np.array(2.7)})
+    assert torch.equal(m.weight, torch.ones(3)) and int(m.num_batches_tracked) == 0
+    to_torch(params, m, buffers={"running_mean": np.array([1, 2, 3])})  # ints fit a float
+    assert torch.equal(m.running_mean, torch.tensor([1.0, 2.0, 3.0]))

@@ -383,3 +383,10 @@ def test_ops_reject_foreign_and_stale_refs(s):
     z = leaf(s, 2)
     s.reset()
     raises_and_records_nothing(s, TapeError, "stale", lambda: T.softmax(z))
+
+
+def test_max_over_an_axis_with_no_element_names_the_op_and_the_shape(s):
+    x = s.leaf(np.ones((0, 3)))
+    assert T.max(x, axis=1).shape == (0,)
+    with pytest.raises(ShapeError, match=re.escape("max: axis 0 of the input's shape (0, 3)")):
+        T.max(x, axis=0)

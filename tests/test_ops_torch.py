@@ -307,3 +307,41 @@ def test_max_pool2d(kernel, stride):
         lambda x: F.max_pool2d(x, kernel, stride),
         [rnd(2, 3, 7, 8)],
     )
+
+
+@pytest.mark.parametrize("zero", [0, 0.0, -0.0, np.float32(0.0)])
+def test_division_by_a_zero_number_gives_torchs_infinities_and_nan(zero):
+    x = np.array([1.0, -2.0, 0.0], np.float32)
+    s = EagerSession()
+    ref = s.leaf(x)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = ref / zero
+        grad = s.backward(T.sum(out))[ref]
+    tx = torch.tensor(x, requires_grad=True)
+    expected = tx / zero
+    expected.sum().backward()
+    np.testing.assert_array_equal(out.value, expected.detach().numpy())
+    np.testing.assert_array_equal(grad, tx.grad.numpy())
+
+
+def test_mse_loss_mean_of_no_elements_is_nan_as_in_torch():
+    s = EagerSession()
+    pred = s.leaf(np.zeros((0, 3), np.float32))
+    loss = T.mse_loss(pred, np.zeros((0, 3), np.float32))
+    expected = F.mse_loss(torch.zeros(0, 3), torch.zeros(0, 3))
+    assert np.isnan(loss.value) and torch.isnan(expected)
+    assert s.backward(loss)[pred].shape == (0, 3)
+
+
+def test_where_with_a_python_number_keeps_the_tensors_dtype():
+    mask = np.array([True, False, True])
+    x = rnd(3)
+    s = EagerSession()
+    ref = s.leaf(x)
+    for out, theirs in (
+        (T.where(mask, ref, 0), torch.where(torch.tensor(mask), torch.tensor(x), 0)),
+        (T.where(mask, 0.5, ref), torch.where(torch.tensor(mask), 0.5, torch.tensor(x))),
+    ):
+        assert_close(out.value, theirs, "where")
+    ints = s.constant(np.array([1, 2, 3]))
+    assert T.where(mask, ints, 0.5).value.dtype == np.float64  # a float is not cut to an int

@@ -313,3 +313,16 @@ def test_dense_group_gradient_checks_every_leaf_dtype_before_adding():  # C4, C6
         DTypeError, match=r"group 0: gradient of leaf 2 has dtype float64, expected float32"
     ):
         tiegrad.dense_group_gradient(group, grads)
+
+
+def test_sums_of_0d_gradients_are_0d_arrays():  # C4
+    z = Param(np.float32(2.0))
+    pl = ParamList([z, z.alias(), z.alias()])
+    one = np.array(1.0, np.float32)
+    sums = pl.canonical_gradients(pl.canonical_slot_indices(), [one, one * 2, one * 3])
+    assert type(sums[0]) is np.ndarray and sums[0].shape == () and sums[0] == 6.0
+    s = EagerSession()
+    uses = [s.use(z) for _ in range(3)]
+    (group,) = s.parameter_groups()
+    total = tiegrad.params.dense_group_gradient(group, {u.id: one for u in uses})
+    assert type(total) is np.ndarray and total == 3.0

@@ -12,10 +12,12 @@ from tiegrad import (
     DTypeError,
     EagerSession,
     Gradients,
+    Param,
     ShapeError,
     TapeError,
     TiegradError,
 )
+from tiegrad.optim import SGD
 
 
 def counting_node(s: EagerSession, name: str, parents, calls: list[str]):
@@ -323,3 +325,56 @@ def test_on_final_callbacks_run_once_each_when_every_later_node_is_done():
     assert a.id not in at_b and unused.id not in seen[2][1]  # unreached: absent, not zeros
     np.testing.assert_array_equal(at_a[a.id], grads[a])
     np.testing.assert_array_equal(grads[a], 2 * a.numpy() * b.numpy())
+
+
+def test_a_0d_value_used_three_times_gets_every_contribution():  # C4, REFERENCE section 3
+    s = EagerSession()
+    x = s.leaf(np.array(2.0))
+    assert s.backward(x * x + x * x + x * x + x)[x] == 13.0  # 6x + 1 at 2
+    s = EagerSession()
+    v = s.leaf(np.array([1.0, 2.0], np.float32))
+    t = T.sum(v)  # a 0-d node used three times
+    np.testing.assert_array_equal(s.backward(t * t + t)[v], [7.0, 7.0])  # 2t + 1 at t = 3
+
+
+@pytest.mark.parametrize("device", [None, "torch:cpu"])
+def test_sgd_step_with_an_earlier_recordings_gradients_updates_their_storages(device):  # C4
+    if device is not None:
+        pytest.importorskip("torch")
+    p = Param(np.ones(2, np.float32), name="p")
+    q = Param(np.full(2, 10.0, np.float32), name="q")
+    s = EagerSession(device=device)
+    first = s.backward(T.sum(s.use(p) * 3.0))
+    s.use(q)  # a new recording, whose leaf 0 is q
+    s.sgd_step(1.0, first)
+    np.testing.assert_array_equal(p.value_synced(), [-2.0, -2.0])
+    np.testing.assert_array_equal(q.value_synced(), [10.0, 10.0])
+
+
+@pytest.mark.parametrize("device", [None, "torch:cpu"])
+def test_refs_kept_past_the_tape_keep_their_recorded_values(device):  # C2
+    if device is not None:
+        pytest.importorskip("torch")
+    p = Param(np.array([1.0, 2.0], np.float32))
+    opt = SGD([p], lr=0.5)
+    s = EagerSession(device=device)
+    use = s.use(p)
+    view = use.T  # an op output in the parameter's memory
+    square = use * use
+    grads = s.backward(T.sum(square))  # releases the tape: nothing pins p any more
+    opt.step(grads)
+    np.testing.assert_array_equal(p.value_synced(), [0.0, 0.0])
+    for ref in (use, view):
+        np.testing.assert_array_equal(ref.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(square.numpy(), [1.0, 4.0])
+    np.testing.assert_array_equal(grads[use], [2.0, 4.0])
+
+
+def test_the_reference_snapshot_sequence_holds_through_backward_and_sgd():  # C2, C3, case 8
+    p = Param(np.float32(1.0))
+    s = EagerSession()
+    first = s.use(p)
+    p.set_value(np.float32(5.0))
+    second = s.use(p)
+    s.sgd_step(0.25, s.backward(first * first + second))  # d/dp = 2 * 1 + 1 = 3
+    assert (first.value, second.value, p.value) == (1.0, 5.0, 4.25)

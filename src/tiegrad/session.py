@@ -24,6 +24,7 @@ import numpy as np
 
 from .backend import NUMPY, Array, Backend
 from .errors import DeviceError, DTypeError, ShapeError, TapeError
+from .params.groups import add_new
 
 VJP = Any  # Callable[[Array], tuple[Array | None, ...]]
 
@@ -37,7 +38,7 @@ class TensorRef:
     session is reset; using it elsewhere raises ``TapeError``.
     """
 
-    __slots__ = ("session", "id", "value", "_gen")
+    __slots__ = ("session", "id", "value", "_gen", "__weakref__")
     # NumPy must defer to TensorRef's reflected operators (``array * ref``) instead of
     # iterating over the ref element by element.
     __array_ufunc__ = None
@@ -204,6 +205,10 @@ class EagerSession:
         # storage id -> the value its first use on this tape snapshotted; set when a
         # backward keeps the tape, to notice a tape that spans optimizer steps.
         self._first_values: dict[int, Any] = {}
+        # C2 after the tape: id -> the memory owner of every storage value a use took, and
+        # weak references to the refs whose value lies in that memory (``_keep_snapshots``)
+        self._owners: dict[int, Any] = {}
+        self._holders: list[weakref.ref] = []
         self._retained_backward = False
         self._released: Gradients | None = None
 
@@ -240,7 +245,8 @@ class EagerSession:
     def _record(self, value: Array, parents: tuple[int, ...], vjp: VJP) -> TensorRef:
         """Append an op node; ``vjp(g)`` returns one cotangent (or None) per parent.
 
-        The hot path of every op (DESIGN: performance): a few appends, no dictionaries.
+        The hot path of every op (DESIGN: performance): a few appends and one lookup, which
+        notes an output lying in a storage's memory (a view of a use) for ``reset`` (C2).
         """
         if self._owner != _thread_id():
             self._claim()
@@ -257,11 +263,15 @@ class EagerSession:
                     self._parents.append(parents)
                     self._vjps.append(vjp)
                     rg.append(True)
-                    return TensorRef(self, i, value, self._generation)
-        self._parents.append(None)
-        self._vjps.append(None)
-        rg.append(False)
-        return TensorRef(self, i, value, self._generation)
+                    break
+        if len(rg) == i:
+            self._parents.append(None)
+            self._vjps.append(None)
+            rg.append(False)
+        ref = TensorRef(self, i, value, self._generation)
+        if self._owners and id(self.backend.memory_owner(value)) in self._owners:
+            self._holders.append(_weak(ref))
+        return ref
 
     def _array(self, data: Any) -> Array:
         """Convert input data; Python numbers and lists of floats become float32."""
@@ -315,6 +325,9 @@ class EagerSession:
         self._params[ref.id] = param
         if storage is not None:
             self._storages[ref.id] = storage
+            owner = self.backend.memory_owner(value)
+            self._owners[id(owner)] = owner
+            self._holders.append(_weak(ref))
             first = self._first_values.setdefault(id(storage), value)
             if first is not value and self._retained_backward:
                 self._warn_growth(param)
@@ -337,11 +350,29 @@ class EagerSession:
     def reset(self) -> None:
         """Clear the tape and registrations; refs recorded so far become stale.
 
+        A stale ref still reads the value it recorded (C2): one that lies in a storage's
+        memory (a use, a view of one) is given a copy here, before the storage is free
+        to be updated in place.
+
         The generator, ``last_gradients`` and every parameter are kept. Storages are
         unpinned, so optimizers may update them in place again (DESIGN: snapshots).
         """
+        self._keep_snapshots()
         self._generation += 1
         self._clear()
+
+    def _keep_snapshots(self) -> None:
+        """Give every live ref whose value lies in a storage's memory its own copy (C2).
+
+        Resetting unpins the storages, so an optimizer may then update them in place;
+        a ref kept past the tape (a leaf, a view of one) must still read the value it
+        recorded. A training loop keeps none of them, and copies nothing.
+        """
+        copy = self.backend.copy
+        for weak in self._holders:
+            ref = weak()
+            if ref is not None:
+                ref.value = copy(ref.value)
 
     @contextlib.contextmanager
     def no_grad(self) -> Iterator[None]:
@@ -500,7 +531,7 @@ class EagerSession:
                 elif pid in owned:
                     prev += pg
                 else:
-                    cot[pid] = prev + pg
+                    cot[pid] = add_new(prev, pg)
                     owned.add(pid)
         for i in keep:
             if i not in result and rg[i]:

@@ -64,6 +64,10 @@ class Backend:
         """A fresh, writable copy of ``x``."""
         raise NotImplementedError
 
+    def memory_owner(self, x: Array) -> Any:
+        """The array whose memory ``x`` lies in: ``x`` itself, or the one it is a view of."""
+        raise NotImplementedError
+
     def to_numpy(self, x: Array) -> Any:
         """A NumPy array with the values of ``x`` (downloads from a device)."""
         raise NotImplementedError

@@ -386,6 +386,10 @@ class NumpyBackend(Backend):
     def copy(self, x: Array) -> Array:
         return np.array(x, copy=True)
 
+    def memory_owner(self, x: Array) -> Any:
+        base = getattr(x, "base", None)  # a NumPy scalar has no memory to share: its own
+        return x if base is None else base
+
     def to_numpy(self, x: Array) -> np.ndarray:
         return np.asarray(x)
 

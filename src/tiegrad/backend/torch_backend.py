@@ -140,6 +140,10 @@ class TorchBackend(Backend):
     def copy(self, x: Array) -> Array:
         return self._tensor(x).clone()
 
+    def memory_owner(self, x: Array) -> Any:
+        base = x._base
+        return x if base is None else base
+
     def to_numpy(self, x: Array) -> Any:
         """A fresh NumPy copy of a tensor, never a view of it, on torch's CPU as on a GPU.
 

@@ -22,7 +22,13 @@ _NUMPY_DTYPES = ("float16", "float32", "float64")
 
 
 def _view_key(t: Any) -> tuple:
-    """What makes two tensors the same view: storage, offset, shape, strides."""
+    """What makes two tensors the same view: storage, offset, shape, strides.
+
+    Every storage of no bytes reports address 0, so a tensor with no element is its own
+    view: the same Parameter under two paths is tied, two empty ones are not (C1).
+    """
+    if t.numel() == 0:
+        return ("empty", id(t))
     storage = t.untyped_storage()
     return (storage.data_ptr(), storage.nbytes(), t.storage_offset(), tuple(t.shape), t.stride())
 
@@ -128,7 +134,8 @@ def to_torch(params: dict[str, Param], module: Any, buffers: dict[str, Any] | No
     The tie layout must match: the same paths, grouped into the same storages (by view
     identity on the torch side, storage identity here), with equal shapes and dtypes;
     otherwise an ``AliasError`` shows both layouts side by side. ``buffers`` (``{path:
-    array}``) must name buffers of ``module`` with their shapes. Everything is checked
+    array}``) must name buffers of ``module`` with their shapes and a dtype the buffer's
+    holds without rounding (no floats into an integer counter). Everything is checked
     before anything is written (C6); then each torch view is written once, in place, so
     tied torch Parameters stay one Parameter. ``requires_grad`` flags stay torch's.
     """
@@ -168,6 +175,16 @@ def to_torch(params: dict[str, Param], module: Any, buffers: dict[str, Any] | No
             raise ShapeError(
                 f"to_torch: buffer {path!r} has shape {tuple(np.shape(value))}, the module's "
                 f"{tuple(own_buffers[path].shape)}"
+            )
+        target = own_buffers[path]
+        held = (
+            "b" if target.dtype == torch.bool else "biuf" if target.is_floating_point() else "biu"
+        )
+        kind = np.asarray(value).dtype
+        if kind.kind not in held:
+            raise DTypeError(
+                f"to_torch: buffer {path!r} is {kind.name} here but {target.dtype} in the "
+                "module; its values would be cast (convert them first)"
             )
     written: set[int] = set()
     with torch.no_grad():

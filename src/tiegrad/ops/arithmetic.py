@@ -8,6 +8,7 @@ performance), and a VJP computes only the cotangents of operands that need one.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -160,7 +161,7 @@ def div(a: Any, b: Any) -> TensorRef:
     if s is None:
         c = scalar_value(b)
         if c is not None:
-            inv = 1.0 / c
+            inv = 1.0 / c if c != 0 else math.copysign(math.inf, c)  # a / 0: +-inf, NaN
             return session_of(a)._record(a.value * inv, (a.id,), partial(_scale, inv))
         c = scalar_value(a)
         if c is not None:

@@ -172,6 +172,7 @@ def mse_loss(pred: TensorRef, target: Any, reduction: str = "mean") -> TensorRef
     """Mean (or summed, or elementwise) squared difference; shapes must be equal.
 
     A reduced loss is the dot product of the flat difference with itself (one pass).
+    The mean of no elements is NaN, as ``ops.mean`` and PyTorch's ``mse_loss`` give.
     """
     s = session_of(pred, target)
     bk = s.backend
@@ -184,15 +185,16 @@ def mse_loss(pred: TensorRef, target: Any, reduction: str = "mean") -> TensorRef
     pred, target = lift(s, pred, pv), lift(s, target, tv)
     diff = pv - tv
     n = math.prod(tuple(pv.shape))
-    mean = reduction == "mean" and n > 0
+    mean = reduction == "mean"
     if reduction == "none":
         out = diff * diff
     else:
         flat = bk.reshape(diff, (-1,))
         out = bk.matmul(flat, flat)  # one BLAS dot: no squared temporary
+    scale = (1.0 / n if n else math.nan) if mean else 1.0
     if mean:
-        out = out * (1.0 / n)
-    factor = 2.0 / n if mean else 2.0
+        out = out * scale
+    factor = 2.0 * scale
     want_p, want_t = needs_grad(s, pred), needs_grad(s, target)
 
     def vjp(g):

@@ -9,6 +9,7 @@ import math
 from functools import partial
 from typing import Any
 
+from ..errors import ShapeError
 from ..session import TensorRef
 from ._core import normalize_axes, session_of
 
@@ -64,6 +65,12 @@ def max(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
     xv = x.value
     shape = tuple(xv.shape)
     axes = normalize_axes(axis, len(shape), "max")
+    empty = [i for i in axes if shape[i] == 0]
+    if empty:
+        raise ShapeError(
+            f"max: axis {empty[0]} of the input's shape {shape} has no element; the "
+            "maximum of no elements is undefined (as in NumPy and PyTorch)"
+        )
     mk = bk.max(xv, axis=axes, keepdims=True)
     out = mk if keepdims else bk.reshape(mk, tuple(n for i, n in enumerate(shape) if i not in axes))
     vjp = partial(_max_vjp, bk, xv, mk, axes, _kept_shape(shape, axes))

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import IndexRangeError, ShapeError
 from ..session import TensorRef
-from ._core import check_broadcast, lift, session_of, unbroadcast, value_of
+from ._core import check_broadcast, lift, scalar_value, session_of, unbroadcast, value_of
 
 
 def reshape(x: TensorRef, shape: Sequence[int]) -> TensorRef:
@@ -133,12 +133,26 @@ def stack(xs: Sequence[Any], axis: int = 0) -> TensorRef:
     return s._record(out, tuple(r.id for r in refs), vjp)
 
 
+def _fits(bk: Any, number: int | float | None, dtype: Any) -> bool:
+    """Whether ``number`` (None: not a number) takes ``dtype`` without losing its kind."""
+    return number is not None and (isinstance(number, int) or bk.is_floating(dtype))
+
+
 def where(cond: Any, a: Any, b: Any) -> TensorRef:
-    """``a`` where ``cond`` holds, else ``b`` (``cond`` is a constant; all broadcast)."""
+    """``a`` where ``cond`` holds, else ``b`` (``cond`` is a constant; all broadcast).
+
+    A Python number for one of ``a`` and ``b`` takes the other's dtype where that holds
+    it (an integer, or any number for a floating dtype), as in PyTorch: ``where(mask,
+    x, 0)`` of a float32 ``x`` is float32.
+    """
     s = session_of(cond, a, b)
     bk = s.backend
     c = value_of(s, cond)
     av, bv = value_of(s, a), value_of(s, b)
+    if scalar_value(a) is None and _fits(bk, scalar_value(b), av.dtype):
+        bv = bk.astype(bv, av.dtype)
+    elif scalar_value(b) is None and _fits(bk, scalar_value(a), bv.dtype):
+        av = bk.astype(av, bv.dtype)
     check_broadcast("where", av, bv)
     check_broadcast("where", c, av)
     check_broadcast("where", c, bv)

@@ -15,7 +15,12 @@ import numpy as np
 
 from ..backend import NUMPY, Backend, backend_of
 from ..errors import DeviceError
-from .groups import ParameterGroup, check_group_gradients, check_sgd_inputs
+from .groups import (
+    ParameterGroup,
+    check_group_gradients,
+    check_sgd_inputs,
+    recorded_groups,
+)
 
 T = TypeVar("T")
 
@@ -158,7 +163,7 @@ def sgd_step_device_groups(session: Any, lr: float, gradients: Mapping[int, Any]
     """
     lr = check_sgd_inputs(session, lr, gradients)
     bk = session.backend
-    groups = session.parameter_groups()
+    groups = recorded_groups(session, gradients)
     check_device_gradient_groups(groups, gradients, bk)
     for group in groups:
         group.current_device_value(bk)

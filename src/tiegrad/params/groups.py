@@ -165,10 +165,17 @@ def dense_group_gradient(group: ParameterGroup, gradients: Mapping[int, Any]) ->
     total = gradients[group.leaves[0]]
     if len(group.leaves) == 1:
         return total
-    total = total + gradients[group.leaves[1]]
+    total = add_new(total, gradients[group.leaves[1]])
     for leaf in group.leaves[2:]:
         total += gradients[leaf]
     return total
+
+
+def add_new(a: Any, b: Any) -> Any:
+    """``a + b`` as a new array: NumPy gives a scalar for two 0-d arrays, made a 0-d
+    array here so that the next contribution adds into it (C4)."""
+    total = a + b
+    return np.asarray(total) if isinstance(total, np.generic) else total
 
 
 def check_learning_rate(lr: Any) -> float:
@@ -198,6 +205,14 @@ def check_sgd_inputs(session: Any, lr: Any, gradients: Mapping[int, Any] | None)
     return lr
 
 
+def recorded_groups(session: Any, gradients: Mapping[int, Any]) -> list[ParameterGroup]:
+    """The groups of the recording ``gradients`` came from (C4): the registrations a
+    ``Gradients`` keeps, so gradients of a released or earlier tape update the storages
+    they were computed for; a plain mapping is keyed by the session's current tape."""
+    of_recording = getattr(gradients, "parameter_groups", None)
+    return of_recording() if of_recording is not None else session.parameter_groups()
+
+
 def write_group_value(group: ParameterGroup, value: np.ndarray) -> None:
     """Write a new host value for a group's storage (or through its handle's ``set``)."""
     if group.storage is not None:
@@ -216,7 +231,7 @@ def sgd_step_groups(session: Any, lr: float, gradients: Mapping[int, Any] | None
     used twice (two groups, C1) receives both updates.
     """
     lr = check_sgd_inputs(session, lr, gradients)
-    groups = session.parameter_groups()
+    groups = recorded_groups(session, gradients)
     sums = [session.backend.to_numpy(dense_group_gradient(g, gradients)) for g in groups]
     for group in groups:
         group.current_host_value()

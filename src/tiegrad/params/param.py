@@ -77,7 +77,13 @@ class Param:
 
     @property
     def value(self) -> np.ndarray:
-        """The host value as a read-only array, without syncing a mirror (C7)."""
+        """The host value as a read-only array, without syncing a mirror (C7).
+
+        A view of the storage's memory, as PyTorch's ``param.data`` is: an optimizer step
+        that finds no tape holding it updates it in place, so a value kept across steps
+        reads the new one; ``np.array(p.value)`` keeps a copy. A use (``session.use``)
+        keeps the value it recorded (C2).
+        """
         return self.storage.host
 
     def value_synced(self) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 from ..backend import device_backend, dtype_name
 from ..errors import DTypeError, MissingGradientError, ShapeError, SlotError
 from .canonical import canonical_indices
-from .groups import check_learning_rate
+from .groups import add_new, check_learning_rate
 from .param import Param
 from .storage import HOST_DEVICES, ParameterStorage, check_host_array
 
@@ -213,7 +213,7 @@ class ParamList:
             elif owned[c]:
                 sums[c] += g
             else:
-                sums[c] = sums[c] + g
+                sums[c] = add_new(sums[c], g)
                 owned[c] = True
         return sums
 
