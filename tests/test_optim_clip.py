@@ -13,7 +13,7 @@ import pytest
 
 import tiegrad.ops as T
 from tiegrad import DTypeError, EagerSession, HyperparameterError, NonFiniteError, Param, ParamList
-from tiegrad.optim import SGD, clip_grad_norm, clip_grad_value, total_norm
+from tiegrad.optim import SGD, clip_grad_norm, clip_grad_value, norms, total_norm
 
 
 def test_a_tied_storage_counts_once_in_the_norm():  # C4, C5
@@ -68,6 +68,39 @@ def test_nonfinite_gradients():
         clip_grad_norm([np.array([math.inf])], 1.0, error_if_nonfinite=True)
 
 
+def test_zero_dimensional_gradients_stay_arrays_and_scalars_are_accepted():
+    # Scaling or clamping a 0-d array in NumPy gives a scalar; the list gets 0-d arrays.
+    for first in (np.array(3.0, np.float32), np.float32(3.0)):
+        grads = [first, np.array([4.0, 0.0], np.float32)]
+        assert total_norm(grads) == 5.0
+        assert clip_grad_norm(grads, 1.0) == 5.0
+        assert isinstance(grads[0], np.ndarray) and grads[0].shape == ()
+        assert grads[0].dtype == np.float32 and float(grads[0]) == pytest.approx(0.6)
+        assert total_norm(grads) == pytest.approx(1.0, rel=1e-5)
+        clip_grad_value(grads, 0.5)
+        assert isinstance(grads[0], np.ndarray) and grads[0].shape == ()
+        assert grads[0].dtype == np.float32 and float(grads[0]) == 0.5
+    valued = [np.float64(-2.0)]
+    clip_grad_value(valued, 1.0)
+    assert isinstance(valued[0], np.ndarray) and valued[0].dtype == np.float64
+    assert valued[0].shape == () and float(valued[0]) == -1.0
+
+
+def test_norms_that_overflow_are_infinite_as_torchs_and_finiteness_is_by_value():
+    huge = np.array([1e200, 1.0, 2.0, 3.0])  # finite; its squares overflow float64
+    assert norms.all_finite(huge) and not norms.all_finite(np.array([1e200, math.nan]))
+    assert not norms.all_finite(np.array([math.inf], np.float32))
+    for p in (2.0, 3.0):
+        assert total_norm([huge], p) == math.inf  # torch's clip_grad_norm_ reports inf
+    assert total_norm([huge], math.inf) == 1e200
+    grads = [huge]
+    assert clip_grad_norm(grads, 1.0) == math.inf and grads[0] is huge
+    with pytest.raises(NonFiniteError, match="total 2.0-norm"):
+        clip_grad_norm([huge], 1.0, error_if_nonfinite=True)
+    # A float32 sum that overflows is redone in float64: the norm stays exact.
+    assert total_norm([np.array([1e30, 0.0], np.float32)]) == pytest.approx(1e30, rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "call, error, fragment",
     [
@@ -76,8 +109,17 @@ def test_nonfinite_gradients():
         (lambda: clip_grad_norm([np.ones(2)], 1.0, 0.0), HyperparameterError, "norm_type"),
         (lambda: clip_grad_norm([np.ones(2)], 1.0, "two"), HyperparameterError, "norm_type"),
         (lambda: clip_grad_norm(np.ones(2), 1.0), DTypeError, "per-slot list"),
-        (lambda: clip_grad_norm([np.ones(2, int)], 1.0), DTypeError, "slot 0 holds a int64"),
-        (lambda: clip_grad_value([[1.0]], 1.0), DTypeError, "slot 0 holds a list"),
+        (
+            lambda: clip_grad_norm([np.ones(2, int)], 1.0),
+            DTypeError,
+            "slot 0 holds an ndarray of dtype int64, expected a floating ndarray",
+        ),
+        (
+            lambda: total_norm([None, np.int64(3)]),
+            DTypeError,
+            "slot 1 holds a NumPy scalar of dtype int64, expected",
+        ),
+        (lambda: clip_grad_value([[1.0]], 1.0), DTypeError, "slot 0 holds an object of type list"),
         (lambda: clip_grad_value([np.ones(2)], -0.5), HyperparameterError, "clip_value"),
     ],
 )

@@ -467,6 +467,25 @@ def test_a_nonfinite_gradient_changes_nothing_on_either_path(monkeypatch, small_
         assert outcomes[0] == outcomes[1]
 
 
+def test_finite_gradients_whose_squares_overflow_pass_the_check_on_either_path(monkeypatch):
+    # Finiteness is decided by the values: 1e200 squared overflows float64, yet both
+    # paths update with it (as torch does), and both refuse an infinity beside it (C6).
+    outcomes = []
+    for enabled in (True, False):
+        monkeypatch.setattr(_numba, "ENABLED", enabled)
+        p = Param(np.zeros(4))
+        opt = SGD([p], lr=1e-300)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step([np.array([1e200, 1.0, 2.0, 3.0])])
+        outcomes.append(p.value.tobytes())
+        with pytest.raises(NonFiniteError, match="slot 0"):
+            opt.step([np.array([1e200, 1.0, np.inf, 3.0])])
+        assert p.value.tobytes() == outcomes[-1] and opt.step_count == 1
+    np.testing.assert_array_equal(p.value, [-1e-100, -1e-300, -2e-300, -3e-300])
+    assert outcomes[0] == outcomes[1]
+
+
 # -- gradients sharing memory with what a step writes ---------------------------------------
 def two_steps(grads_of, copy: bool) -> list[np.ndarray]:
     """Values after two Adam steps, the second one's gradients ``grads_of(plist, opt)``."""

@@ -166,3 +166,20 @@ def test_bad_schedule_state_changes_nothing(edit, fragment):  # C6
     with pytest.raises((CheckpointError, HyperparameterError), match=fragment):
         sched.load_state_dict(sd)
     assert (sched.state_dict(), lrs(opt)) == before
+
+
+@pytest.mark.parametrize("three_phase", [False, True])
+@pytest.mark.parametrize("strategy", ["cos", "linear"])
+def test_one_cycle_runs_a_full_loop_and_ends_at_the_last_phase_end(strategy, three_phase):
+    # A loop of total_steps iterations steps the schedule to total_steps itself: the
+    # last phase's end values there, not an extrapolation (negative with "linear").
+    opt = optimizer(lr=(0.1,), momentum=0.9)
+    sched = OneCycleLR(
+        opt, max_lr=1.0, total_steps=10, anneal_strategy=strategy, three_phase=three_phase
+    )
+    for _ in range(10):
+        opt.step([np.ones(2)])
+        sched.step()
+    assert sched.last_epoch == 10
+    assert lrs(opt) == [pytest.approx(1.0 / 25 / 1e4, rel=1e-12)]
+    assert opt.param_groups[0]["momentum"] == pytest.approx(0.95, rel=1e-12)

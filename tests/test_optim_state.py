@@ -186,6 +186,21 @@ BAD_STATES = {
         CheckpointError,
         "holds slots",
     ),
+    "group slots that are a number": (
+        corrupt(lambda sd: sd["param_groups"][0].update(slots=5)),
+        CheckpointError,
+        r'param_groups\[0\]\["slots"\] must be a list of slot indices, got int',
+    ),
+    "group slots that are None": (
+        corrupt(lambda sd: sd["param_groups"][1].update(slots=None)),
+        CheckpointError,
+        r'param_groups\[1\]\["slots"\] must be a list of slot indices, got NoneType',
+    ),
+    "a group slot that is a float": (
+        corrupt(lambda sd: sd["param_groups"][0].update(slots=[0, 1.0])),
+        CheckpointError,
+        r'param_groups\[0\]\["slots"\]\[1\] must be a slot index \(an integer\), got float',
+    ),
     "a group fewer": (corrupt(lambda sd: sd["param_groups"].pop()), CheckpointError, "2 groups"),
     "state at an alias slot": (
         corrupt(lambda sd: sd["state"].update({2: sd["state"][0]})),
@@ -293,3 +308,20 @@ def test_state_of_a_tied_layout_is_refused_by_another_layout_side_by_side(layout
         target.load_state_dict(saved.state_dict())
     assert "state dict" in str(e.value) and "<-- differs" in str(e.value)
     assert snapshot(target) == before
+
+
+def test_a_state_dict_of_reordered_parameters_is_refused_not_swapped():  # C6, pytorch#1489
+    def named(order: str) -> ParamList:
+        return ParamList([Param(np.full(3, float(ord(n)), np.float32), name=n) for n in order])
+
+    opt = Adam(named("ab"), lr=0.1)
+    opt.step([np.array([1.0, 2.0, 3.0], np.float32), np.full(3, 10.0, np.float32)])
+    state = opt.state_dict()
+    reordered = Adam(named("ba"), lr=0.1)
+    before = reordered.state_dict()
+    with pytest.raises(CheckpointError, match="slot 0 is 'a', which is slot 1 here"):
+        reordered.load_state_dict(state)
+    assert json.dumps(reordered.state_dict(), default=repr) == json.dumps(before, default=repr)
+    renamed = Adam(named("xy"), lr=0.1)  # names new here: matched by position
+    renamed.load_state_dict(state)
+    np.testing.assert_array_equal(renamed.state_dict()["state"][1]["exp_avg"], np.ones(3))

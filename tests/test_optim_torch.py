@@ -265,9 +265,9 @@ SCHEDULES = {
             o, [cosine_warmup_lambda(g["lr"], 5, 20, 1e-3) for g in o.param_groups]
         ),
     ),
-    "one_cycle": (
-        lambda o: S.OneCycleLR(o, max_lr=[0.05, 0.02], total_steps=STEPS),
-        lambda o: TS.OneCycleLR(o, max_lr=[0.05, 0.02], total_steps=STEPS),
+    "one_cycle": (  # one step more than run() takes: torch's values end at total_steps - 1
+        lambda o: S.OneCycleLR(o, max_lr=[0.05, 0.02], total_steps=STEPS + 1),
+        lambda o: TS.OneCycleLR(o, max_lr=[0.05, 0.02], total_steps=STEPS + 1),
     ),
     "one_cycle_three_phase_linear": (
         lambda o: S.OneCycleLR(
@@ -337,3 +337,22 @@ def test_clipping_matches_torch(clip, route):
     # The tied weight's summed gradient is counted once in the norm, as torch counts tw.
     run(AdamW, torch.optim.AdamW, {"lr": 0.02}, route=route, clip=clip)
     run(SGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, route=route, clip=clip)
+
+
+@pytest.mark.parametrize("three_phase", [False, True])
+@pytest.mark.parametrize("strategy", ["cos", "linear"])
+def test_one_cycle_matches_torch_up_to_total_steps(strategy, three_phase):
+    # Steps 0 .. total_steps - 1 are torch's; at total_steps torch extrapolates past the
+    # last phase (negative with "linear") where tiegrad holds its end value.
+    kwargs = {"max_lr": 1.0, "total_steps": 10, "anneal_strategy": strategy}
+    opt = SGD([Param(np.ones(2))], lr=0.1, momentum=0.9)
+    topt = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1, momentum=0.9)
+    ours = schedules.OneCycleLR(opt, three_phase=three_phase, **kwargs)
+    theirs = TS.OneCycleLR(topt, three_phase=three_phase, **kwargs)
+    for _ in range(10):
+        pair = [opt.param_groups[0][k] for k in ("lr", "momentum")]
+        assert pair == pytest.approx([topt.param_groups[0][k] for k in ("lr", "momentum")])
+        topt.step()
+        ours.step()
+        theirs.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0 / 25 / 1e4, rel=1e-12)

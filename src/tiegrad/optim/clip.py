@@ -13,6 +13,10 @@ may be borrowed from a tape, C8) are never written. The list then goes into ``st
 
 Because a tied storage appears once (its summed gradient at its canonical slot), the
 global norm counts it once, as PyTorch does for a tied module.
+
+An entry is a floating ndarray or, for a 0-d gradient, a NumPy floating scalar (what
+NumPy arithmetic on 0-d arrays returns); every clipped entry written to the list is an
+ndarray of the input's dtype and shape, 0-d ones included.
 """
 
 from __future__ import annotations
@@ -29,16 +33,29 @@ from .norms import vector_norm
 
 
 def _arrays(what: str, gradients: Sequence[Any]) -> list[np.ndarray | None]:
+    """The entries of ``gradients`` as floating ndarrays (a NumPy floating scalar as a
+    0-d array), None kept; ``DTypeError`` naming the first other entry's slot and type."""
     if isinstance(gradients, (str, bytes)) or not isinstance(gradients, Sequence):
         raise DTypeError(
             f"{what}: expected a per-slot list of gradients, got {type(gradients).__name__}"
         )
     out: list[np.ndarray | None] = []
     for i, g in enumerate(gradients):
-        if g is not None and not (isinstance(g, np.ndarray) and g.dtype.kind == "f"):
-            kind = g.dtype.name if isinstance(g, np.ndarray) else type(g).__name__
-            raise DTypeError(f"{what}: slot {i} holds a {kind}, expected a floating ndarray")
-        out.append(g)
+        if g is None or (isinstance(g, np.ndarray) and g.dtype.kind == "f"):
+            out.append(g)
+        elif isinstance(g, np.floating):
+            out.append(np.asarray(g))
+        else:
+            if isinstance(g, np.ndarray):
+                got = f"an ndarray of dtype {g.dtype.name}"
+            elif isinstance(g, np.generic):
+                got = f"a NumPy scalar of dtype {g.dtype.name}"
+            else:
+                got = f"an object of type {type(g).__name__}"
+            raise DTypeError(
+                f"{what}: slot {i} holds {got}, expected a floating ndarray or a NumPy "
+                f"floating scalar"
+            )
     return out
 
 
@@ -65,9 +82,11 @@ def clip_grad_norm(
 
     Returns the total norm before clipping. When ``max_norm / (total_norm + 1e-6)`` is
     below 1 (PyTorch's rule) every entry of the list is replaced by the array times that
-    factor; otherwise the list is left as it is. A non-finite norm leaves the gradients
-    as they are (the optimizer's ``nonfinite`` policy then applies), or raises
-    ``NonFiniteError`` with ``error_if_nonfinite``. Everything is checked first (C6).
+    factor; otherwise the list is left as it is. A non-finite norm (a NaN or infinity
+    in the gradients, or inf, as torch reports it, when finite gradients' norm
+    overflows float64) leaves the gradients as they are (the optimizer's ``nonfinite``
+    policy then applies), or raises ``NonFiniteError`` with ``error_if_nonfinite``.
+    Everything is checked first (C6).
     """
     grads = _arrays("clip_grad_norm", gradients)
     _check_list("clip_grad_norm", gradients)
@@ -81,16 +100,17 @@ def clip_grad_norm(
         return norm
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
-        gradients[:] = [None if g is None else g * coef for g in grads]
+        gradients[:] = [None if g is None else np.asarray(g * coef) for g in grads]
     return norm
 
 
 def clip_grad_value(gradients: list[np.ndarray | None], clip_value: float) -> None:
-    """Clamp every gradient element to ``[-clip_value, clip_value]``, replacing list entries."""
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, replacing list entries
+    (each by an ndarray of its dtype and shape)."""
     grads = _arrays("clip_grad_value", gradients)
     _check_list("clip_grad_value", gradients)
     v = at_least_zero("clip_grad_value", "clip_value", clip_value)
-    gradients[:] = [None if g is None else np.clip(g, -v, v) for g in grads]
+    gradients[:] = [None if g is None else np.asarray(np.clip(g, -v, v)) for g in grads]
 
 
 def _check_list(what: str, gradients: Sequence[Any]) -> None:

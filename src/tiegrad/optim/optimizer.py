@@ -54,7 +54,6 @@ read and checked on every step, so the cache changes neither results nor errors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any, ClassVar
@@ -78,7 +77,7 @@ from . import fused
 from .device import device_step, is_device_step, release_state, sync_state
 from .fused import FusedRule
 from .hyperparams import Checker, check_eps_in, count, plain
-from .norms import sum_of_squares
+from .norms import all_finite
 from .plan import CHUNK, Program, Run, StepPlan
 from .state import FlatState, SlotSpec
 from .state_values import check_state_values
@@ -271,13 +270,15 @@ class Optimizer:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Adopt a ``state_dict``, validated completely before anything changes (C6).
 
-        Checked: the keys and ``kind``; every hyperparameter; that group ``i`` holds
-        the same slots here; that the alias layout is this optimizer's (trainability,
-        canonical and storage slot of every slot, compared as checkpoint loading does
-        and shown side by side, C6, C9), so state never moves to another storage; that
-        state is only at canonical slots (C5); each entry's ``step`` and exactly the
-        tensors the loaded hyperparameters need, with this slot's shape and dtype; the
-        counters. The arrays are copied, so the dict may be reused.
+        Checked: the keys and ``kind``; every hyperparameter; that group ``i``'s
+        ``slots`` is a list of integers, the slots of group ``i`` here; that the alias
+        layout is this optimizer's (trainability, canonical and storage slot of every
+        slot, compared as checkpoint loading does and shown side by side, C6, C9), and
+        that no saved path names another slot here (reordered parameters), so state
+        never moves to another storage or parameter; that state is only at canonical slots
+        (C5); each entry's ``step`` and exactly the tensors the loaded hyperparameters
+        need, with this slot's shape and dtype; the counters. The arrays are copied, so
+        the dict may be reused.
         """
         where = f"{self.kind}.load_state_dict"
         sd = _mapping(where, "the state dict", state_dict)
@@ -299,9 +300,10 @@ class Optimizer:
         for gi, (group, mine) in enumerate(zip(groups, self.param_groups)):
             group = _mapping(where, f"param_groups[{gi}]", group)
             _exact_keys(where, f"param_groups[{gi}]", group, ("slots", *self.hyperparameters))
-            if list(group["slots"]) != list(mine["slots"]):
+            slots = _slot_list(where, f'param_groups[{gi}]["slots"]', group["slots"])
+            if slots != list(mine["slots"]):
                 raise CheckpointError(
-                    f"{where}: param_groups[{gi}] holds slots {list(group['slots'])}, this "
+                    f"{where}: param_groups[{gi}] holds slots {slots}, this "
                     f"optimizer's group {gi} holds slots {list(mine['slots'])}"
                 )
         self._check_layout(where, sd["layout"])
@@ -340,7 +342,10 @@ class Optimizer:
         """``CheckpointError`` unless ``raw`` (a state dict's ``layout``) is this layout.
 
         Parsed and compared by the checkpoint's own code (the slot records, the strict
-        layout check and its side-by-side table), so both loads agree (C6, C9).
+        layout check and its side-by-side table), so both loads agree (C6, C9). A saved
+        path found at another slot here is refused too: the parameters were reordered,
+        and positional state would move to another parameter (pytorch#1489). Paths that
+        are new here (renamed, or unnamed ``slot{i}``) are matched by position.
         """
         from ..checkpoint.loading import check_strict_layout
         from ..checkpoint.schema import check_layout, layout_table, parse_slots
@@ -355,6 +360,17 @@ class Optimizer:
                 f"{len(mine)}\n{layout_table(pairs, ('state dict', 'optimizer'))}"
             )
         check_strict_layout(pairs, where, ("state dict", "optimizer"))
+        here = {m.path: j for j, m in enumerate(mine)}
+        for i, s in enumerate(saved):
+            j = here.get(s.path, i)
+            if j != i:
+                raise CheckpointError(
+                    f"{where}: the state dict's slot {i} is {s.path!r}, which is slot {j} "
+                    f"here: the parameters come in another order, and state is kept by slot, "
+                    f"so it would go to another parameter; build the optimizer over the "
+                    f"parameters in the saved order\n"
+                    f"{layout_table(pairs, ('state dict', 'optimizer'))}"
+                )
 
     # -- construction --------------------------------------------------------------------
     def _parse_groups(self, params: ParamsArg) -> tuple[ParamList, list[dict[str, Any]], list[int]]:
@@ -670,7 +686,7 @@ class Optimizer:
     ) -> int | None:
         """The first canonical slot whose gradient holds NaN or infinity, or None (C6)."""
         bad = [table.first_nonfinite() for table in tables.values()]
-        bad += [s for s in program.rest if not math.isfinite(sum_of_squares(grads[s]))]
+        bad += [s for s in program.rest if not all_finite(grads[s])]
         return min((slot for slot in bad if slot is not None), default=None)
 
     def _arrange_state(
@@ -803,6 +819,22 @@ def _exact_keys(where: str, what: str, value: Mapping[str, Any], keys: Sequence[
             f"{where}: {what} has keys {sorted(map(str, value))}, expected {list(keys)} "
             f"(missing {missing}, unexpected {unexpected})"
         )
+
+
+def _slot_list(where: str, what: str, value: Any) -> list[Any]:
+    """``value`` (a state dict's list of slot indices) as a list, or a ``CheckpointError``
+    naming ``what`` and, for a bad entry, its position, type and value."""
+    if not isinstance(value, (list, tuple)):
+        raise CheckpointError(
+            f"{where}: {what} must be a list of slot indices, got {type(value).__name__}"
+        )
+    for j, s in enumerate(value):
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise CheckpointError(
+                f"{where}: {what}[{j}] must be a slot index (an integer), got "
+                f"{type(s).__name__} {s!r}"
+            )
+    return list(value)
 
 
 def _counter(where: str, what: str, value: Any, minimum: int = 0) -> int:

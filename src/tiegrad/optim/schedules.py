@@ -270,8 +270,12 @@ class OneCycleLR(Schedule):
     ``pct_start`` of ``total_steps`` and anneals to ``initial / final_div_factor``
     (``three_phase``: back to the initial value first). With ``cycle_momentum`` the
     momentum (``momentum``, or ``betas[0]`` for Adam-like optimizers) moves inversely
-    between ``max_momentum`` and ``base_momentum``. Stepping past ``total_steps``
-    raises. ``max_lr`` and the momenta take one value or one per group.
+    between ``max_momentum`` and ``base_momentum``. Steps ``0 .. total_steps - 1`` have
+    torch's values; step ``total_steps`` (the one a loop of ``total_steps`` iterations
+    reaches with its last ``sched.step()``) holds the last phase's end values,
+    ``initial / final_div_factor`` and its momentum, where torch extrapolates past them
+    (a negative learning rate with ``anneal_strategy="linear"``). Stepping past
+    ``total_steps`` raises. ``max_lr`` and the momenta take one value or one per group.
     """
 
     kind = "OneCycleLR"
@@ -340,7 +344,8 @@ class OneCycleLR(Schedule):
         return "betas" if "betas" in names else "momentum" if "momentum" in names else None
 
     def _phase(self, cfg: Mapping[str, Any], epoch: int, group: int) -> tuple[float, float]:
-        """(learning rate, momentum) at ``epoch``, as torch computes them."""
+        """(learning rate, momentum) at ``epoch``, as torch computes them before
+        ``total_steps``; at ``total_steps`` the last phase's end (its fraction held at 1)."""
         total, pct = cfg["total_steps"], cfg["pct_start"]
         initial = cfg["max_lr"][group] / cfg["div_factor"]
         peak = cfg["max_lr"][group]
@@ -365,7 +370,7 @@ class OneCycleLR(Schedule):
                 break
             start = phase[0]
         end, lr0, lr1, mom0, mom1 = chosen
-        frac = (epoch - start) / (end - start) if end > start else 1.0
+        frac = min((epoch - start) / (end - start), 1.0) if end > start else 1.0
         return anneal(lr0, lr1, frac), anneal(mom0, mom1, frac)
 
     def _lr(self, cfg: Mapping[str, Any], base: float, epoch: int, group: int) -> float:
