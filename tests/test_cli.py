@@ -137,6 +137,28 @@ def test_sigint_leaves_a_loadable_checkpoint_and_a_resume_hint(tmp_path):
     assert step >= 3 and latest.name == f"step_{step:07d}.safetensors"
 
 
+def files_of(folder):
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_resume_changes_nothing(trained, tmp_path):
+    root, _ = trained
+    (tmp_path / "text.txt").write_text(TEXT)
+    cut = tmp_path / "cut"  # the latest checkpoint lost its last bytes
+    shutil.copytree(root / "run", cut)
+    latest = RunDir(cut).latest()
+    os.truncate(latest, latest.stat().st_size - 10)
+    other = tmp_path / "other"  # the checkpoints are not of the configured model
+    shutil.copytree(root / "run", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, d_model=8)))
+    for run, fragment in ((cut, latest.name), (other, "step_0000030")):
+        before = files_of(run)
+        proc = tiegrad_cli("resume", run.name, "--steps", 40, cwd=tmp_path)
+        assert_one_line_error(proc, fragment)
+        assert files_of(run) == before  # config.json included
+
+
 # -- bad input: one line, exit code 2 ------------------------------------------------------
 def test_missing_and_empty_text_files(tmp_path):
     assert_one_line_error(
@@ -167,6 +189,16 @@ def test_run_folder_with_another_model(trained, tmp_path):
     assert [s for s, _ in RunDir(root / "run").step_checkpoints()] == [20, 30]
 
 
+def test_another_model_names_the_keys_that_differ_with_both_values(trained):
+    root, _ = trained
+    proc = tiegrad_cli(
+        "train", "--text", "text.txt", "--steps", 5, "--run", "run", *TINY, "--dropout", "0.1",
+        cwd=root,
+    )  # fmt: skip
+    assert_one_line_error(proc, "another model", "dropout=0.0", "dropout=0.1")
+    assert "d_model" not in proc.stderr  # only the keys that differ
+
+
 def test_bad_sample_and_inspect_arguments(trained, tmp_path):
     root, _ = trained
     assert_one_line_error(tiegrad_cli("sample", "--run", "nowhere", cwd=root), "no checkpoint")
@@ -176,6 +208,8 @@ def test_bad_sample_and_inspect_arguments(trained, tmp_path):
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     assert_one_line_error(tiegrad_cli("inspect", str(junk), cwd=root), "junk.safetensors")
+    folder = tiegrad_cli("sample", "--checkpoint", "run", cwd=root)  # a folder, not a file
+    assert_one_line_error(folder, "'run' does not exist or is not a file")
 
 
 # -- configuration ------------------------------------------------------------------------

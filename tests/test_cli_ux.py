@@ -68,6 +68,38 @@ def test_resume_of_a_finished_run_says_so_and_how_to_extend_it(finished, tmp_pat
     assert [s for s in steps if s > 12] == [13, 14, 15, 15]  # three steps and the final eval
 
 
+def test_resume_of_an_early_stopped_run_says_so_and_how_to_continue_it(tmp_path):
+    (tmp_path / "text.txt").write_text(TEXT)
+    args = ["train", "--text", "text.txt", "--steps", 40, "--eval-every", 2, "--patience", 1]
+    args += ["--lr", 5, "--min-lr", 5, "--clip-norm", 0, "--checkpoint-every", 40]  # diverges
+    args += ["--sample-every", 0, "--run", "run", *TINY]
+    proc = tiegrad_cli(*args, cwd=tmp_path, check_rc=0)
+    assert "stopped early: 4 steps" in proc.stdout
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    proc = tiegrad_cli("resume", "run", cwd=tmp_path, check_rc=0)
+    assert "run run stopped early at step 4: no improvement in 1 evaluations" in proc.stdout
+    assert "'tiegrad resume run --patience 2'" in proc.stdout
+    assert "resolved configuration" not in proc.stdout
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+    proc = tiegrad_cli("resume", "run", "--patience", 2, cwd=tmp_path, check_rc=0)
+    assert "resumed from step 4" in proc.stdout and "patience=2" in proc.stdout
+
+
+def test_a_text_without_newlines_trains_and_samples(tmp_path):
+    (tmp_path / "flat.txt").write_text("the quick brown fox jumps over the lazy dog " * 40)
+    args = ["train", "--text", "flat.txt", "--steps", 4, "--eval-every", 2]
+    args += ["--sample-every", 2, "--run", "run", *TINY]
+    proc = tiegrad_cli(*args, cwd=tmp_path, check_rc=0)
+    assert proc.stdout.count("sample at step") == 2
+    out = tiegrad_cli("sample", "--run", "run", "--tokens", 5, cwd=tmp_path, check_rc=0)
+    assert len(out.stdout.rstrip("\n")) == 5  # the default prompt left out
+    assert_one_line_error(
+        tiegrad_cli("sample", "--run", "run", "--prompt", "Quick", cwd=tmp_path),
+        "--prompt 'Quick'",
+        "character 'Q' is not in",
+    )
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_checkpoints_and_the_summary_names_the_losses_steps(tmp_path, sig, code):
     (tmp_path / "text.txt").write_text(TEXT)

@@ -1,6 +1,7 @@
 """tiegrad.train: the Trainer loop, run folders, metrics, plots, resume and interrupts."""
 
 import json
+import math
 import signal
 import sys
 
@@ -225,6 +226,78 @@ def test_early_stopping_after_patience(tmp_path):
     result = trainer.fit()
     assert result.status == "early_stopped" and result.step == 6
     assert RunDir(tmp_path).latest() == RunDir(tmp_path).step_path(6)
+
+
+def test_a_nan_validation_loss_is_never_the_best(tmp_path):
+    trainer, _, _ = mlp_job(tmp_path, max_steps=4, eval_every=1, checkpoint_every=1, patience=2)
+    losses = iter([math.nan, 1.0, math.nan, 0.5])
+    trainer.evaluate = lambda: next(losses)
+    result = trainer.fit()
+    assert result.status == "completed" and result.step == 4 and result.best_val_loss == 0.5
+    stored = [
+        tiegrad.load(path, MLPClassifier(5, 8, 3)).extra["trainer"]["best_val"]
+        for _, path in RunDir(tmp_path).step_checkpoints()
+    ]
+    assert stored == [1.0, 1.0, 0.5]  # steps 2 to 4 (keep_last 3), all loadable
+    again, _, _ = mlp_job(tmp_path, max_steps=5, eval_every=1, patience=2, resume=True)
+    again.evaluate = lambda: 0.25
+    assert again.fit().best_val_loss == 0.25
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_validation_losses_count_towards_patience_and_resume(tmp_path, bad):
+    trainer, _, _ = mlp_job(tmp_path, max_steps=10, eval_every=1, patience=2)
+    trainer.evaluate = lambda: bad
+    result = trainer.fit()
+    assert result.status == "early_stopped" and result.step == 2
+    assert result.best_val_loss is None and not RunDir(tmp_path).best_path.exists()
+    again, _, _ = mlp_job(tmp_path, max_steps=4, eval_every=1, patience=5, resume=True)
+    again.evaluate = lambda: 1.0
+    result = again.fit()  # the checkpoint's state (best_val null) loads
+    assert result.resumed_from == 2 and result.step == 4 and result.best_val_loss == 1.0
+
+
+def test_a_second_fit_appends_to_the_metrics_and_goes_on_counting_time(tmp_path):
+    trainer, _, _ = mlp_job(tmp_path, max_steps=5, eval_every=5)
+    trainer.fit()
+    first = read_metrics(tmp_path / "metrics.jsonl")
+    trainer.max_steps = 8
+    result = trainer.fit()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records[: len(first)] == first and result.process_steps == 3
+    assert [r["step"] for r in records if "train_loss" in r] == list(range(1, 9))
+    elapsed = [r["elapsed"] for r in records]
+    assert elapsed == sorted(elapsed) and result.elapsed >= first[-1]["elapsed"]
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("step,") and len(rows) == 1 + len(records)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_folder_holding_only_best_is_neither_overwritten_nor_restarted(tmp_path, resume):
+    mlp_job(tmp_path, max_steps=2, eval_every=1)[0].fit()
+    run = RunDir(tmp_path)
+    for _, path in run.step_checkpoints():  # killed before its first periodic checkpoint
+        path.unlink()
+    best = run.best_path.read_bytes()
+    with pytest.raises(ConfigError, match="best.safetensors"):
+        mlp_job(tmp_path, max_steps=2, eval_every=1, resume=resume)
+    assert run.best_path.read_bytes() == best and run.latest() is None
+
+
+def test_an_early_stopped_run_is_finished_unless_patience_is_raised(tmp_path, capsys):
+    trainer, _, opt = mlp_job(tmp_path, max_steps=100, eval_every=2, patience=2)
+    opt.param_groups[0]["lr"] = 0.0  # the validation loss can never improve
+    assert trainer.fit().step == 6
+    again, _, _ = mlp_job(tmp_path, max_steps=100, eval_every=2, patience=2, resume=True)
+    again.evaluate = lambda: 10.0
+    result = again.fit()
+    assert result.status == "early_stopped" and result.step == 6 and result.process_steps == 0
+    assert "stopped early at step 6" in capsys.readouterr().out
+    assert RunDir(tmp_path).latest() == RunDir(tmp_path).step_path(6)
+    raised, _, _ = mlp_job(tmp_path, max_steps=100, eval_every=2, patience=3, resume=True)
+    raised.evaluate = lambda: 10.0
+    result = raised.fit()  # one more evaluation without improvement is allowed
+    assert result.status == "early_stopped" and result.step == 8 and result.resumed_from == 6
 
 
 def test_sigint_finishes_the_step_and_checkpoints(tmp_path, capsys):

@@ -169,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument(
         "--steps", type=int, default=None, help="new total step count (default: the run's)"
     )
+    resume.add_argument(
+        "--patience",
+        type=int,
+        default=None,
+        metavar="N",
+        help="new early-stopping patience, to continue a run that stopped early; 0 never "
+        "stops early (default: the run's)",
+    )
     _add_no_progress(resume)
     _add_nproc(resume)
     _add_export(sub)
@@ -330,9 +338,16 @@ def _main_process() -> bool:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from .train.config import DEFAULTS, check_config
+    """Continue a run from its latest checkpoint. A finished run (its step count reached)
+    and one that stopped early (its patience used up, ``Trainer``) take no step: the
+    command says so and how to extend it (``--steps``, ``--patience``) and changes
+    nothing, as it changes nothing when the checkpoint is refused."""
+    from .train.config import DEFAULTS, check_config, check_value
     from .train.rundir import RunDir
+    from .train.trainer import patience_exhausted
 
+    if args.patience is not None:
+        check_value("patience", args.patience, label="--patience")
     folder = args.run if args.run is not None else _newest_run()
     run = RunDir(folder)
     config = run.read_config()
@@ -356,9 +371,24 @@ def _resume(args: argparse.Namespace) -> int:
     config = {**DEFAULTS, **config, "run": folder, "steps": steps}
     if args.progress is not None:
         config["progress"] = args.progress
+    if args.patience is not None:
+        config["patience"] = args.patience
     config.pop("text_sha256", None)
     vocab = config.pop("vocab_table", None)
     config = check_config(config)
+    extra = _checkpoint_extra(found[-1][1])
+    state = extra.get("trainer") if isinstance(extra, dict) else None
+    bad = state.get("bad_evals") if isinstance(state, dict) else None
+    patience = config["patience"]
+    if isinstance(bad, int) and patience_exhausted(bad, patience or None):
+        if _main_process():
+            print(
+                f"run {folder} stopped early at step {reached}: no improvement in {bad} "
+                f"evaluations (patience {patience}); continue it with 'tiegrad resume "
+                f"{_quote(folder)} --patience {bad + patience}' (a larger patience; 0 never "
+                "stops early)"
+            )
+        return 0
     _join_group(config)
     return _run_job(config, resume=True, vocab=vocab)
 
@@ -443,7 +473,18 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
     if config["init"]:
         extra["hf_config"] = model.source_config
     main_process = _main_process()
-    callbacks = _job_callbacks(config, run, model, dataset.vocab) if main_process else []
+    callbacks = []
+    if main_process:
+        text = os.path.abspath(config["text"]) if config["text"] else ""
+        init = os.path.abspath(config["init"]) if config["init"] else ""
+        saved = dict(
+            config,
+            text=text,
+            init=init,
+            vocab_table=dataset.vocab.to_dict(),
+            text_sha256=source.sha256,
+        )
+        callbacks = [_config_writer(run, saved), *_job_callbacks(config, run, model, dataset.vocab)]
     trainer = Trainer(
         model,
         optimizer,
@@ -471,24 +512,33 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
         _print_config(config, source.description, dataset, model, "resume" if resume else "train")
         if resume and run.read_config().get("text_sha256") not in (None, source.sha256):
             print("warning: the training text differs from the one this run started with")
-        text = os.path.abspath(config["text"]) if config["text"] else ""
-        init = os.path.abspath(config["init"]) if config["init"] else ""
-        run.write_config(
-            dict(
-                config,
-                text=text,
-                init=init,
-                vocab_table=dataset.vocab.to_dict(),
-                text_sha256=source.sha256,
-            )
-        )
-        _point_latest(str(run.path))
     result = trainer.fit()
     if main_process:
         _print_summary(result, run, unit)
     if result.status != "interrupted":
         return 0
     return EXIT_TERMINATED if result.signal == signal.SIGTERM else EXIT_INTERRUPTED
+
+
+def _config_writer(run: Any, config: dict[str, Any]) -> Any:
+    """A callback writing ``config`` as the run's ``config.json`` and pointing
+    ``runs/latest`` at the run when training begins: after a resumed run's checkpoint
+    loaded, so a refused checkpoint leaves the run folder as it was."""
+    from .train.callbacks import Callback
+
+    class ConfigWriter(Callback):
+        def on_train_begin(self, trainer: Any) -> None:
+            run.write_config(config)
+            _point_latest(str(run.path))
+
+    return ConfigWriter()
+
+
+def _default_prompt(vocab: Any) -> str:
+    """The prompt of a sample without ``--prompt``: a newline when the vocabulary holds
+    one, else its first character (a character vocabulary of a text without newlines)."""
+    chars = getattr(vocab, "chars", "")
+    return "\n" if not chars or "\n" in chars else chars[0]
 
 
 def _job_callbacks(config: dict[str, Any], run: Any, model: Any, vocab: Any) -> list[Any]:
@@ -501,7 +551,7 @@ def _job_callbacks(config: dict[str, Any], run: Any, model: Any, vocab: Any) -> 
     if config["log"] == "tensorboard":
         callbacks.append(TensorBoardLogger(run.path / "tensorboard"))
     if config["sample_every"]:
-        prompt = vocab.encode("\n")[None, :]
+        prompt = vocab.encode(_default_prompt(vocab))[None, :]
 
         def generate(step: int) -> str:
             rng = np.random.default_rng(step)
@@ -514,15 +564,14 @@ def _job_callbacks(config: dict[str, Any], run: Any, model: Any, vocab: Any) -> 
 
 def _check_fresh_run_folder(run: Any, kwargs: dict[str, Any]) -> None:
     """A new run never reuses a folder that holds checkpoints (of this model or another)."""
-    latest = run.latest() or (run.best_path if run.best_path.is_file() else None)
+    latest = run.existing_checkpoint()
     if latest is None:
         return
     stored = _checkpoint_model(latest)
     if stored != kwargs:
         raise ConfigError(
             f"run folder {str(run.path)!r} holds a checkpoint of another model "
-            f"({_model_text(stored)}; this run builds {_model_text(kwargs)}): "
-            "choose another --run"
+            f"({_model_difference(stored, kwargs)}): choose another --run"
         )
     raise ConfigError(
         f"run folder {str(run.path)!r} already holds this run's checkpoints: continue it "
@@ -553,11 +602,17 @@ def _model_config(extra: Any) -> Any:
     return model["config"]
 
 
-def _model_text(kwargs: Any) -> str:
-    if not isinstance(kwargs, dict):
-        return "not a tiegrad language model"
-    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
-    return "TiedLM " + " ".join(f"{k}={kwargs.get(k)}" for k in keys)
+def _model_difference(stored: Any, kwargs: dict[str, Any]) -> str:
+    """How the model of a checkpoint (its constructor arguments ``stored``) differs from
+    the one a run builds (``kwargs``): the keys that differ, with both values."""
+    if not isinstance(stored, dict):
+        return "the checkpoint holds no tiegrad language model"
+    keys = [*kwargs, *(k for k in stored if k not in kwargs)]
+    differ = [k for k in keys if stored.get(k) != kwargs.get(k)]
+    return (
+        f"the checkpoint's {' '.join(f'{k}={stored.get(k)}' for k in differ)}; "
+        f"this run's {' '.join(f'{k}={kwargs.get(k)}' for k in differ)}"
+    )
 
 
 def _quote(path: str) -> str:
@@ -659,7 +714,7 @@ def _sample(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         path = Path(args.checkpoint)
         if not path.is_file():
-            raise ConfigError(f"checkpoint {args.checkpoint!r} does not exist")
+            raise ConfigError(f"checkpoint {args.checkpoint!r} does not exist or is not a file")
     else:
         folder = args.run if args.run is not None else _newest_run()
         found = RunDir(folder).best_or_latest()
@@ -672,14 +727,17 @@ def _sample(args: argparse.Namespace) -> int:
     if kwargs is None or not isinstance(extra.get("vocab"), dict):
         raise ConfigError(f"{path}: not a checkpoint of 'tiegrad train' (no model or vocab)")
     vocab = tokenizer_from_dict(extra["vocab"])
+    prompt = args.prompt or _default_prompt(vocab)
+    try:
+        ids = vocab.encode(prompt)[None, :]
+    except ConfigError as e:
+        raise ConfigError(f"--prompt {args.prompt!r}: {e}") from None
     model_class = extra["model"].get("class", "TiedLM")
     model = build_model(
         _sample_model_config(path, schema, kwargs, vocab.size, model_class), model_class
     )
     load(path, model)
     model.eval()
-    prompt = args.prompt or "\n"
-    ids = vocab.encode(prompt)[None, :]
     rng = np.random.default_rng(args.seed)
     out = model.generate(ids, args.tokens, temperature=args.temperature, rng=rng, top_k=args.top_k)
     text = vocab.decode(np.asarray(out)[0])

@@ -5,7 +5,9 @@ list order, after the built-in ones (metrics files, then TensorBoard or samples 
 asked) and before the loss plot:
 
 - ``on_train_begin(trainer)``: once, after a resumed run has loaded its checkpoint
-  (``trainer.resumed_from`` is its step, or ``None``);
+  (``trainer.resumed_from`` is its step, or ``None``; ``trainer.start_step`` is the step
+  this ``fit`` starts from: 0 for a new run, the step reached by an earlier ``fit`` of
+  the same trainer);
 - ``on_step_end(trainer, logs)``: after every optimizer step; ``logs`` holds ``step``,
   ``train_loss``, ``lr``, ``grad_norm`` (``None`` without clipping), ``throughput``
   (items per second) and ``elapsed`` (the run's seconds, earlier processes included);
@@ -65,7 +67,11 @@ def perplexity(loss: float) -> float:
 
 class MetricsLogger(FileCallback):
     """Writes ``metrics.jsonl`` and ``metrics.csv`` in ``folder``: a training record every
-    ``log_every`` steps (and at the last step) and every evaluation record."""
+    ``log_every`` steps (and at the last step) and every evaluation record.
+
+    A ``fit`` that starts past step 0 (resumed, or a second ``fit`` of the same trainer)
+    keeps the records up to ``trainer.start_step`` and appends after them; one that
+    starts at step 0 starts both files afresh."""
 
     def __init__(self, folder: str | os.PathLike, log_every: int = 1) -> None:
         self.folder = Path(folder)
@@ -73,8 +79,9 @@ class MetricsLogger(FileCallback):
         self.writer: MetricsWriter | None = None
 
     def on_train_begin(self, trainer: Any) -> None:
+        start = trainer.start_step
         self.writer = MetricsWriter(
-            self.folder, trainer.resumed_from, notify=lambda m: trainer.say(f"warning: {m}")
+            self.folder, start if start > 0 else None, notify=lambda m: trainer.say(f"warning: {m}")
         )
 
     def on_step_end(self, trainer: Any, logs: dict[str, Any]) -> None:

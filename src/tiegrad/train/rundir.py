@@ -84,6 +84,11 @@ class RunDir:
         found = self.step_checkpoints()
         return found[-1][1] if found else None
 
+    def existing_checkpoint(self) -> Path | None:
+        """The latest periodic checkpoint, else ``best``, else ``None``: a folder with one
+        holds a run, which a new run never reuses (``Trainer``, ``tiegrad train``)."""
+        return self.latest() or (self.best_path if self.best_path.is_file() else None)
+
     def best_or_latest(self) -> Path | None:
         """``best`` when it exists, else the latest periodic checkpoint."""
         return self.best_path if self.best_path.is_file() else self.latest()

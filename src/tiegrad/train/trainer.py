@@ -119,6 +119,12 @@ def set_rng_state(rng: np.random.Generator, state: Any) -> None:
         raise CheckpointError(f"trainer state: bad generator state ({e})") from None
 
 
+def patience_exhausted(bad_evals: int, patience: int | None) -> bool:
+    """Whether ``bad_evals`` evaluations without improvement use up ``patience``
+    (``None``: early stopping is off): a run in that state has stopped early."""
+    return patience is not None and bad_evals >= patience
+
+
 def _model_loss(model: Any) -> LossFn:
     """The default loss function: ``model.loss(session, *batch)``."""
 
@@ -176,6 +182,24 @@ class _Interrupt:
             signal.signal(sig, previous)
 
 
+def _check_run_folder(run: RunDir, resume: bool) -> None:
+    """``run`` fits ``resume`` (see ``Trainer``); else a ``ConfigError`` naming the file."""
+    found = run.existing_checkpoint()
+    where = repr(str(run.path))
+    if found is not None and not resume:
+        raise ConfigError(
+            f"run folder {where} already holds checkpoints ({found.name}); resume it "
+            "(resume=True) or choose another folder"
+        )
+    if found is not None and run.latest() is None:
+        raise ConfigError(
+            f"run folder {where} holds {found.name} but no periodic checkpoint "
+            "(step_*.safetensors) to resume from: the run stopped before its first one, "
+            f"and starting again would overwrite {found.name}; move it away or choose "
+            "another folder"
+        )
+
+
 class Trainer:
     """Train ``model`` with ``optimizer`` on batches of ``train_data``.
 
@@ -190,10 +214,26 @@ class Trainer:
     the global gradient norm (each storage counted once). ``eval_every`` and
     ``checkpoint_every`` are in steps; a final evaluation and checkpoint always run.
     ``patience`` stops after that many evaluations without an improvement of more
-    than ``min_delta``. With ``run_dir`` the trainer writes metrics, checkpoints and
-    the plot there; ``resume=True`` continues from its latest checkpoint when there is
-    one, and an existing checkpoint with ``resume=False`` is a ``ConfigError`` (a run
-    is never silently overwritten). ``extra`` is stored in every checkpoint.
+    than ``min_delta``. A validation loss that is not finite (NaN, infinity) is never
+    an improvement: it never becomes the best (``best_val`` keeps the previous best, or
+    ``None``, so every checkpoint holds a finite one) and counts towards ``patience``
+    like any evaluation that does not improve (as PyTorch's ``ReduceLROnPlateau`` and
+    Keras's ``EarlyStopping`` treat NaN). A run whose patience is used up has stopped
+    early and is finished: ``fit`` on it (resumed, or called again) takes no step and
+    returns ``status == "early_stopped"``, unless ``patience`` was raised above the
+    evaluations without improvement (or turned off).
+
+    With ``run_dir`` the trainer writes metrics, checkpoints and the plot there;
+    ``resume=True`` continues from its latest periodic checkpoint when there is one (a
+    folder without any checkpoint starts a new run). A folder holding a checkpoint,
+    periodic or ``best.safetensors``, with ``resume=False`` is a ``ConfigError`` (a run
+    is never silently overwritten); so is one holding ``best.safetensors`` but no
+    periodic checkpoint with ``resume=True`` (a run stopped before its first periodic
+    checkpoint cannot be continued, and restarting it would overwrite that best, as a
+    PyTorch Lightning ``ckpt_path`` that is not there is an error rather than a restart).
+    Calling ``fit`` again (e.g. after raising ``max_steps``) continues the run from the
+    step it reached: the metrics files are appended to and ``elapsed`` goes on counting.
+    ``extra`` is stored in every checkpoint.
     ``callbacks`` (``tiegrad.train.Callback`` instances) are called in list order at each
     step, evaluation, checkpoint and at the end, between the built-in metrics writer and
     the loss plot.
@@ -299,6 +339,8 @@ class Trainer:
         self.out = out if out is not None else sys.stdout
         self.callbacks = callbacks
         self.resumed_from: int | None = None
+        #: the step the current (or last) ``fit`` started from: 0 for a new run.
+        self.start_step = 0
         self._progress: Progress | None = None
         data_seed, session_seed = derive_seeds(seed)
         self.data_rng = np.random.default_rng(data_seed)
@@ -311,11 +353,8 @@ class Trainer:
         self.bad_evals = 0
         self.elapsed_before = 0.0
         self._epoch_iter: Iterator[Batch] | None = None
-        if self.run is not None and not resume and self.run.latest() is not None:
-            raise ConfigError(
-                f"run folder {str(self.run.path)!r} already holds checkpoints; resume it "
-                "or choose another folder"
-            )
+        if self.run is not None:
+            _check_run_folder(self.run, resume)
         self.parallel = parallel if parallel is not None else default_parallel(model)
         self.main = self.parallel is None or self.parallel.is_main
 
@@ -552,6 +591,10 @@ class Trainer:
             if self.parallel is not None:
                 self.parallel.fail(e, self.step + 1)
             raise
+        finally:  # a later fit goes on counting from here, idle time left out
+            now = time.perf_counter()
+            self.elapsed_before += now - self._t0
+            self._t0 = now
 
     def _fit(self) -> TrainResult:
         self._t0 = time.perf_counter()
@@ -565,7 +608,7 @@ class Trainer:
                 self._t0 = time.perf_counter()
         if self.parallel is not None:
             self.parallel.start(self._trainer_state() | {"elapsed": None})
-        first_step = self.step
+        self.start_step = first_step = self.step
         before, after = self._builtin_callbacks()
         self._active = [*before, *self.callbacks, *after]
         unit = getattr(self.train_data, "unit", "samples")
@@ -574,6 +617,14 @@ class Trainer:
         if self.resumed_from is not None:
             self.say(f"resumed from step {self.resumed_from} ({latest})")
         status = "completed"
+        finished_early = patience_exhausted(self.bad_evals, self.patience)
+        if finished_early:
+            status = "early_stopped"
+            self.say(
+                f"the run stopped early at step {self.step}: no improvement in "
+                f"{self.bad_evals} evaluations (patience {self.patience}); it takes no step "
+                f"unless patience is raised above {self.bad_evals}"
+            )
         last: dict[str, Any] = {"train": None, "val": None}
         last_saved = self.resumed_from
         rate: float | None = None
@@ -583,7 +634,7 @@ class Trainer:
             for cb in self._active:
                 cb.on_train_begin(self)
             with _Interrupt(self.main) as interrupt:
-                while self.step < self.max_steps:
+                while not finished_early and self.step < self.max_steps:
                     lr = self.current_lr()
                     started = time.perf_counter()
                     train_loss, norm, items = self.train_step()
@@ -611,7 +662,7 @@ class Trainer:
                     stop = False
                     if self.eval_every is not None and self.step % self.eval_every == 0:
                         self._eval_and_track(train_loss, last)
-                        stop = self.patience is not None and self.bad_evals >= self.patience
+                        stop = patience_exhausted(self.bad_evals, self.patience)
                     if self.checkpoint_every is not None and self.step % self.checkpoint_every == 0:
                         last_saved = self._save_periodic()
                     if stop:
@@ -668,7 +719,9 @@ class Trainer:
         val = self.evaluate()
         if val is None:
             return
-        improved = self.best_val is None or val < self.best_val - self.min_delta
+        improved = math.isfinite(val) and (
+            self.best_val is None or val < self.best_val - self.min_delta
+        )
         if improved:
             self.best_val = val
             self.bad_evals = 0
