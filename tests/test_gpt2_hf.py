@@ -343,3 +343,40 @@ def test_bad_config_is_named(saved, tmp_path, key, value, message):
     with pytest.raises(TiegradError, match=message) as info:
         GPT2.from_pretrained(tmp_path)
     assert isinstance(info.value, (ConfigError, CheckpointError))
+
+
+C_ATTN = "transformer.h.{}.attn.c_attn.weight"
+
+
+def test_a_tie_transformers_cannot_express_is_refused_before_writing(tmp_path):  # C9, C6
+    from tiegrad.nn import tie
+
+    model = GPT2(**TINY)
+    tie(model, C_ATTN.format(1), C_ATTN.format(0))
+    with pytest.raises(CheckpointError, match=r"ties 'transformer\.h\.0\.attn\.c_attn"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_loading_two_different_tensors_into_one_storage_is_refused(saved):  # C9, C6
+    from tiegrad.nn import tie
+
+    _, folder = saved
+    model = GPT2(**TINY, seed=2)
+    tie(model, C_ATTN.format(1), C_ATTN.format(0))
+    before = values(model)
+    with pytest.raises(CheckpointError, match=r"'transformer\.h\.1\.attn\.c_attn\.weight' differs"):
+        model.load_pretrained(folder)
+    after = values(model)
+    assert all(np.array_equal(before[p], after[p]) for p in before)
+
+
+def test_a_bfloat16_directory_imports_exactly_widened(tmp_path):
+    hf = hf_model().to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    model = GPT2.from_pretrained(tmp_path)
+    assert model.config["dtype"] == "float32"
+    wte = hf.transformer.wte.weight.detach().float().numpy()
+    np.testing.assert_array_equal(model.get_parameter("transformer.wte.weight").value, wte)
+    x = ids()
+    np.testing.assert_allclose(logits(model, x), hf_logits(hf.float(), x), rtol=0, atol=1e-5)

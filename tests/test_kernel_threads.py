@@ -125,12 +125,18 @@ def _mismatched():
     vec, col = np.ones(4, f), np.ones((8, 1), f)
     part = np.zeros((1, 4), f)
     out = np.zeros(64, f)
+    flat_rows = np.zeros(32, f)[:32].reshape(8, 4)
     return [
         ("relu", lambda k: k.relu(a, short, 0, 64), short),
         ("relu_vjp", lambda k: k.relu_vjp(a, short, out, 0, 64), out),
         ("multiply", lambda k: k.multiply(short, a, out, 0, 64), out),
         ("add", lambda k: k.add(a, a, short, 0, 64), short),
         ("gelu", lambda k: k.gelu(a, out, short, 0, 64), out),
+        ("add", lambda k: k.add(rows, rows, flat_rows, 0, 32), flat_rows),  # 2-D, equal sizes
+        ("multiply", lambda k: k.multiply(rows, rows, flat_rows, 0, 32), flat_rows),
+        ("relu", lambda k: k.relu(a, out, -4, 64), out),
+        ("relu_vjp", lambda k: k.relu_vjp(a, a, out, 8, 2), out),
+        ("gelu", lambda k: k.gelu(a, out, out.copy(), 0, 65), out),
         ("add_row_vector", lambda k: k.add_row_vector(rows, short, 0, 8), rows),
         ("add_row_vector", lambda k: k.add_row_vector(rows, vec, 0, 9), rows),
         ("index_add_rows", lambda k: k.index_add_rows(rows, np.array([0, 8]), few[:2]), rows),

@@ -84,6 +84,29 @@ def test_assigning_a_param_ties_storage_and_each_path_gets_its_own_handle():
     assert root.num_parameters() == 9 + 3 + 3 and root.num_parameters(unique=False) == 24
 
 
+@pytest.mark.parametrize("frozen", ["embed.weight", "head.weight"])
+def test_a_tie_by_assignment_freezes_only_the_frozen_paths_use(frozen):  # C4, C5
+    class LM(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = tnn.Embedding(5, 3, dtype=np.float64)
+            self.head = tnn.Linear(3, 5, bias=False, dtype=np.float64)
+            self.head.weight = self.embed.weight  # ANCHORS: transformers#11903
+
+        def forward(self, s, idx):
+            return self.head(s, self.embed(s, idx))
+
+    model = LM()
+    model.freeze(frozen)
+    assert model.head.weight is model.get_parameter("head.weight")  # the handle used
+    s = EagerSession()
+    hidden = model.embed(s, np.array([[0, 1, 2]]))  # leaf 0: the embedding's use
+    model.head(s, hidden)  # the head's use comes after the input it multiplies
+    (group,) = s.parameter_groups()  # one use trains the storage: the other path's
+    other = "head.weight" if frozen == "embed.weight" else "embed.weight"
+    assert len(group.leaves) == 1 and group.parameter is model.get_parameter(other)
+
+
 def test_equal_values_never_tie():
     a, b = tnn.Linear(2, 2), tnn.Linear(2, 2)  # rng=None: identical values
     np.testing.assert_array_equal(a.weight.value, b.weight.value)

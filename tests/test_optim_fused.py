@@ -263,6 +263,22 @@ def test_kernel_arguments_are_the_rule_state_then_the_coefficient_fields():
         assert names == ["p", "g", *rule.state, *type(coefficients(cls, kwargs)[0])._fields]
 
 
+@pytest.mark.parametrize("block", [0, -4])
+def test_the_block_drivers_refuse_a_block_of_no_element(block):
+    kernels = _numba.kernels("tiegrad.optim.kernels")
+    x = np.ones(10, np.float32)
+    x[3] = np.nan
+    rows = (x,) + (np.empty(0, np.float32),) * (fused.GROUP - 1)
+    with pytest.raises(ValueError, match="nonfinite_blocks: block must be at least one"):
+        kernels.nonfinite_blocks(rows, block)
+    kernel, p, g, state, c = kernel_call(Adam, {}, np.float32, [5, 3])
+    before = [a.copy() for a in p]
+    with pytest.raises(ValueError, match="adam_blocks: block must be at least one"):
+        kernels.adam_blocks(p, g, *state, *c, block)
+    for a, b in zip(p, before):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("cls, kwargs", CASES, ids=IDS)
 def test_a_kernel_refuses_a_size_mismatch_and_changes_nothing(cls, kwargs, dtype):

@@ -257,8 +257,10 @@ def relu(x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     NaN stays NaN and ``-0.0`` becomes ``0.0`` (NumPy's answer on a tie is its second
     operand).
     """
-    if x.size != out.size:
-        raise ValueError("relu: x and out differ in size")
+    if x.ndim != 1 or out.ndim != 1 or x.size != out.size:
+        raise ValueError("relu: x and out are not 1-D arrays of one size")
+    if not 0 <= lo <= hi <= out.size:
+        raise ValueError("relu: lo .. hi is not a range of the elements")
     x, out = x[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         v = x[i]
@@ -272,8 +274,10 @@ def relu_vjp(g: np.ndarray, y: np.ndarray, out: np.ndarray, lo: int, hi: int) ->
     A product with 0 or 1, as NumPy's ``g * (y > 0)``: NaN or infinite ``g`` gives NaN
     where ``y`` is not positive.
     """
-    if g.size != out.size or y.size != out.size:
-        raise ValueError("relu_vjp: g, y and out differ in size")
+    if g.ndim != 1 or y.ndim != 1 or out.ndim != 1 or g.size != out.size or y.size != out.size:
+        raise ValueError("relu_vjp: g, y and out are not 1-D arrays of one size")
+    if not 0 <= lo <= hi <= out.size:
+        raise ValueError("relu_vjp: lo .. hi is not a range of the elements")
     g, y, out = g[lo:hi], y[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         out[i] = g[i] * (_F(1.0) if y[i] > _F(0.0) else _F(0.0))
@@ -282,8 +286,10 @@ def relu_vjp(g: np.ndarray, y: np.ndarray, out: np.ndarray, lo: int, hi: int) ->
 @_kernel
 def multiply(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     """``out = a * b`` on flat elements ``lo .. hi``."""
-    if a.size != out.size or b.size != out.size:
-        raise ValueError("multiply: a, b and out differ in size")
+    if a.ndim != 1 or b.ndim != 1 or out.ndim != 1 or a.size != out.size or b.size != out.size:
+        raise ValueError("multiply: a, b and out are not 1-D arrays of one size")
+    if not 0 <= lo <= hi <= out.size:
+        raise ValueError("multiply: lo .. hi is not a range of the elements")
     a, b, out = a[lo:hi], b[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         out[i] = a[i] * b[i]
@@ -292,8 +298,10 @@ def multiply(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) ->
 @_kernel
 def add(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     """``out = a + b`` on flat elements ``lo .. hi`` (``out`` may be ``a``)."""
-    if a.size != out.size or b.size != out.size:
-        raise ValueError("add: a, b and out differ in size")
+    if a.ndim != 1 or b.ndim != 1 or out.ndim != 1 or a.size != out.size or b.size != out.size:
+        raise ValueError("add: a, b and out are not 1-D arrays of one size")
+    if not 0 <= lo <= hi <= out.size:
+        raise ValueError("add: lo .. hi is not a range of the elements")
     a, b, out = a[lo:hi], b[lo:hi], out[lo:hi]  # indices from 0: plain vector loads
     for i in range(out.size):
         out[i] = a[i] + b[i]
@@ -337,8 +345,10 @@ def gelu(x: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
     ``x Phi(x) = max(x, 0) - |x| Phi(-|x|)``: no ``1 + erf`` cancellation for negative
     ``x`` (the NumPy backend's ``_gelu32`` formula, one pass instead of a dozen).
     """
-    if x.size != y.size or d.size != y.size:
-        raise ValueError("gelu: x, y and d differ in size")
+    if x.ndim != 1 or y.ndim != 1 or d.ndim != 1 or x.size != y.size or d.size != y.size:
+        raise ValueError("gelu: x, y and d are not 1-D arrays of one size")
+    if not 0 <= lo <= hi <= y.size:
+        raise ValueError("gelu: lo .. hi is not a range of the elements")
     x, y, d = x[lo:hi], y[lo:hi], d[lo:hi]  # indices from 0: plain vector loads
     for i in range(y.size):
         v = x[i]

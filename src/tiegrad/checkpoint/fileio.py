@@ -60,6 +60,14 @@ _DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
+#: Read only, widened exactly: bfloat16 (transformers' usual export dtype) is the upper
+#: half of a float32, so its 16 stored bits are read as a float32 (never written).
+_BF16 = "BF16"
+
+
+def _stored(code: str) -> np.dtype:
+    """The element type a dtype code stores (bfloat16: its 16 bits)."""
+    return np.dtype("<u2") if code == _BF16 else _DTYPES[code]
 
 
 @dataclass(frozen=True)
@@ -74,8 +82,8 @@ class TensorEntry:
 
     @property
     def dtype(self) -> str:
-        """The NumPy dtype name (``"float32"``)."""
-        return _DTYPES[self.code].name
+        """The NumPy dtype name it is read as (``"float32"``; bfloat16 too)."""
+        return "float32" if self.code == _BF16 else _DTYPES[self.code].name
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +112,9 @@ class SafetensorsFile:
     def array(self, name: str) -> np.ndarray:
         """A fresh, writable, native-endian copy of tensor ``name``."""
         e = self.tensors[name]
-        raw = np.frombuffer(self._data[e.begin : e.end], dtype=_DTYPES[e.code])
+        raw = np.frombuffer(self._data[e.begin : e.end], dtype=_stored(e.code))
+        if e.code == _BF16:
+            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(e.shape)
         return np.array(raw, dtype=raw.dtype.newbyteorder("=")).reshape(e.shape)
 
 
@@ -356,7 +366,7 @@ def _entry(name: str, spec: Any, data_len: int, where: str) -> TensorEntry:
             f"{what}: expected keys dtype, shape, data_offsets, got {spec!r:.200}"
         )
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if not isinstance(code, str) or code not in _DTYPES:
+    if not isinstance(code, str) or (code not in _DTYPES and code != _BF16):
         raise CheckpointError(f"{what}: unsupported dtype {code!r:.40}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{what}: shape {shape!r:.200} is not a list of sizes")
@@ -368,7 +378,7 @@ def _entry(name: str, spec: Any, data_len: int, where: str) -> TensorEntry:
             f"{what}: byte range [{begin}, {end}) lies outside the {data_len} data bytes "
             f"(truncated or damaged file)"
         )
-    expected = math.prod(shape) * _DTYPES[code].itemsize
+    expected = math.prod(shape) * _stored(code).itemsize
     if end - begin != expected:
         raise CheckpointError(
             f"{what}: {end - begin} bytes for shape {tuple(shape)} {code}, expected {expected}"

@@ -150,9 +150,9 @@ def load_weights(model: GPT2, directory: str | os.PathLike[str]) -> None:
     """Write the directory's tensors into ``model`` (see the module docstring).
 
     Checked first: the names (each model path once; missing and unexpected ones are
-    listed), shapes, and the ``lm_head``/``wte`` tie against the model's
-    tie layout (``tied``). Values are cast to the model's dtype. On any error the
-    model is unchanged.
+    listed), shapes, and the model's ties: the tensors of two tied paths must be equal
+    (a tied ``lm_head.weight`` may be absent, as transformers writes it). Values are
+    cast to the model's dtype. On any error the model is unchanged (C6, C9).
     """
     where = f"{directory}"
     tensors = read_tensors(directory)
@@ -178,13 +178,18 @@ def load_weights(model: GPT2, directory: str | os.PathLike[str]) -> None:
         if not np.issubdtype(np.dtype(entry.dtype), np.floating):
             raise CheckpointError(f"{file.path}: tensor {name!r} has dtype {entry.dtype}")
         values[path] = file.array(name).astype(param.dtype, copy=False)
-    if is_tied and HEAD in values:
-        if not np.array_equal(values[HEAD], values[EMBEDDING]):
-            raise CheckpointError(
-                f"{where}: {HEAD!r} differs from {EMBEDDING!r} but the model ties them "
-                "(tie_word_embeddings is true); set it to false to load them untied"
-            )
-        del values[HEAD]
+    for first, others in model.aliases().items():
+        for other in others:
+            if other in values and not np.array_equal(values[other], values[first]):
+                hint = (
+                    " (tie_word_embeddings is true); set it to false to load them untied"
+                    if other == HEAD
+                    else ", and one storage cannot hold both (C9)"
+                )
+                raise CheckpointError(
+                    f"{where}: {other!r} differs from {first!r} but the model ties them{hint}"
+                )
+            values.pop(other, None)
     for path, value in values.items():
         slots[path].storage.commit_host(np.ascontiguousarray(value))
 
@@ -216,8 +221,18 @@ def save_gpt2(model: GPT2, directory: str | os.PathLike[str]) -> None:
 
     Each storage is written once under its first path; a tied ``lm_head.weight`` is
     left out, as transformers writes it, and re-tied on load from
-    ``tie_word_embeddings``. Both files are written atomically.
+    ``tie_word_embeddings``. Any other tie is a ``CheckpointError`` before anything is
+    written: transformers' GPT-2 would load the left-out path with fresh random values.
+    Both files are written atomically.
     """
+    other_ties = {first: others for first, others in model.aliases().items() if others != [HEAD]}
+    if other_ties:
+        first, others = next(iter(other_ties.items()))
+        raise CheckpointError(
+            f"{directory}: {model.label()} ties {first!r} and {others[0]!r}, a tie "
+            "transformers' GPT-2 cannot express (only lm_head.weight with "
+            "transformer.wte.weight); save it with tiegrad.save, or untie them first"
+        )
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {p: param.storage.current_host_value() for p, param in model.named_parameters()}

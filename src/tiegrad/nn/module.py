@@ -166,7 +166,7 @@ class Module:
             location = (me, name)
             if owners.setdefault(id(p), location) != location:
                 p = p.alias(name=path)
-                params[name] = p
+                params[name] = self.__dict__[name] = p  # the forward reads the alias (C4)
                 owners[id(p)] = location
             elif first_visit:
                 p.name = path

@@ -205,6 +205,8 @@ def adam_blocks(
 ) -> None:
     """``adam`` with the rows' concatenation cut into blocks of ``block`` elements, the
     blocks shared among numba's threads (``fused``): the same arithmetic per element."""
+    if block < 1:
+        raise ValueError("adam_blocks: block must be at least one element")
     n = _adam_size(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad)
     ends = _ends(p)
     for b in prange(-(-n // block)):
@@ -375,6 +377,8 @@ def nonfinite_blocks(x: tuple, block: int) -> int:
     """``nonfinite`` with the rows' concatenation cut into blocks of ``block`` elements,
     the blocks read on numba's threads: each block's first row holding a NaN or an
     infinity, and of the first block with one, that row (the rows lie in order)."""
+    if block < 1:
+        raise ValueError("nonfinite_blocks: block must be at least one element")
     ends = _ends(x)
     n = ends[-1] if len(x) else 0
     hits = np.full(-(-n // block), -1, np.int64)
