@@ -119,6 +119,18 @@ def test_resume_continues_with_the_stored_tokenizer(exported, tmp_path):
     assert "done: 22 steps" in proc.stdout and "nats/token" in proc.stdout
 
 
+def test_resume_needs_no_init_folder_the_checkpoint_holds_the_model(exported, tmp_path):
+    root, _, _ = exported
+    shutil.copytree(root / "run", tmp_path / "run")
+    config_path = RunDir(tmp_path / "run").config_path
+    config = json.loads(config_path.read_text())
+    config["init"] = str(tmp_path / "moved-away")  # the transformers folder is gone
+    config_path.write_text(json.dumps(config))
+    proc = cli("resume", "run", "--steps", "22", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "done: 22 steps" in proc.stdout
+
+
 def test_without_tokenizer_json_bytes_with_a_warning(tmp_path):
     (tmp_path / "text.txt").write_text(TEXT)
     tiny_gpt2(tmp_path / "model", 256)

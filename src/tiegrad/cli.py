@@ -456,7 +456,9 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
     run = RunDir(config["run"])
     source = load_text(config)
     vocab = tokenizer_from_dict(vocab) if vocab else None
-    if config["init"]:
+    if config["init"] and resume:
+        model, dataset = _resumed_gpt2(run, config, source, vocab)
+    elif config["init"]:
         model, dataset = build_init(config, source, vocab)
     else:
         dataset = build_dataset(config, source, vocab)
@@ -518,6 +520,26 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
     if result.status != "interrupted":
         return 0
     return EXIT_TERMINATED if result.signal == signal.SIGTERM else EXIT_INTERRUPTED
+
+
+def _resumed_gpt2(run: Any, config: dict[str, Any], source: Any, vocab: Any) -> tuple[Any, Any]:
+    """The ``GPT2`` of a resumed ``--init`` run, built from its latest checkpoint (the
+    model's configuration and the transformers one it came from: the ``--init`` folder
+    may have moved since), and the dataset tokenised by the run's stored vocabulary."""
+    from .train.job import build_dataset, build_model
+
+    latest = run.latest()
+    extra = _checkpoint_extra(latest)
+    kwargs = _model_config(extra)
+    if kwargs is None or extra["model"].get("class") != "GPT2" or vocab is None:
+        raise ConfigError(f"{latest}: not a checkpoint of 'tiegrad train --init' (no GPT2)")
+    model = build_model(dict(kwargs), "GPT2")
+    model.source_config = extra.get("hf_config") or {}
+    if config["seq_len"] > model.max_seq_len:
+        raise ConfigError(
+            f"--seq-len {config['seq_len']} exceeds the model's n_positions {model.max_seq_len}"
+        )
+    return model, build_dataset(config, source, vocab)
 
 
 def _config_writer(run: Any, config: dict[str, Any]) -> Any:
