@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiegrad import ConfigError, ShapeError
+from tiegrad import ConfigError, DTypeError, ShapeError
 from tiegrad.data import (
     ArrayDataset,
     BatchSource,
     DataLoader,
+    HFTokenizer,
     TextDataset,
     Vocab,
     read_text,
@@ -62,6 +63,30 @@ def test_vocab_errors_name_the_problem():
         Vocab("char", "aa")
     with pytest.raises(ConfigError):
         Vocab.from_dict({"chars": "ab"})
+
+
+def test_byte_vocab_names_a_character_without_utf8_bytes():
+    with pytest.raises(ConfigError, match=r"character '\\ud800' at position 2"):
+        Vocab("byte").encode("ab\ud800")
+
+
+@pytest.mark.parametrize("kind", ["char", "byte"])
+def test_decode_refuses_non_integer_ids_instead_of_truncating(kind):
+    v = Vocab.build("abc", kind)
+    for bad in ([1.7], np.array([1.0]), [True], ["1"]):
+        with pytest.raises(DTypeError, match="vocab: token ids must be integers"):
+            v.decode(bad)
+    assert v.decode(np.array([1], np.uint8)) == ("b" if kind == "char" else "\x01")
+    assert v.decode([]) == ""
+
+
+def test_hf_tokenizer_decode_refuses_non_integer_ids():
+    tokenizers = pytest.importorskip("tokenizers")
+    word_level = tokenizers.models.WordLevel({"a": 0, "b": 1}, unk_token="a")
+    tok = HFTokenizer({"tokenizer.json": tokenizers.Tokenizer(word_level).to_str()})
+    assert tok.decode(np.array([1], np.int32)) == "b"
+    with pytest.raises(DTypeError, match="tokenizer: token ids must be integers, got float64"):
+        tok.decode([1.7])
 
 
 # -- TextDataset ----------------------------------------------------------------------
@@ -134,6 +159,17 @@ def test_too_short_text_and_bad_settings_are_config_errors():
         TextDataset("", 8)
     with pytest.raises(ConfigError, match="split"):
         TextDataset(TEXT, 8).sample("test", 2, np.random.default_rng(0))
+
+
+def test_val_fraction_is_any_real_number_in_range():
+    d = TextDataset(TEXT, 8, val_fraction=np.float32(0.25))
+    e = TextDataset(TEXT, 8, val_fraction=0.25)
+    assert (len(d.train), len(d.val)) == (len(e.train), len(e.val))
+    for bad in (True, np.bool_(True), "0.25", None):
+        with pytest.raises(ConfigError, match="val_fraction must be a real number"):
+            TextDataset(TEXT, 8, val_fraction=bad)
+    with pytest.raises(ConfigError, match=r"val_fraction must lie in \(0, 1\), got 1"):
+        TextDataset(TEXT, 8, val_fraction=np.int64(1))
 
 
 def test_read_text_errors_name_the_file(tmp_path):

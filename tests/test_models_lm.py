@@ -7,6 +7,8 @@ AdamW steps the parameters still agree (C3, C4, C5).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -176,6 +178,40 @@ def test_bad_input_names_the_model():
         model.generate(np.array([1]), 2, top_k=V + 1)
     with pytest.raises(DTypeError, match="integer ids"):
         model.generate(np.array([1.0]), 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(top_k=2.5), "generate: top_k must be an integer, got 2.5"),
+        (dict(top_k=True), "generate: top_k must be an integer, got True"),
+        (dict(max_new_tokens=True), "generate: max_new_tokens must be an integer, got True"),
+        (dict(max_new_tokens=-1), "generate: max_new_tokens must be >= 0, got -1"),
+        (dict(temperature=None), "generate: temperature must be a real number, got None"),
+        (dict(temperature=float("inf")), "generate: temperature must be finite, got inf"),
+    ],
+)
+def test_generate_names_a_bad_argument(kwargs, message):
+    model = TiedLM(**SMALL)
+    args = {"idx": np.array([1, 2]), "max_new_tokens": 2, **kwargs}
+    with pytest.raises(HyperparameterError, match=re.escape(message)):
+        model.generate(**args)
+
+
+@pytest.mark.parametrize(
+    "prompt, shape", [([], "(0,)"), (np.array([], dtype=np.int64), "(0,)"), ([[]], "(1, 0)")]
+)
+def test_generate_reports_an_empty_prompt_as_a_shape(prompt, shape):
+    with pytest.raises(ShapeError, match=re.escape(f"generate input has shape {shape}, expected")):
+        TiedLM(**SMALL).generate(prompt, 3)
+
+
+def test_generate_takes_numpy_scalars():
+    model = TiedLM(**SMALL)
+    args = dict(rng=np.random.default_rng(3))
+    out = model.generate([1, 2], np.int64(3), np.float32(0.5), top_k=np.int64(4), **args)
+    again = model.generate([1, 2], 3, 0.5, top_k=4, rng=np.random.default_rng(3))
+    np.testing.assert_array_equal(out, again)
 
 
 def test_model_runs_on_a_torch_device_session_with_mirrored_storages():

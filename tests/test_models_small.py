@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiegrad import EagerSession, HyperparameterError, ShapeError
+from tiegrad import ConfigError, EagerSession, HyperparameterError, ShapeError
 from tiegrad.models import MLPClassifier, SiameseEncoder
 
 torch = pytest.importorskip("torch")
@@ -73,6 +73,17 @@ def test_mlp_classifier_matches_pytorch_and_rebuilds_from_config():
     again = type(model)(**model.config)
     for (_, a), (_, b) in zip(model.named_slots(), again.named_slots()):
         np.testing.assert_array_equal(a.value, b.value)
+
+
+@pytest.mark.parametrize("cls", [MLPClassifier, SiameseEncoder])
+def test_hidden_takes_numpy_integers_and_refuses_none(cls):
+    model = cls(4, np.int64(8), 3, seed=1)
+    same = cls(4, 8, 3, seed=1)
+    assert [h.value.shape for _, h in model.named_slots()] == [(8, 4), (8,), (3, 8), (3,)]
+    for (_, a), (_, b) in zip(model.named_slots(), same.named_slots()):
+        np.testing.assert_array_equal(a.value, b.value)
+    with pytest.raises(ConfigError, match=rf"{cls.__name__}: hidden must be an integer or a seq"):
+        cls(4, None, 3)
 
 
 def test_mlp_classifier_learns_a_separable_problem():

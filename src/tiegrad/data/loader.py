@@ -64,8 +64,12 @@ class Shard:
         self.what = what
         self.fixed = None if world_size is None else (int(rank), world_size)
 
-    def resolve(self, batch_size: int) -> tuple[int, int]:
-        """``(rank, world_size)``; the batch size must split evenly over the ranks."""
+    def resolve(self, batch_size: int, last: int = 0) -> tuple[int, int]:
+        """``(rank, world_size)``, or a ``ConfigError`` if the batches cannot be shared.
+
+        ``batch_size`` must split evenly over the ranks, and a last, partial batch of
+        ``last`` samples (0: none) must give every rank at least one sample.
+        """
         if self.fixed is not None:
             rank, world = self.fixed
         else:
@@ -77,15 +81,15 @@ class Shard:
                 f"{self.what}: the global batch size {batch_size} does not split evenly over "
                 f"{world} processes"
             )
+        if 0 < last < world:
+            raise ConfigError(
+                f"{self.what}: a batch of {last} samples cannot be shared by {world} processes "
+                "(use drop_last=True)"
+            )
         return rank, world
 
     def part(self, n: int, rank: int, world: int) -> slice:
-        """The rank's contiguous part of ``n`` items (equal parts when ``world`` divides ``n``)."""
-        if n < world:
-            raise ConfigError(
-                f"{self.what}: a batch of {n} samples cannot be shared by {world} processes "
-                "(use drop_last=True)"
-            )
+        """The rank's contiguous part of ``n >= world`` items; part sizes differ by at most 1."""
         return slice(n * rank // world, n * (rank + 1) // world)
 
 
@@ -129,7 +133,10 @@ class DataLoader:
     Iterating the loader directly uses its own generator seeded with ``seed``; the
     trainer calls ``epoch(rng)`` with its generator instead. ``batch_size`` is the
     global batch; with several processes each yields its shard (module docstring),
-    and the last, partial batch (``drop_last=False``) is split as evenly as it goes.
+    and the last, partial batch (``drop_last=False``) is split as evenly as it goes:
+    the shards differ by at most one sample. That batch must hold at least one sample
+    per process; otherwise a ``ConfigError`` is raised by the constructor (given
+    ``rank``/``world_size``) or when an epoch starts (group's), before any batch.
     """
 
     unit = "samples"
@@ -151,6 +158,9 @@ class DataLoader:
                 f"DataLoader: drop_last with batch_size {batch_size} leaves no batch "
                 f"of a dataset of {len(dataset)} samples"
             )
+        self.partial = 0 if drop_last else len(dataset) % self.batch_size
+        if self.shard.fixed is not None:
+            self.shard.resolve(self.batch_size, self.partial)
         self.dataset = dataset
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -162,7 +172,7 @@ class DataLoader:
 
     def epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
         """One pass over the dataset; the order is drawn from ``rng`` when shuffling."""
-        rank, world = self.shard.resolve(self.batch_size)
+        rank, world = self.shard.resolve(self.batch_size, self.partial)
         n = len(self.dataset)
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         for k in range(len(self)):

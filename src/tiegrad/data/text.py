@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from numbers import Real
 
 import numpy as np
 
@@ -56,6 +57,7 @@ class TextDataset:
     ``vocab`` is ``"char"`` (built from the text), ``"byte"``, a ``Vocab`` (e.g. the
     one stored with a checkpoint) or an ``HFTokenizer``. Each split must hold at least
     ``block_size + 1`` tokens; a shorter text is a ``ConfigError`` giving both numbers.
+    ``val_fraction`` is a real number (Python or NumPy, not a bool) in (0, 1).
     """
 
     def __init__(
@@ -66,7 +68,11 @@ class TextDataset:
         val_fraction: float = 0.1,
     ) -> None:
         self.block_size = check_positive("TextDataset: block_size", block_size)
-        if not (isinstance(val_fraction, (int, float)) and 0.0 < val_fraction < 1.0):
+        if isinstance(val_fraction, (bool, np.bool_)) or not isinstance(val_fraction, Real):
+            raise ConfigError(
+                f"TextDataset: val_fraction must be a real number, got {val_fraction!r:.80}"
+            )
+        if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"TextDataset: val_fraction must lie in (0, 1), got {val_fraction}")
         if not isinstance(text, (str, bytes)):
             raise ConfigError(

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .vocab import Vocab
+from .vocab import Vocab, check_token_ids
 
 #: The tokenizer files transformers writes next to a model, copied along on export.
 TOKENIZER_FILES = (
@@ -88,11 +88,8 @@ class HFTokenizer:
         return np.asarray(ids, dtype=np.int64)
 
     def decode(self, ids: Any) -> str:
-        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.size):
-            raise ConfigError(
-                f"tokenizer: token ids must lie in [0, {self.size}), got [{arr.min()}, {arr.max()}]"
-            )
+        """The text of a sequence of token ids, checked first (``check_token_ids``)."""
+        arr = check_token_ids("tokenizer", ids, self.size)
         return self._tokenizer.decode(arr.tolist(), skip_special_tokens=False)
 
     def save(self, directory: str | os.PathLike[str]) -> None:

@@ -11,9 +11,25 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DTypeError
 
 KINDS = ("char", "byte")
+
+
+def check_token_ids(owner: str, ids: Any, size: int) -> np.ndarray:
+    """``ids`` as a flat int64 array of token ids in ``[0, size)``.
+
+    Non-integer ids (floats, bools, strings) are a ``DTypeError``, never truncated; ids
+    out of range are a ``ConfigError``. Both name ``owner``.
+    """
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise DTypeError(f"{owner}: token ids must be integers, got {arr.dtype.name}")
+    if arr.size and (arr.min() < 0 or arr.max() >= size):
+        raise ConfigError(
+            f"{owner}: token ids must lie in [0, {size}), got [{arr.min()}, {arr.max()}]"
+        )
+    return arr.astype(np.int64)
 
 
 class Vocab:
@@ -73,9 +89,17 @@ class Vocab:
         return self.kind
 
     def encode(self, text: str) -> np.ndarray:
-        """Token ids of ``text`` as an int64 array."""
+        """Token ids of ``text`` as an int64 array; a character the vocabulary cannot
+        encode (char: not in it; byte: not UTF-8, a lone surrogate) is a ``ConfigError``
+        naming it."""
         if self.kind == "byte":
-            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+            try:
+                raw = text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(
+                    f"vocab: character {text[e.start]!r} at position {e.start} has no UTF-8 bytes"
+                ) from None
+            return np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
         index = self._index
         try:
             return np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
@@ -85,12 +109,9 @@ class Vocab:
             ) from None
 
     def decode(self, ids: Any) -> str:
-        """The text of a sequence of token ids (invalid UTF-8 bytes are replaced)."""
-        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.size):
-            raise ConfigError(
-                f"vocab: token ids must lie in [0, {self.size}), got [{arr.min()}, {arr.max()}]"
-            )
+        """The text of a sequence of token ids (invalid UTF-8 bytes are replaced); the ids
+        are checked first (``check_token_ids``)."""
+        arr = check_token_ids("vocab", ids, self.size)
         if self.kind == "byte":
             return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
         chars = self.chars

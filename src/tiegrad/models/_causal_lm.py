@@ -10,7 +10,6 @@ small logits; every other layer keeps its PyTorch default.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,7 +21,7 @@ from ..nn import init
 from ..nn.attention import TransformerBlock
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.tying import tie
-from ..optim.hyperparams import size, unit_interval
+from ..optim.hyperparams import at_least_zero, count, size, unit_interval
 from ..session import EagerSession, TensorRef
 from ._configured import ConfiguredModel
 
@@ -136,31 +135,33 @@ class TiedCausalLM(ConfiguredModel):
         ``temperature`` (0 = greedy), keeps the ``top_k`` largest if given and samples
         with ``rng`` (``None``: ``default_rng(0)``). Runs in eval mode on a host session;
         the training flag is restored afterwards. Returns the ids as a NumPy array.
+
+        Checked before any work: ``idx`` holds integers and at least one token per row
+        (else ``DTypeError``, ``ShapeError``); ``max_new_tokens`` is an integer >= 0,
+        ``temperature`` a finite real >= 0 and ``top_k`` an integer in [1, vocab_size]
+        (bools refused; else ``HyperparameterError`` naming the argument).
         """
         out = np.asarray(idx)
-        if not np.issubdtype(out.dtype, np.integer):
-            raise DTypeError(f"{self.label()}: generate needs integer ids, got {out.dtype.name}")
         single = out.ndim == 1
         out = out[None] if single else out
         if out.ndim != 2 or out.shape[1] < 1:
             raise ShapeError(
-                f"{self.label()}: generate input has shape {np.shape(idx)}, expected (B, T) or (T,)"
+                f"{self.label()}: generate input has shape {np.shape(idx)}, expected (B, T) "
+                "or (T,) with T >= 1"
             )
-        if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 0):
-            raise HyperparameterError(
-                f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}"
-            )
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise HyperparameterError(
-                f"generate: temperature must be finite and >= 0, got {temperature!r}"
-            )
-        if top_k is not None and not 1 <= top_k <= self.vocab_size:
-            raise HyperparameterError(
-                f"generate: top_k must be in [1, {self.vocab_size}], got {top_k!r}"
-            )
+        if not np.issubdtype(out.dtype, np.integer):
+            raise DTypeError(f"{self.label()}: generate needs integer ids, got {out.dtype.name}")
+        max_new_tokens = count("generate", "max_new_tokens", max_new_tokens)
+        temperature = at_least_zero("generate", "temperature", temperature)
+        if top_k is not None:
+            top_k = count("generate", "top_k", top_k)
+            if not 1 <= top_k <= self.vocab_size:
+                raise HyperparameterError(
+                    f"generate: top_k must be in [1, {self.vocab_size}], got {top_k!r}"
+                )
         rng = init.generator(rng)
         with self._inference() as session:
-            for _ in range(int(max_new_tokens)):
+            for _ in range(max_new_tokens):
                 session.reset()
                 logits = self(session, out[:, -self.max_seq_len :]).numpy()[:, -1, :]
                 out = np.concatenate([out, _sample(logits, temperature, top_k, rng)], 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,6 +25,14 @@ from ..session import EagerSession
 def dtype_name(owner: str, name: str, value: Any) -> Any:
     """A floating dtype (``init.float_dtype``); the value itself is kept."""
     init.float_dtype(value)
+    return value
+
+
+def listed(value: Any) -> Any:
+    """``value`` as ``config`` keeps it: a sequence other than a string as a list, anything
+    else as given (never raises; ``check_config`` judges the value)."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return list(value)
     return value
 
 

@@ -11,7 +11,7 @@ from .. import ops
 from ..nn.layers import MLP, hidden_widths
 from ..optim.hyperparams import size, unit_interval
 from ..session import EagerSession, TensorRef
-from ._configured import ConfiguredModel, activation_name
+from ._configured import ConfiguredModel, activation_name, listed
 
 
 class MLPClassifier(ConfiguredModel):
@@ -45,7 +45,7 @@ class MLPClassifier(ConfiguredModel):
             seed,
             dtype,
             in_features=in_features,
-            hidden=hidden if isinstance(hidden, int) else list(hidden),
+            hidden=listed(hidden),
             n_classes=n_classes,
             activation=activation,
             dropout=dropout,

@@ -12,7 +12,7 @@ from ..nn._input import check_shape
 from ..nn.layers import MLP, hidden_widths
 from ..optim.hyperparams import positive, size
 from ..session import EagerSession, TensorRef
-from ._configured import ConfiguredModel, activation_name
+from ._configured import ConfiguredModel, activation_name, listed
 
 
 class SiameseEncoder(ConfiguredModel):
@@ -48,7 +48,7 @@ class SiameseEncoder(ConfiguredModel):
             seed,
             dtype,
             in_features=in_features,
-            hidden=hidden if isinstance(hidden, int) else list(hidden),
+            hidden=listed(hidden),
             embed_dim=embed_dim,
             activation=activation,
             margin=margin,
