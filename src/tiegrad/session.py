@@ -182,6 +182,7 @@ class EagerSession:
         if backend is None:
             backend = _backend_for(device)
         self.backend = backend
+        self._memory_owner = backend.memory_owner  # read by every op (``_record``)
         self.device = backend.device
         self.rng = np.random.default_rng(seed)
         self.grad_enabled = True
@@ -269,7 +270,7 @@ class EagerSession:
             self._vjps.append(None)
             rg.append(False)
         ref = TensorRef(self, i, value, self._generation)
-        if self._owners and id(self.backend.memory_owner(value)) in self._owners:
+        if self._owners and id(self._memory_owner(value)) in self._owners:
             self._holders.append(_weak(ref))
         return ref
 
@@ -325,7 +326,7 @@ class EagerSession:
         self._params[ref.id] = param
         if storage is not None:
             self._storages[ref.id] = storage
-            owner = self.backend.memory_owner(value)
+            owner = self._memory_owner(value)
             self._owners[id(owner)] = owner
             self._holders.append(_weak(ref))
             first = self._first_values.setdefault(id(storage), value)
