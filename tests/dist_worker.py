@@ -11,8 +11,12 @@ perturbs a parameter before step 4, checksums every 2 steps), ``layout`` (rank 1
 unties the output), ``device`` (``train`` on the torch CPU device backend),
 ``overlap`` (no trainer: each step's gradients averaged with and without overlap,
 compared in ``OUT/overlap.json``), ``late_signal`` (rank 1 signals itself after step
-3's end-of-step all-reduce). Every rank writes its result's status and step to
-``OUT/status_RANK``.
+3's end-of-step all-reduce), ``val`` (``train`` with a sharded validation loader
+evaluated every 2 steps, patience 50; rank 0 writes the validation losses to
+``OUT/val.json``), ``datasize`` (rank 1 has more training samples) and ``lr`` (rank 1
+another learning rate), ``dropout`` (``train`` with dropout 0.1; every rank writes the
+next 4 numbers of its session generator to ``OUT/draws_RANK.json``). Every rank
+writes its result's status and step to ``OUT/status_RANK``.
 """
 
 import json
@@ -33,9 +37,19 @@ from tiegrad.train import Callback, Trainer
 VOCAB, SEQ, BATCH = 16, 8, 8
 
 
-def data() -> ArrayDataset:
-    ids = np.random.default_rng(7).integers(0, VOCAB, size=(64, SEQ + 1))
+def data(samples: int = 64, seed: int = 7) -> ArrayDataset:
+    ids = np.random.default_rng(seed).integers(0, VOCAB, size=(samples, SEQ + 1))
     return ArrayDataset(ids[:, :-1], ids[:, 1:])
+
+
+class ValLosses(Callback):
+    """The validation losses of the run, in order."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_eval(self, trainer, logs) -> None:
+        self.losses.append(logs["val_loss"])
 
 
 class LateSignal(Callback):
@@ -94,11 +108,14 @@ def main(scenario: str, out: str, steps: int) -> None:
     launched = dist.in_launcher_environment()
     if launched:
         dist.init()
-    model = TiedLM(VOCAB, d_model=16, n_layers=1, n_heads=2, max_seq_len=SEQ, seed=3)
+    dropout = 0.1 if scenario == "dropout" else 0.0
+    model = TiedLM(VOCAB, d_model=16, n_layers=1, n_heads=2, max_seq_len=SEQ, seed=3,
+                   dropout=dropout)  # fmt: skip
     model.freeze("pos_embed.weight")
     if scenario == "layout" and dist.rank() == 1:
         untie(model, "lm_head.weight")
-    opt = SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    lr = 0.06 if scenario == "lr" and dist.rank() == 1 else 0.05
+    opt = SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=0.01)
     if scenario == "overlap":
         compare_overlap(model, opt, out, steps)
         return
@@ -130,11 +147,17 @@ def main(scenario: str, out: str, steps: int) -> None:
 
         opt.step = counted
     run = os.path.join(out, "run")
+    samples = 72 if scenario == "datasize" and dist.rank() == 1 else 64
+    val = ValLosses()
+    callbacks = [val] if scenario == "val" else []
     trainer = Trainer(
         model,
         opt,
         loss_fn,
-        DataLoader(data(), BATCH, shuffle=True),
+        DataLoader(data(samples), BATCH, shuffle=True),
+        val_data=DataLoader(data(16, seed=8), BATCH, shuffle=False) if scenario == "val" else None,
+        eval_every=2 if scenario == "val" else None,
+        patience=50 if scenario == "val" else None,
         max_steps=steps,
         checkpoint_every=10,
         run_dir=run,
@@ -144,12 +167,18 @@ def main(scenario: str, out: str, steps: int) -> None:
         plot=False,
         parallel=parallel,
         device="torch:cpu" if scenario == "device" else None,
-        callbacks=[LateSignal()] if scenario == "late_signal" else [],
+        callbacks=[LateSignal()] if scenario == "late_signal" else callbacks,
     )
     result = trainer.fit()
     with open(os.path.join(out, f"status_{dist.rank()}"), "w") as f:
         f.write(f"{result.status} {result.step}")
+    if scenario == "dropout":
+        with open(os.path.join(out, f"draws_{dist.rank()}.json"), "w") as f:
+            json.dump(trainer.session.rng.random(4).tolist(), f)
     if dist.is_main():
+        if scenario == "val":
+            with open(os.path.join(out, "val.json"), "w") as f:
+                json.dump(val.losses, f)
         np.savez(os.path.join(out, "params.npz"), *model.param_list().values())
         with open(os.path.join(out, "bytes.json"), "w") as f:
             json.dump({"per_step": per_step, "trainable_unique": trainable_bytes(model)}, f)

@@ -42,20 +42,21 @@ def test_window_shards_are_parts_of_the_same_global_windows():
         np.testing.assert_array_equal(np.concatenate([s[k][1] for s in shards]), y)
 
 
-def test_a_partial_last_batch_is_split_or_refused():
+def test_a_partial_last_batch_is_split_evenly_or_refused():
     data = ArrayDataset(np.arange(10))
     parts = [
         list(DataLoader(data, 4, rank=r, world_size=2).epoch(np.random.default_rng(0)))
         for r in (0, 1)
     ]
-    assert [len(b[0]) for b in parts[0]] == [2, 2, 1]
-    with pytest.raises(ConfigError, match="batch of 1 samples cannot be shared by 4.*drop_last"):
-        DataLoader(ArrayDataset(np.arange(9)), 4, rank=1, world_size=4)
+    assert [len(b[0]) for b in parts[0]] == [2, 2, 1]  # the last batch of 2: one each
+    for n, batch, world, last in ((9, 4, 4, 1), (14, 4, 4, 2), (21, 8, 2, 5)):
+        with pytest.raises(ConfigError, match=f"last batch of {last} samples does not split"):
+            DataLoader(ArrayDataset(np.arange(n)), batch, rank=1, world_size=world)
 
 
 def test_an_unshareable_last_batch_is_refused_before_the_first_batch(monkeypatch):
     data = ArrayDataset(np.arange(7))
-    with pytest.raises(ConfigError, match="DataLoader: a batch of 1 samples cannot be shared by 2"):
+    with pytest.raises(ConfigError, match="DataLoader: the last batch of 1 samples does not"):
         DataLoader(data, 6, shuffle=False, rank=0, world_size=2)
     assert len(DataLoader(data, 6, drop_last=True, rank=0, world_size=2)) == 1
     from tiegrad.distributed import group  # the group's world size is read per epoch
@@ -63,15 +64,8 @@ def test_an_unshareable_last_batch_is_refused_before_the_first_batch(monkeypatch
     monkeypatch.setattr(group, "world_size", lambda: 2)
     monkeypatch.setattr(group, "rank", lambda: 0)
     epoch = DataLoader(data, 6, shuffle=False).epoch(np.random.default_rng(0))
-    with pytest.raises(ConfigError, match="batch of 1 samples cannot be shared by 2"):
+    with pytest.raises(ConfigError, match="last batch of 1 samples does not split evenly over 2"):
         next(epoch)
-
-
-def test_a_partial_last_batch_is_split_as_evenly_as_it_goes():
-    data = ArrayDataset(np.arange(14))
-    shards = epochs(lambda r, w: DataLoader(data, 8, shuffle=False, rank=r, world_size=w), 4)
-    assert [len(s[1][0]) for s in shards] == [1, 2, 1, 2]
-    np.testing.assert_array_equal(np.concatenate([s[1][0] for s in shards]), np.arange(8, 14))
 
 
 def test_bad_shard_settings_are_config_errors():

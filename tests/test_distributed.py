@@ -176,6 +176,36 @@ def test_the_checksum_catches_a_perturbed_parameter(tmp_path):
         assert "'blocks.0.ln1.weight'" in err
 
 
+def test_a_sharded_validation_loader_gives_every_rank_one_processs_losses(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    run_ok(0, "val", one, steps=8)
+    run_ok(2, "val", two, steps=8)
+    single, shared = (json.loads((d / "val.json").read_text()) for d in (one, two))
+    assert len(shared) == len(single) == 4  # steps 2, 4, 6 and 8 (the final one)
+    np.testing.assert_allclose(shared, single, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scenario, differs", [("datasize", "train_batches"), ("lr", "optimizer")])
+def test_ranks_with_other_data_or_settings_are_refused_at_the_start(tmp_path, scenario, differs):
+    results, _ = launch(2, [scenario, tmp_path])
+    for rc, _, err in results:
+        assert rc != 0
+        assert f"rank 1 starts from another trainer state than rank 0 (differs in {differs}" in err
+
+
+def test_each_rank_draws_its_own_dropout_masks_and_resumes_its_stream(tmp_path):
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    whole.mkdir(), halves.mkdir()
+    run_ok(2, "dropout", whole, steps=20)
+    run_ok(2, "dropout", halves, steps=10)
+    run_ok(2, "dropout", halves, steps=20)  # resumes from the step-10 checkpoint
+    draws = {d: [json.loads((d / f"draws_{r}.json").read_text()) for r in (0, 1)]
+             for d in (whole, halves)}  # fmt: skip
+    assert draws[whole][0] != draws[whole][1]  # not the same masks on both shards
+    assert draws[halves] == draws[whole]  # each rank's stream continues exactly
+
+
 def test_another_tie_layout_fails_at_wrap_time_showing_both(tmp_path):
     results, _ = launch(2, ["layout", tmp_path])
     for rc, _, err in results:

@@ -67,8 +67,10 @@ class Shard:
     def resolve(self, batch_size: int, last: int = 0) -> tuple[int, int]:
         """``(rank, world_size)``, or a ``ConfigError`` if the batches cannot be shared.
 
-        ``batch_size`` must split evenly over the ranks, and a last, partial batch of
-        ``last`` samples (0: none) must give every rank at least one sample.
+        ``batch_size`` must split evenly over the ranks, and so must a last, partial
+        batch of ``last`` samples (0: none): each rank's loss is the mean over its shard
+        and the ranks' gradients are averaged, which weighs every sample alike only when
+        the shards are equal.
         """
         if self.fixed is not None:
             rank, world = self.fixed
@@ -81,15 +83,16 @@ class Shard:
                 f"{self.what}: the global batch size {batch_size} does not split evenly over "
                 f"{world} processes"
             )
-        if 0 < last < world:
+        if last % world:
             raise ConfigError(
-                f"{self.what}: a batch of {last} samples cannot be shared by {world} processes "
-                "(use drop_last=True)"
+                f"{self.what}: the last batch of {last} samples does not split evenly over "
+                f"{world} processes, whose averaged gradients would weigh its samples "
+                "unequally (use drop_last=True, or a dataset size that splits)"
             )
         return rank, world
 
     def part(self, n: int, rank: int, world: int) -> slice:
-        """The rank's contiguous part of ``n >= world`` items; part sizes differ by at most 1."""
+        """The rank's contiguous part of ``n`` items, ``n`` a multiple of ``world``."""
         return slice(n * rank // world, n * (rank + 1) // world)
 
 
@@ -132,10 +135,10 @@ class DataLoader:
 
     Iterating the loader directly uses its own generator seeded with ``seed``; the
     trainer calls ``epoch(rng)`` with its generator instead. ``batch_size`` is the
-    global batch; with several processes each yields its shard (module docstring),
-    and the last, partial batch (``drop_last=False``) is split as evenly as it goes:
-    the shards differ by at most one sample. That batch must hold at least one sample
-    per process; otherwise a ``ConfigError`` is raised by the constructor (given
+    global batch; with several processes each yields its shard (module docstring).
+    The last, partial batch (``drop_last=False``) must split evenly over the
+    processes too, so that every sample weighs the same in the averaged gradient;
+    otherwise a ``ConfigError`` is raised by the constructor (given
     ``rank``/``world_size``) or when an epoch starts (group's), before any batch.
     """
 

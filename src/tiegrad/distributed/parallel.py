@@ -135,8 +135,9 @@ class DataParallel:
 
     def start(self, state: dict[str, Any] | None = None) -> None:
         """Broadcast the parameters, then check that every rank's trainer ``state`` (its
-        position and data generator) is rank 0's: ranks started with another seed or from
-        another checkpoint would train on other batches."""
+        position, data generator, data length, run length and optimizer settings) is
+        rank 0's: ranks started with another seed, checkpoint, data or learning rate
+        would train on other batches or step otherwise."""
         self.broadcast_parameters()
         states = self._gather(state or {}, "the start check")
         for r, other in enumerate(states):
@@ -146,9 +147,19 @@ class DataParallel:
                 )
                 raise DistributedError(
                     f"DataParallel: rank {r} starts from another trainer state than rank 0 "
-                    f"(differs in {', '.join(keys)}): start every rank with the same seed and "
-                    "checkpoint"
+                    f"(differs in {', '.join(keys)}): start every rank with the same seed, "
+                    "checkpoint, data and optimizer settings"
                 )
+
+    def mean(self, value: float, what: str) -> float:
+        """The mean of every rank's ``value`` (one float64 all-reduce named ``what``)."""
+        import torch
+        import torch.distributed as dist
+
+        t = self._staged(torch.tensor([value], dtype=torch.float64))
+        with collective(what):
+            dist.all_reduce(t)
+        return float(t.cpu()[0]) / self.world_size
 
     # -- each step -----------------------------------------------------------------------
     def average(self, gradients: list[Any]) -> list[Any]:

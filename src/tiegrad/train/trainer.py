@@ -27,7 +27,10 @@ every rank runs this loop on its shard of each global batch; the gradients are
 averaged over the ranks before clipping (``DataParallel.average``), a signal on any
 rank stops all of them after the same step, and rank 0 alone prints, runs the
 built-in callbacks (metrics, plot) and writes checkpoints while the others wait at a
-barrier; the user's callbacks run on every rank.
+barrier; the user's callbacks run on every rank. Each rank draws its own dropout
+masks (``_own_session_stream``). Every rank must be started alike: the start check
+compares positions, generators, data length, run length and optimizer settings, and
+a sharded validation loader's loss is averaged over the ranks.
 """
 
 from __future__ import annotations
@@ -345,6 +348,7 @@ class Trainer:
         data_seed, session_seed = derive_seeds(seed)
         self.data_rng = np.random.default_rng(data_seed)
         self.session = EagerSession(device=device, seed=session_seed)
+        self._own_stream = False  # whether this rank's session generator is its own yet
         self.step = 0
         self.epoch = 0
         self.batches_in_epoch = 0
@@ -433,7 +437,12 @@ class Trainer:
         return total * scale, norm, items
 
     def evaluate(self) -> float | None:
-        """The mean loss over ``val_data`` without gradients (``None`` without val data)."""
+        """The mean loss over ``val_data`` without gradients (``None`` without val data).
+
+        Data-parallel with a sharded source (a ``DataLoader``: each rank evaluates its
+        shard of every batch), the mean over the ranks: every rank gets the value one
+        process would, within rounding, and makes the same decisions with it.
+        """
         if self.val_data is None:
             return None
         batches: Any = self.val_data
@@ -452,7 +461,37 @@ class Trainer:
             self._set_mode(True)
         if not losses:
             raise ConfigError("Trainer: val_data yields no batch")
-        return float(np.mean(losses))
+        loss = float(np.mean(losses))
+        if self.parallel is not None and getattr(self.val_data, "shard", None) is not None:
+            loss = self.parallel.mean(loss, "the validation loss all-reduce")  # each its shard
+        return loss
+
+    def _own_session_stream(self) -> None:
+        """Give this rank its own session generator (dropout masks): rank 0's stream
+        jumped ``rank`` times, once per fit after construction or a checkpoint load.
+
+        Every rank draws as many numbers per step (equal shards), and a jump commutes
+        with those draws, so a resumed rank, which loads rank 0's state and jumps it,
+        continues its uninterrupted stream exactly. Masks then differ between ranks, as
+        they differ between the samples of one process; a run with dropout therefore
+        depends on the process count.
+        """
+        rank = self.parallel.rank
+        if rank and not self._own_stream:
+            self.session.rng = np.random.Generator(self.session.rng.bit_generator.jumped(rank))
+        self._own_stream = True
+
+    def _run_settings(self) -> dict[str, Any]:
+        """What the ranks of a data-parallel run must share besides their position: the
+        training data's length, the run's length and the optimizer's hyperparameters
+        (``elapsed`` is each rank's own)."""
+        groups = getattr(self.optimizer, "param_groups", [])
+        return {
+            "elapsed": None,
+            "train_batches": len(self.train_data) if hasattr(self.train_data, "__len__") else None,
+            "max_steps": self.max_steps,
+            "optimizer": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+        }
 
     def current_lr(self) -> float | None:
         groups = getattr(self.optimizer, "param_groups", None)
@@ -513,6 +552,7 @@ class Trainer:
             rng=self.session,
             check_extra=check_extra,
         )
+        self._own_stream = False  # the session generator holds rank 0's state now
         self.step, self.epoch = checked["step"], checked["epoch"]
         self.batches_in_epoch = checked["batches_in_epoch"]
         self.epoch_start_state = checked["epoch_start_rng"]
@@ -607,7 +647,8 @@ class Trainer:
                 self.resumed_from = self.step
                 self._t0 = time.perf_counter()
         if self.parallel is not None:
-            self.parallel.start(self._trainer_state() | {"elapsed": None})
+            self.parallel.start(self._trainer_state() | self._run_settings())
+            self._own_session_stream()
         self.start_step = first_step = self.step
         before, after = self._builtin_callbacks()
         self._active = [*before, *self.callbacks, *after]
