@@ -15,8 +15,10 @@ compared in ``OUT/overlap.json``), ``late_signal`` (rank 1 signals itself after 
 evaluated every 2 steps, patience 50; rank 0 writes the validation losses to
 ``OUT/val.json``), ``datasize`` (rank 1 has more training samples) and ``lr`` (rank 1
 another learning rate), ``dropout`` (``train`` with dropout 0.1; every rank writes the
-next 4 numbers of its session generator to ``OUT/draws_RANK.json``). Every rank
-writes its result's status and step to ``OUT/status_RANK``.
+next 4 numbers of its session generator to ``OUT/draws_RANK.json``), ``raise_cb`` (rank
+1's callback raises after step 3) and ``perturb_last`` (rank 1 perturbs a parameter
+after the last step). Every rank writes its result's status and step to
+``OUT/status_RANK``.
 """
 
 import json
@@ -50,6 +52,20 @@ class ValLosses(Callback):
 
     def on_eval(self, trainer, logs) -> None:
         self.losses.append(logs["val_loss"])
+
+
+class OnRank1(Callback):
+    """On rank 1 after step ``step``: raise, or perturb the model's third parameter."""
+
+    def __init__(self, step: int, model=None) -> None:
+        self.step, self.model = step, model
+
+    def on_step_end(self, trainer, logs) -> None:
+        if dist.rank() == 1 and logs["step"] == self.step:
+            if self.model is None:
+                raise RuntimeError("injected callback failure")
+            p = self.model.param_list()[2]
+            p.set_value(p.value + 1e-3)
 
 
 class LateSignal(Callback):
@@ -149,7 +165,12 @@ def main(scenario: str, out: str, steps: int) -> None:
     run = os.path.join(out, "run")
     samples = 72 if scenario == "datasize" and dist.rank() == 1 else 64
     val = ValLosses()
-    callbacks = [val] if scenario == "val" else []
+    callbacks = {
+        "val": [val],
+        "raise_cb": [OnRank1(3)],
+        "perturb_last": [OnRank1(steps, model)],
+        "late_signal": [LateSignal()],
+    }.get(scenario, [])
     trainer = Trainer(
         model,
         opt,
@@ -167,7 +188,7 @@ def main(scenario: str, out: str, steps: int) -> None:
         plot=False,
         parallel=parallel,
         device="torch:cpu" if scenario == "device" else None,
-        callbacks=[LateSignal()] if scenario == "late_signal" else callbacks,
+        callbacks=callbacks,
     )
     result = trainer.fit()
     with open(os.path.join(out, f"status_{dist.rank()}"), "w") as f:

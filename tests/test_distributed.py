@@ -206,6 +206,20 @@ def test_each_rank_draws_its_own_dropout_masks_and_resumes_its_stream(tmp_path):
     assert draws[halves] == draws[whole]  # each rank's stream continues exactly
 
 
+def test_a_callbacks_failure_names_the_step_it_followed(tmp_path):
+    results, _ = launch(2, ["raise_cb", tmp_path], timeout=30.0)
+    assert all(rc != 0 for rc, _, _ in results)
+    last = results[0][2].strip().splitlines()[-1]
+    assert "rank 1 failed at step 3: RuntimeError: injected callback failure" in last
+
+
+def test_the_ranks_are_compared_at_the_end_of_fit(tmp_path):
+    results, _ = launch(2, ["perturb_last", tmp_path, 4])  # checksums every 100 steps
+    for rc, _, err in results:
+        assert rc != 0
+        assert "diverged at step 4: rank 1 differs from rank 0 first at slot 2" in err
+
+
 def test_another_tie_layout_fails_at_wrap_time_showing_both(tmp_path):
     results, _ = launch(2, ["layout", tmp_path])
     for rc, _, err in results:

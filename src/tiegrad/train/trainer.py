@@ -625,11 +625,12 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Run until ``max_steps``, early stopping, Ctrl-C or SIGTERM; see the class docstring."""
+        self._at_step = self.step + 1  # a failure's step: the one running, or just done
         try:
             return self._fit()
         except BaseException as e:
             if self.parallel is not None:
-                self.parallel.fail(e, self.step + 1)
+                self.parallel.fail(e, self._at_step)
             raise
         finally:  # a later fit goes on counting from here, idle time left out
             now = time.perf_counter()
@@ -678,6 +679,7 @@ class Trainer:
                 while not finished_early and self.step < self.max_steps:
                     lr = self.current_lr()
                     started = time.perf_counter()
+                    self._at_step = self.step + 1  # a failure from here is this step's
                     train_loss, norm, items = self.train_step()
                     stop_signal = interrupt.signal
                     if self.parallel is not None:
@@ -725,6 +727,8 @@ class Trainer:
                     self._eval_and_track(None if last["train"] is None else last["train"][0], last)
                 if last_saved != self.step:
                     self._save_periodic()
+                if self.parallel is not None and self.step > first_step:
+                    self.parallel.check_parameters(self.step)  # the ranks end alike
         finally:
             progress.close()
             self._progress = None
