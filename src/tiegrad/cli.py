@@ -456,10 +456,9 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
     run = RunDir(config["run"])
     source = load_text(config)
     vocab = tokenizer_from_dict(vocab) if vocab else None
-    if config["init"] and resume:
-        model, dataset = _resumed_gpt2(run, config, source, vocab)
-    elif config["init"]:
-        model, dataset = build_init(config, source, vocab)
+    if config["init"]:  # resumed: the checkpoint's model (the --init folder may have moved)
+        stored = _stored_gpt2(run.latest(), "resume")[0] if resume else None
+        model, dataset = build_init(config, source, vocab, stored)
     else:
         dataset = build_dataset(config, source, vocab)
         model = build_model(model_config(config, dataset.vocab_size))
@@ -522,24 +521,19 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
     return EXIT_TERMINATED if result.signal == signal.SIGTERM else EXIT_INTERRUPTED
 
 
-def _resumed_gpt2(run: Any, config: dict[str, Any], source: Any, vocab: Any) -> tuple[Any, Any]:
-    """The ``GPT2`` of a resumed ``--init`` run, built from its latest checkpoint (the
-    model's configuration and the transformers one it came from: the ``--init`` folder
-    may have moved since), and the dataset tokenised by the run's stored vocabulary."""
-    from .train.job import build_dataset, build_model
+def _stored_gpt2(path: Path, what: str) -> tuple[Any, Any]:
+    """The ``GPT2`` a checkpoint describes (its model and transformers configurations),
+    built but not loaded, and the checkpoint's ``extra``; ``what`` names the caller in
+    the error for a checkpoint of another model."""
+    from .train.job import build_model
 
-    latest = run.latest()
-    extra = _checkpoint_extra(latest)
+    extra = _checkpoint_extra(path)
     kwargs = _model_config(extra)
-    if kwargs is None or extra["model"].get("class") != "GPT2" or vocab is None:
-        raise ConfigError(f"{latest}: not a checkpoint of 'tiegrad train --init' (no GPT2)")
+    if kwargs is None or extra["model"].get("class") != "GPT2":
+        raise ConfigError(f"{path}: {what} needs a GPT2 checkpoint (from 'tiegrad train --init')")
     model = build_model(dict(kwargs), "GPT2")
     model.source_config = extra.get("hf_config") or {}
-    if config["seq_len"] > model.max_seq_len:
-        raise ConfigError(
-            f"--seq-len {config['seq_len']} exceeds the model's n_positions {model.max_seq_len}"
-        )
-    return model, build_dataset(config, source, vocab)
+    return model, extra
 
 
 def _config_writer(run: Any, config: dict[str, Any]) -> Any:
@@ -827,7 +821,6 @@ def _export(args: argparse.Namespace) -> int:
     transformers directory: ``config.json``, ``model.safetensors`` and the tokenizer files."""
     from .checkpoint import load
     from .data import HFTokenizer, tokenizer_from_dict
-    from .train.job import build_model
     from .train.rundir import RunDir
 
     source = Path(args.source)
@@ -839,15 +832,8 @@ def _export(args: argparse.Namespace) -> int:
         path = source
     else:
         raise ConfigError(f"{args.source!r} is neither a run folder nor a checkpoint file")
-    extra = _checkpoint_extra(path)
-    kwargs = _model_config(extra)
-    if kwargs is None or extra["model"].get("class") != "GPT2":
-        raise ConfigError(
-            f"{path}: export --format hf needs a GPT2 checkpoint (from 'tiegrad train --init')"
-        )
-    model = build_model(dict(kwargs), "GPT2")
+    model, extra = _stored_gpt2(path, "export --format hf")
     load(path, model)
-    model.source_config = extra.get("hf_config") or {}
     tokenizer = tokenizer_from_dict(extra["vocab"]) if "vocab" in extra else None
     model.save_pretrained(args.dir)
     if isinstance(tokenizer, HFTokenizer):

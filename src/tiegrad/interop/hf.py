@@ -225,9 +225,9 @@ def save_gpt2(model: GPT2, directory: str | os.PathLike[str]) -> None:
     written: transformers' GPT-2 would load the left-out path with fresh random values.
     Both files are written atomically.
     """
-    other_ties = {first: others for first, others in model.aliases().items() if others != [HEAD]}
-    if other_ties:
-        first, others = next(iter(other_ties.items()))
+    for first, others in model.aliases().items():
+        if others == [HEAD]:
+            continue
         raise CheckpointError(
             f"{directory}: {model.label()} ties {first!r} and {others[0]!r}, a tie "
             "transformers' GPT-2 cannot express (only lm_head.weight with "

@@ -149,9 +149,10 @@ def where(cond: Any, a: Any, b: Any) -> TensorRef:
     bk = s.backend
     c = value_of(s, cond)
     av, bv = value_of(s, a), value_of(s, b)
-    if scalar_value(a) is None and _fits(bk, scalar_value(b), av.dtype):
+    na, nb = scalar_value(a), scalar_value(b)
+    if na is None and _fits(bk, nb, av.dtype):
         bv = bk.astype(bv, av.dtype)
-    elif scalar_value(b) is None and _fits(bk, scalar_value(a), bv.dtype):
+    elif nb is None and _fits(bk, na, bv.dtype):
         av = bk.astype(av, bv.dtype)
     check_broadcast("where", av, bv)
     check_broadcast("where", c, av)

@@ -80,14 +80,16 @@ def build_model(kwargs: dict[str, Any], model_class: str = MODEL_CLASS) -> Any:
 
 
 def build_init(
-    config: dict[str, Any], source: TextSource, vocab: Any = None
+    config: dict[str, Any], source: TextSource, vocab: Any = None, model: Any = None
 ) -> tuple[Any, TextDataset]:
-    """The ``GPT2`` of ``config["init"]`` (a transformers directory) and the dataset of
-    ``source`` tokenised by the directory's tokenizer (``data.directory_tokenizer``) or
-    by ``vocab`` (the one a resumed run stored)."""
+    """The ``GPT2`` of ``config["init"]`` (a transformers directory), or ``model`` (the one
+    a resumed run's checkpoint describes), and the dataset of ``source`` tokenised by
+    the directory's tokenizer (``data.directory_tokenizer``) or by ``vocab`` (the one a
+    resumed run stored)."""
     from ..models import GPT2
 
-    model = GPT2.from_pretrained(config["init"])
+    if model is None:
+        model = GPT2.from_pretrained(config["init"])
     vocab = vocab if vocab is not None else directory_tokenizer(config["init"])
     if vocab.size > model.vocab_size:
         raise ConfigError(
