@@ -267,3 +267,42 @@ def test_layer_norm_and_linear_promote_mixed_dtypes_like_numpy():
     np.testing.assert_allclose(ln.value, want, rtol=1e-5, atol=1e-6)  # float32 rows
     lin = T.linear(xr, s.leaf(rng.standard_normal((3, 6)).astype(np.float32)), s.leaf(np.ones(3)))
     assert lin.dtype == np.float64
+
+
+_FUSED_OPS = {
+    "layer_norm": lambda c, x: T.layer_norm(c(x), c(np.ones(32, np.float32)), c(x[0])),
+    "gelu": lambda c, x: T.gelu(c(x)),
+    "relu": lambda c, x: T.relu(c(x)),
+    "add": lambda c, x: c(x) + c(x[::-1].copy()),
+    "mul": lambda c, x: c(x) * c(x[::-1].copy()),
+    "softmax": lambda c, x: T.softmax(c(x), axis=-1),
+    "log_softmax": lambda c, x: T.log_softmax(c(x), axis=-1),
+    "linear": lambda c, x: T.linear(c(x), c(x[:8].copy()), c(x[0, :8].copy())),
+    "self_attention": lambda c, x: T.self_attention(c(x.reshape(4, 16, 32)[..., :24]), 2, True),
+}
+
+
+@pytest.mark.usefixtures("gelu_path")
+@pytest.mark.parametrize("op", sorted(_FUSED_OPS))
+def test_fused_ops_read_read_only_inputs_and_seeds(op):
+    """Read-only inputs (a parameter's value, a memory map) and seeds give the same
+    values and gradients as writable copies (numba's layer norm once refused them)."""
+    x = np.random.default_rng(9).standard_normal((64, 32)).astype(np.float32)
+    results = []
+    for writable in (True, False):
+        s = EagerSession()
+
+        def c(a, s=s, writable=writable):
+            a = a.copy()
+            a.flags.writeable = writable
+            return s.leaf(a)
+
+        y = _FUSED_OPS[op](c, x)
+        seed = np.linspace(-1.0, 1.0, y.value.size, dtype=np.float32).reshape(y.value.shape)
+        seed.flags.writeable = writable
+        results.append((y.value.copy(), s.backward(y, seed)))
+    (y_w, g_w), (y_r, g_r) = results
+    np.testing.assert_array_equal(y_r, y_w)
+    assert sorted(g_r) == sorted(g_w)
+    for k in g_w:
+        np.testing.assert_array_equal(g_r[k], g_w[k])

@@ -143,8 +143,8 @@ def _dot(a: Any, b: Any) -> Any:
 def _lanes(typingctx: Any, a: Any, b: Any, products: Any) -> Any:
     """The sum of ``a`` (or of ``a * b`` with ``products``) in a fixed order.
 
-    ``a`` and ``b``: contiguous float32 vectors, ``b`` at least as long as ``a`` (any
-    other types do not compile). Lane ``k`` adds elements ``k, k + 8, ...`` in order
+    ``a`` and ``b``: contiguous float32 vectors, read-only or not, ``b`` at least as long
+    as ``a`` (any other types do not compile). Lane ``k`` adds elements ``k, k + 8, ...`` in order
     (the tail after the last whole group of eight goes to lane 0), and the lanes
     combine as ``((0+1)+(2+3))+((4+5)+(6+7))`` (``_fold_lanes``). The order is written
     out in the machine code, one 8-wide vector add per group, not licensed by
@@ -154,8 +154,7 @@ def _lanes(typingctx: Any, a: Any, b: Any, products: Any) -> Any:
     eight scalar accumulators gives these bits, three times slower (LLVM keeps it
     scalar).
     """
-    vector = types.Array(types.float32, 1, "C")
-    if not (a == vector and b == vector and isinstance(products, types.Boolean)):
+    if not (_f32_vector(a) and _f32_vector(b) and isinstance(products, types.Boolean)):
         return None
     sig = types.float32(a, b, products)
 
@@ -163,7 +162,7 @@ def _lanes(typingctx: Any, a: Any, b: Any, products: Any) -> Any:
         def add(acc: Any, x: Any, y: Any) -> Any:
             return builder.fadd(acc, builder.select(args[2], builder.fmul(x, y), x))
 
-        return _fold_lanes(context, builder, vector, args[:2], 0.0, add, builder.fadd)
+        return _fold_lanes(context, builder, (a, b), args[:2], 0.0, add, builder.fadd)
 
     return sig, codegen
 
@@ -177,8 +176,7 @@ def _row_max(typingctx: Any, a: Any) -> Any:
     order, and ``x - m`` is the same for both zeros but at ``x = 0``, whose exponential
     is 1 either way.
     """
-    vector = types.Array(types.float32, 1, "C")
-    if a != vector:
+    if not _f32_vector(a):
         return None
     sig = types.float32(a)
 
@@ -189,15 +187,22 @@ def _row_max(typingctx: Any, a: Any) -> Any:
         def step(acc: Any, x: Any, y: Any) -> Any:
             return larger(acc, x)
 
-        return _fold_lanes(context, builder, vector, (args[0], args[0]), -math.inf, step, larger)
+        return _fold_lanes(context, builder, (a, a), (args[0], args[0]), -math.inf, step, larger)
 
     return sig, codegen
+
+
+def _f32_vector(t: Any) -> bool:
+    """Whether numba type ``t`` is a contiguous 1-D float32 array (read-only or not)."""
+    return (
+        isinstance(t, types.Array) and t.dtype == types.float32 and t.ndim == 1 and t.layout == "C"
+    )
 
 
 def _fold_lanes(
     context: Any,
     builder: Any,
-    vector: Any,
+    vectors: tuple[Any, Any],
     arrays: tuple[Any, Any],
     start: float,
     step: Callable[[Any, Any, Any], Any],
@@ -207,10 +212,11 @@ def _fold_lanes(
     ``_row_max``): ``acc = step(acc, x, y)`` from ``start`` over elements ``k, k + 8,
     ...`` in lane ``k`` (8-wide vector steps), the tail after the last whole group of
     eight in lane 0, then the lanes as ``join(join(join(0, 1), join(2, 3)), join(join(4,
-    5), join(6, 7)))``. The length is the first vector's."""
+    5), join(6, 7)))``. ``vectors`` are the numba types of ``arrays``; the length is the
+    first array's."""
     f32, i64 = ir.FloatType(), ir.IntType(64)
     v8 = ir.VectorType(f32, 8)
-    made = [context.make_array(vector)(context, builder, x) for x in arrays]
+    made = [context.make_array(t)(context, builder, x) for t, x in zip(vectors, arrays)]
     pa, pb = (builder.bitcast(x.data, f32.as_pointer()) for x in made)
     n = builder.extract_value(made[0].shape, 0)
     whole = builder.udiv(n, ir.Constant(i64, 8))
