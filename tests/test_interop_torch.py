@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiegrad import AliasError, DTypeError, ShapeError, SlotError
+from tiegrad import AliasError, DTypeError, Param, ShapeError, SlotError
 from tiegrad.interop import from_torch, to_torch, torch_buffers
 
 torch = pytest.importorskip("torch")
@@ -155,3 +155,37 @@ def test_to_torch_refuses_a_buffer_value_its_dtype_would_round_and_writes_nothin
     assert torch.equal(m.weight, torch.ones(3)) and int(m.num_batches_tracked) == 0
     to_torch(params, m, buffers={"running_mean": np.array([1, 2, 3])})  # ints fit a float
     assert torch.equal(m.running_mean, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_to_torch_checks_every_buffer_value_before_writing_anything():  # C6
+    m = torch.nn.BatchNorm1d(3)
+    params = from_torch(m)
+    params["weight"].set_value(np.full(3, 7.0, np.float32))
+    rounded = {"running_mean": np.full(3, 5.0, np.float32), "running_var": np.full(3, 0.1)}
+    with pytest.raises(DTypeError, match="'running_var' is float64 here but torch.float32"):
+        to_torch(params, m, buffers=rounded)
+    wrapped = {"num_batches_tracked": np.array(2**63 + 5, np.uint64)}
+    with pytest.raises(DTypeError, match="'num_batches_tracked' is uint64"):
+        to_torch(params, m, buffers=wrapped)
+    assert torch.equal(m.weight, torch.ones(3)) and torch.equal(m.running_mean, torch.zeros(3))
+    exact = {
+        "running_mean": np.full(3, 0.5),  # float64 values that float32 holds exactly
+        "running_var": np.full(3, 2.0, ">f4"),  # the other byte order
+        "num_batches_tracked": np.array(4, np.int32),
+    }
+    to_torch(params, m, buffers=exact)
+    assert torch.equal(m.running_mean, torch.full((3,), 0.5))
+    assert torch.equal(m.running_var, torch.full((3,), 2.0))
+    assert int(m.num_batches_tracked) == 4 and torch.equal(m.weight, torch.full((3,), 7.0))
+
+
+def test_an_expanded_parameter_is_refused_both_ways():
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(3))
+    m.b = torch.nn.Parameter(torch.ones(1, 4).expand(3, 4))
+    with pytest.raises(AliasError, match="'b' .3, 4. repeats its elements along axis 0"):
+        from_torch(m)
+    params = {"a": Param(np.full(3, 9.0, np.float32)), "b": Param(np.ones((3, 4), np.float32))}
+    with pytest.raises(AliasError, match="stride 0"):
+        to_torch(params, m)
+    assert torch.equal(m.a, torch.zeros(3))

@@ -393,6 +393,40 @@ def test_a_caller_passing_the_same_arrays_every_step_is_read_afresh(small_chunks
     assert steps_with(refilled) == steps_with(lambda k: [v.copy() for v in values[k]])
 
 
+@pytest.mark.parametrize(
+    "layout",
+    ["columns of a wider array", "fortran order", "reversed rows", "broadcast row"],
+)
+def test_a_refilled_2d_buffer_that_flattens_to_a_copy_is_read_afresh(small_chunks, layout):
+    # Such a buffer flattens to a new copy at every step, never to a view of its memory:
+    # a step once kept the copy made at the second step and read it ever after.
+    shape = (40, 35)
+    if layout == "columns of a wider array":
+        source = np.empty((40, 70), np.float32)
+        grad = source[:, :35]
+    elif layout == "fortran order":
+        grad = source = np.empty(shape, np.float32, order="F")
+    elif layout == "reversed rows":
+        source = np.empty(shape, np.float32)
+        grad = source[::-1]
+    else:
+        source = np.empty((1, 35), np.float32)
+        grad = np.broadcast_to(source, shape)
+    values = np.random.default_rng(5).standard_normal((4,) + shape).astype(np.float32)
+    plist = ParamList.of_pack([np.zeros(shape, np.float32)])
+    opt = Adam(plist, lr=0.1)
+    twin = ParamList.of_pack([np.zeros(shape, np.float32)])
+    twin_opt = Adam(twin, lr=0.1)
+    for v in values:
+        if grad.flags.writeable:
+            grad[...] = v
+        else:
+            source[...] = v[:1]
+        opt.step([grad])
+        twin_opt.step([np.array(grad)])
+        np.testing.assert_array_equal(plist[0].value, twin[0].value)
+
+
 def test_a_nan_written_into_a_kept_gradient_buffer_is_found(small_chunks):
     plist = ParamList.of_pack([np.full(n, 0.5, np.float32) for n in (700, 1500)])
     opt = Adam(plist, lr=0.1)
@@ -534,6 +568,33 @@ def test_gradients_that_alias_parameters_or_state_are_read_before_any_write(
     assert fused_calls[0] == 4
     for value, want in zip(got, expected):
         np.testing.assert_array_equal(value, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda p: SGD([p], lr=0.1, momentum=0.9), "momentum_buffer"),
+        (lambda p: Adam([p], lr=0.1, eps=1e-3), "exp_avg"),
+    ],
+    ids=["sgd-momentum", "adam"],
+)
+def test_on_the_numpy_rules_a_gradient_that_is_the_state_is_read_before_any_write(
+    monkeypatch, dtype, make, name
+):
+    # float16 always takes the NumPy rules; float32 does without numba. The rules write
+    # the state before they read the gradient, so a gradient in the state is copied first.
+    monkeypatch.setattr(_numba, "ENABLED", False)
+
+    def second_step(copy: bool) -> np.ndarray:
+        p = Param(np.linspace(-1.0, 1.0, 3000).astype(dtype))
+        opt = make(p)
+        opt.step([np.full(p.shape, 0.5, dtype)])
+        g = opt.state[0][name]
+        opt.step([g.copy() if copy else g])
+        return p.value.copy()
+
+    np.testing.assert_array_equal(second_step(copy=False), second_step(copy=True))
 
 
 # -- threads and processes ----------------------------------------------------------------

@@ -275,8 +275,14 @@ class EagerSession:
         return ref
 
     def _array(self, data: Any) -> Array:
-        """Convert input data; Python numbers and lists of floats become float32."""
+        """Convert input data; Python numbers and lists of floats become float32.
+
+        A NumPy array in non-native byte order (``'>f4'``, ``'>i8'`` on a little-endian
+        machine) becomes the same values in native order (a copy), as every kernel reads.
+        """
         bk = self.backend
+        if isinstance(data, np.ndarray) and not data.dtype.isnative:
+            data = data.astype(data.dtype.newbyteorder("="))
         if bk.is_array(data):
             return data
         if isinstance(data, TensorRef):

@@ -44,12 +44,20 @@ def _byte_range(t: Any) -> tuple[int, int]:
 
 def _groups(module: Any) -> list[tuple[str, Any, int]]:
     """``(path, tensor, group)`` for every parameter path, ``group`` the index of its view
-    in first-appearance order; overlapping distinct views are an ``AliasError``."""
+    in first-appearance order; overlapping distinct views, and a view that repeats its
+    elements (stride 0), are an ``AliasError``."""
     named = list(module.named_parameters(remove_duplicate=False))
     views: dict[tuple, int] = {}
     first: list[tuple[str, Any]] = []
     out = []
     for path, t in named:
+        spread = [axis for axis, (n, st) in enumerate(zip(t.shape, t.stride())) if n > 1 and not st]
+        if spread:
+            raise AliasError(
+                f"{path!r} {tuple(t.shape)} repeats its elements along axis {spread[0]} "
+                "(stride 0, an expanded view): a parameter's elements must be distinct "
+                "(make it a copy, e.g. .contiguous())"
+            )
         key = _view_key(t)
         if key not in views:
             lo, hi = _byte_range(t)
@@ -166,6 +174,7 @@ def to_torch(params: dict[str, Param], module: Any, buffers: dict[str, Any] | No
                 f"to_torch: {path!r} is {ours[path].dtype.name} here but {t.dtype} in the module"
             )
     own_buffers = dict(module.named_buffers(remove_duplicate=False))
+    new_buffers: dict[str, Any] = {}
     for path, value in (buffers or {}).items():
         if path not in own_buffers:
             raise SlotError(
@@ -176,16 +185,7 @@ def to_torch(params: dict[str, Param], module: Any, buffers: dict[str, Any] | No
                 f"to_torch: buffer {path!r} has shape {tuple(np.shape(value))}, the module's "
                 f"{tuple(own_buffers[path].shape)}"
             )
-        target = own_buffers[path]
-        held = (
-            "b" if target.dtype == torch.bool else "biuf" if target.is_floating_point() else "biu"
-        )
-        kind = np.asarray(value).dtype
-        if kind.kind not in held:
-            raise DTypeError(
-                f"to_torch: buffer {path!r} is {kind.name} here but {target.dtype} in the "
-                "module; its values would be cast (convert them first)"
-            )
+        new_buffers[path] = _buffer_tensor(path, value, own_buffers[path])
     written: set[int] = set()
     with torch.no_grad():
         for path, t, g in theirs:
@@ -193,6 +193,41 @@ def to_torch(params: dict[str, Param], module: Any, buffers: dict[str, Any] | No
                 written.add(g)
                 value = ours[path].storage.current_host_value()
                 t.copy_(torch.tensor(value))
-        for path, value in (buffers or {}).items():
-            target = own_buffers[path]
-            target.copy_(torch.as_tensor(np.array(value), dtype=target.dtype))
+        for path, tensor in new_buffers.items():
+            own_buffers[path].copy_(tensor)
+
+
+def _buffer_tensor(path: str, value: Any, target: Any) -> Any:
+    """``value`` as a tensor of buffer ``target``'s dtype, or a ``DTypeError`` where that
+    would change a value.
+
+    A NumPy array (either byte order) must keep every value in the buffer's dtype: ints
+    into a float buffer while they fit its significand, float64 into float32 only where
+    exact, never a float into an integer counter nor an integer out of its range (a
+    uint64 above 2**63 into int64); lists and Python numbers are converted to it, floats
+    into floating buffers only.
+    """
+    import torch
+
+    arr = np.asarray(value)
+    held = "b" if target.dtype == torch.bool else "biuf" if target.is_floating_point() else "biu"
+    exact = arr.dtype.kind in held
+    try:
+        want = np.dtype(str(target.dtype).replace("torch.", ""))
+    except TypeError:  # bfloat16: NumPy has no such type; the kinds decide
+        want = None
+    if exact and isinstance(value, np.ndarray) and want is not None and arr.size:
+        if not np.can_cast(arr.dtype, want):
+            back = arr.astype(want).astype(arr.dtype)
+            exact = np.array_equal(back, arr, equal_nan=arr.dtype.kind == "f")
+        if want.kind in "iu" and arr.dtype.kind in "iu":
+            info = np.iinfo(want)
+            exact = exact and info.min <= int(arr.min()) and int(arr.max()) <= info.max
+    if not exact:
+        raise DTypeError(
+            f"to_torch: buffer {path!r} is {arr.dtype.name} here but {target.dtype} in the "
+            "module; its values would be cast (convert them first)"
+        )
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return torch.tensor(arr).to(dtype=target.dtype)

@@ -294,14 +294,15 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 def _read_only_view(a: np.ndarray) -> tuple[np.ndarray, bool]:
     """``_read_only(a)``, and whether it is a view of a writable ``a`` (not a copy).
 
-    ``reshape`` gives a new object every time: a view, whose ``base`` is the memory's
-    owner, or a copy of a strided ``a``, which owns its memory.
+    ``reshape`` gives a new object every time: a view of a C-contiguous ``a``, or a copy
+    of a strided one (itself C-contiguous, and with a ``base`` of its own: a copy never
+    tells the caller's later writes).
     """
     flat = a.reshape(-1)
     flags = flat.flags
     if not flags.writeable and flags.c_contiguous:  # a read-only ``a``'s own view
         return flat, False
-    of_writable = flags.c_contiguous and flat.base is not None
+    of_writable = a.flags.c_contiguous
     flat = (flat if flags.c_contiguous else flat.copy()).view()  # a strided 1-D ``a``: a view
     flat.setflags(write=False)  # 0.8 against 1.25 us through ``flags.writeable``
     return flat, of_writable

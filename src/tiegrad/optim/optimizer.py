@@ -741,9 +741,9 @@ class Optimizer:
         arr = _contiguous(storage.host_for_update())
         p = arr.reshape(-1)
         gf = g.reshape(-1)
-        if np.may_share_memory(gf, p):
-            gf = gf.copy()
         state = {name: self._state.span(slot, slot, name) for name in names}
+        if any(np.may_share_memory(gf, a) for a in (p, *state.values())):
+            gf = gf.copy()  # the rule writes the parameter and its state before it reads g
         work = self._work_rows(arr.dtype)[: self.work_buffers]
         rule = type(self).rule
         for s in range(0, p.size, CHUNK):
@@ -798,10 +798,11 @@ def _contiguous(arr: np.ndarray) -> np.ndarray:
 def _check_state_tensor(
     what: str, arr: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, expected: str
 ) -> None:
-    """``ShapeError`` / ``DTypeError`` unless the state tensor ``arr`` has ``shape``, ``dtype``."""
+    """``ShapeError`` / ``DTypeError`` unless the state tensor ``arr`` has ``shape`` and
+    ``dtype`` (in either byte order: the state is copied into native arrays)."""
     if arr.shape != shape:
         raise ShapeError(f"{what} has shape {arr.shape}, {expected} {shape}")
-    if arr.dtype != dtype:
+    if arr.dtype.newbyteorder("=") != dtype:
         raise DTypeError(f"{what} has dtype {arr.dtype.name}, {expected} {dtype.name}")
 
 

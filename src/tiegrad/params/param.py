@@ -31,7 +31,13 @@ class Param:
         dtype: Any = None,
     ) -> None:
         if callable(getattr(value, "detach", None)):  # a torch tensor, maybe requiring grad
-            value = value.detach().cpu().numpy()
+            try:
+                value = value.detach().cpu().numpy()
+            except TypeError:  # bfloat16 and the other torch types NumPy lacks
+                raise DTypeError(
+                    f"Param {name!r}: torch dtype {value.dtype} has no NumPy type "
+                    "(convert the tensor first, e.g. tensor.float())"
+                ) from None
         if hasattr(value, "dtype") or dtype is not None:
             arr = np.array(value, dtype=dtype, copy=True)
         else:

@@ -32,15 +32,16 @@ def check_host_array(what: str, value: Any, shape: tuple[int, ...], dtype: np.dt
     """``value`` as an array of ``shape`` and ``dtype``, or a Shape/DType error naming ``what``.
 
     An array (anything with a ``dtype``: ndarray, NumPy scalar, torch tensor) must already
-    have ``dtype``; lists and Python numbers are converted to it (C6).
+    have ``dtype``, in either byte order (the other one is converted, exactly); lists and
+    Python numbers are converted to it (C6). An ndarray subclass (``np.matrix``) is read
+    as a plain array.
     """
     if isinstance(value, np.ndarray):
         if value.dtype != dtype:
-            got = value.dtype.name
-            if got == dtype.name:  # the same type in the other byte order
-                got = f"{got} in non-native byte order ({value.dtype.str!r}); convert it"
-            raise DTypeError(f"{what}: expected dtype {dtype.name}, got {got}")
-        arr = value
+            if value.dtype.newbyteorder("=") != dtype:
+                raise DTypeError(f"{what}: expected dtype {dtype.name}, got {value.dtype.name}")
+            value = value.astype(dtype)
+        arr = value if type(value) is np.ndarray else np.asarray(value)
     else:
         if hasattr(value, "dtype") and dtype_name(value) != dtype.name:
             raise DTypeError(f"{what}: expected dtype {dtype.name}, got {dtype_name(value)}")
@@ -62,7 +63,9 @@ class ParameterStorage:
     ``shape`` and ``dtype`` are fixed at creation. Create storages through ``Param``;
     the constructor takes ownership of ``value`` without copying it (as ``commit_host``
     does): the storage keeps that array writable for in-place updates and hands out
-    ``host``, a read-only view of it, so that an update needs no flag change.
+    ``host``, a read-only view of it, so that an update needs no flag change. A value in
+    non-native byte order (``'>f4'`` on a little-endian machine) is converted, a copy:
+    the storage's ``dtype`` is native, as every array tiegrad computes is.
     """
 
     __slots__ = (
@@ -83,6 +86,8 @@ class ParameterStorage:
     def __init__(self, value: np.ndarray) -> None:
         if not np.issubdtype(value.dtype, np.floating):
             raise DTypeError(f"a parameter needs a floating dtype, got {value.dtype.name}")
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
         self.shape: tuple[int, ...] = tuple(value.shape)
         self.dtype: np.dtype = value.dtype
         self._owned, self._host = _owned_and_view(value)
