@@ -163,6 +163,21 @@ def latest_gradients() -> Gradients | None:
     return None if session is None else session.last_gradients
 
 
+def _numbers(data: Any) -> np.ndarray:
+    """``data`` as a plain ndarray of bool, integer or floating numbers, else ``DTypeError``."""
+    try:
+        arr = np.asarray(data)
+    except (TypeError, ValueError) as e:  # ragged lists, objects NumPy cannot read
+        raise DTypeError(
+            f"expected array data, got a {type(data).__name__} that is no array ({e})"
+        ) from None
+    if arr.dtype.kind not in "biuf":
+        raise DTypeError(
+            f"expected numbers (a bool, integer or floating array), got dtype {arr.dtype}"
+        )
+    return arr
+
+
 class EagerSession:
     """An append-only tape with sparse reverse-mode differentiation.
 
@@ -277,19 +292,24 @@ class EagerSession:
     def _array(self, data: Any) -> Array:
         """Convert input data; Python numbers and lists of floats become float32.
 
-        A NumPy array in non-native byte order (``'>f4'``, ``'>i8'`` on a little-endian
-        machine) becomes the same values in native order (a copy), as every kernel reads.
+        NumPy data must be numbers (bool, integer or floating: else a ``DTypeError``,
+        before anything is recorded). An array in non-native byte order (``'>f4'``,
+        ``'>i8'`` on a little-endian machine) becomes the same values in native order (a
+        copy), as every kernel reads; an ndarray subclass (``np.matrix``, ``np.memmap``) a
+        plain array.
         """
         bk = self.backend
-        if isinstance(data, np.ndarray) and not data.dtype.isnative:
-            data = data.astype(data.dtype.newbyteorder("="))
+        if isinstance(data, np.ndarray):
+            if data.dtype.kind not in "biuf" or type(data) is not np.ndarray:
+                data = _numbers(data)
+            if not data.dtype.isnative:
+                data = data.astype(data.dtype.newbyteorder("="))
+            return data if bk.is_array(data) else bk.asarray(data)
         if bk.is_array(data):
             return data
         if isinstance(data, TensorRef):
             raise TapeError("expected array data, got a TensorRef; use the ref directly")
-        if isinstance(data, np.ndarray):
-            return bk.asarray(data)
-        arr = np.asarray(data)
+        arr = _numbers(data)
         if arr.dtype.kind == "f":
             arr = arr.astype(np.float32)
         return bk.asarray(arr)
@@ -502,7 +522,9 @@ class EagerSession:
                     f"backward: seed has shape {tuple(seed.shape)}, expected the output's "
                     f"shape {tuple(ov.shape)}"
                 )
-            seed = bk.astype(seed, ov.dtype)
+            # Our own copy: a gradient may pass the seed on, and the caller's later writes
+            # must not reach it (PyTorch copies too).
+            seed = bk.copy(bk.astype(seed, ov.dtype))
         keep = set(self._grad_leaves) if retain is None else {self._resolve_id(r) for r in retain}
         meta, parents, vjps, rg = self._meta, self._parents, self._vjps, self._rg
         result: dict[int, Array] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShapeError
-from ..ops._core import lift
+from ..ops._core import lift, value_of
 from ..session import EagerSession, TensorRef
 
 if TYPE_CHECKING:
@@ -39,7 +39,10 @@ def check_shape(layer: Module, what: str, shape: tuple[int, ...], pattern: Patte
 
 
 def layer_input(layer: Module, session: EagerSession, x: Any, pattern: Pattern) -> TensorRef:
-    """``x`` as a ref of ``session`` (arrays become constants), its shape checked."""
-    ref = lift(session, x)
-    check_shape(layer, "input", ref.shape, pattern)
-    return ref
+    """``x`` as a ref of ``session`` (arrays become constants), its shape checked first:
+    a wrong shape records nothing (C6)."""
+    if isinstance(x, TensorRef):
+        x = lift(session, x)  # checked: a ref of another session or generation raises
+    value = value_of(session, x)
+    check_shape(layer, "input", tuple(value.shape), pattern)
+    return lift(session, x, value)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from numbers import Integral, Number
+from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
@@ -118,12 +118,13 @@ def affine_operands(
 def scalar_value(x: Any) -> int | float | None:
     """A non-bool real number operand as a Python int or float, else None.
 
-    NumPy scalars become Python numbers so they never promote the array's dtype.
+    NumPy scalars become Python numbers so they never promote the array's dtype. A
+    complex number is None: as an array operand it is then a ``DTypeError``.
     """
     tx = type(x)
     if tx is float or tx is int:
         return x
-    if isinstance(x, Number) and not isinstance(x, bool):
+    if isinstance(x, Real) and not isinstance(x, bool):
         return int(x) if isinstance(x, Integral) else float(x)
     return None
 
@@ -171,6 +172,28 @@ def normalize_axes(axis: Any, ndim: int, op: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def int_arg(op: str, name: str, value: Any, minimum: int) -> int:
+    """An integer argument (Python's or NumPy's, not a bool) >= ``minimum``, as an int."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise HyperparameterError(f"{op}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def real_arg(op: str, name: str, value: Any) -> float:
+    """A real-number argument (Python's, NumPy's, a ``Fraction``; not a bool) as a float."""
+    number = scalar_value(value)
+    if number is None:
+        raise HyperparameterError(f"{op}: {name} must be a real number, got {value!r}")
+    return float(number)
+
+
+def one_axis(axis: Any, ndim: int, op: str) -> int:
+    """One axis as a non-negative int; None, a list or a bool is a ``ShapeError``."""
+    if isinstance(axis, bool) or not isinstance(axis, Integral):
+        raise ShapeError(f"{op}: axis must be one integer, got {axis!r}")
+    return normalize_axes(axis, ndim, op)[0]
+
+
 def sum_last(bk: Backend, x: Array) -> Array:
     """Sums of ``x`` over its last axis, keepdims.
 
@@ -216,7 +239,10 @@ def _block_shift(bk: Backend, x: Array) -> Array:
 
 
 def _row_shift(bk: Backend, x: Array) -> Array:
-    """Each row's own maximum (keepdims), 0 for a row of only ``-inf``."""
+    """Each row's own maximum (keepdims), 0 for a row of only ``-inf`` or of no element."""
+    shape = tuple(x.shape)
+    if not shape[-1]:
+        return bk.zeros(shape[:-1] + (1,), x.dtype)
     m = bk.max(x, axis=-1, keepdims=True)
     return bk.where(m == -math.inf, 0.0, m)
 
@@ -307,9 +333,13 @@ def int_array(s: EagerSession, op: str, x: Any) -> Array:
     bk = s.backend
     if isinstance(x, TensorRef):
         s.check(x)
-    arr = value_of(s, x)
-    if not bk.is_integer(arr.dtype):
-        raise DTypeError(f"{op}: indices must have an integer dtype, got {arr.dtype}")
+    try:
+        arr = value_of(s, x)
+    except DTypeError:  # not numbers at all
+        arr = None
+    if arr is None or not bk.is_integer(arr.dtype):
+        got = getattr(arr if arr is not None else x, "dtype", type(x).__name__)
+        raise DTypeError(f"{op}: indices must have an integer dtype, got {got}")
     return arr
 
 

@@ -12,7 +12,7 @@ import math
 from functools import partial
 from typing import Any
 
-from ..errors import ShapeError
+from ..errors import DTypeError, ShapeError
 from ..session import TensorRef
 from ._core import (
     broadcast_error,
@@ -65,16 +65,21 @@ def _mul_vjp(bk, av, bv, want_a, want_b, g):
     )
 
 
+def _divide(c, g):
+    return (g / c,)
+
+
+# The divisor's cotangent as PyTorch computes it, ``-g * ((a / b) / b)``: ``(g / b) * out``
+# overflows first where ``b`` is tiny.
 def _div_vjp(bk, bv, out, sa, want_a, want_b, g):
-    ga = g / bv
     return (
-        unbroadcast(bk, ga, sa) if want_a else None,
-        unbroadcast(bk, -ga * out, tuple(bv.shape)) if want_b else None,
+        unbroadcast(bk, g / bv, sa) if want_a else None,
+        unbroadcast(bk, -g * (out / bv), tuple(bv.shape)) if want_b else None,
     )
 
 
 def _rdiv_vjp(bv, out, g):
-    return (-g * out / bv,)
+    return (-g * (out / bv),)
 
 
 def _square_vjp(av, g):
@@ -156,13 +161,20 @@ def mul(a: Any, b: Any) -> TensorRef:
 
 
 def div(a: Any, b: Any) -> TensorRef:
-    """``a / b``; VJP: ``g / b`` and ``-g * a / b**2``, summed over broadcast axes."""
+    """``a / b``; VJP: ``g / b`` and ``-g * a / b**2``, summed over broadcast axes.
+
+    A number divisor divides (PyTorch's bits; a product with ``1 / b`` differs in the
+    last bit, and overflows where ``1 / b`` does not fit the array's dtype); ``a / 0``
+    gives PyTorch's +-inf and NaN without NumPy's warning.
+    """
     s = ref_pair(a, b)
     if s is None:
         c = scalar_value(b)
+        if c == 0:
+            inf = math.copysign(math.inf, c)
+            return session_of(a)._record(a.value * inf, (a.id,), partial(_scale, inf))
         if c is not None:
-            inv = 1.0 / c if c != 0 else math.copysign(math.inf, c)  # a / 0: +-inf, NaN
-            return session_of(a)._record(a.value * inv, (a.id,), partial(_scale, inv))
+            return session_of(a)._record(a.value / c, (a.id,), partial(_divide, c))
         c = scalar_value(a)
         if c is not None:
             bv = b.value
@@ -197,6 +209,11 @@ def pow(a: TensorRef, exponent: float) -> TensorRef:
             f"pow: the exponent must be a Python number, got {type(exponent).__name__}"
         )
     av = a.value
+    if c < 0 and isinstance(c, int) and s.backend.is_integer(av.dtype):
+        raise DTypeError(
+            f"pow: an integer array ({av.dtype}) to a negative integer power ({c}) is not an "
+            "integer; make the array floating or the exponent a float"
+        )
     if c == 2:
         return s._record(av * av, (a.id,), partial(_square_vjp, av))
     if c == 0:

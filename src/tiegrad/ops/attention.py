@@ -20,7 +20,17 @@ from typing import Any
 
 from ..errors import DTypeError, ShapeError
 from ..session import TensorRef
-from ._core import lift, needs_grad, session_of, softmax_, swap_last, unbroadcast, value_of
+from ._core import (
+    int_arg,
+    lift,
+    needs_grad,
+    real_arg,
+    session_of,
+    softmax_,
+    swap_last,
+    unbroadcast,
+    value_of,
+)
 
 _OP = "scaled_dot_product_attention"
 
@@ -50,6 +60,12 @@ def _mask_bias(s, op: str, qs, tk: int, causal: bool, key_padding_mask: Any, dty
     if hidden is None:
         return None
     return bk.astype(bk.where(hidden, -math.inf, 0.0), dtype)
+
+
+def _default_scale(d: int) -> float:
+    """``1 / sqrt(d)``; 1 for features of no element, whose scores are all 0 (PyTorch then
+    averages the values, as here)."""
+    return 1.0 / math.sqrt(d) if d else 1.0
 
 
 def _fused(bk, qv, kv, vv, causal: bool, key_padding_mask: Any, scale: float, want: bool):
@@ -124,7 +140,8 @@ def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: boo
                 return
             gs = bk.matmul(gb, swap_last(bk, vv[i]))
             if not bk.softmax_backward_rows_(gs, pb):
-                rowdot = bk.einsum("ij,ij->i", bk.reshape(gs, (-1, tk)), bk.reshape(pb, (-1, tk)))
+                rows = (math.prod(tuple(gs.shape)[:-1]), tk)  # tk may be 0
+                rowdot = bk.einsum("ij,ij->i", bk.reshape(gs, rows), bk.reshape(pb, rows))
                 gs -= bk.reshape(rowdot, tuple(gs.shape)[:-1] + (1,))
                 gs *= pb
             if want_q:
@@ -163,8 +180,7 @@ def scaled_dot_product_attention(
             f"{_OP}: q {qs}, k {ks} and v {vs} do not fit "
             "(expected q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv))"
         )
-    if scale is None:
-        scale = 1.0 / math.sqrt(qs[-1])
+    scale = _default_scale(qs[-1]) if scale is None else real_arg(_OP, "scale", scale)
     for xs, ys in ((qs, ks), (qs, vs), (ks, vs)):
         for m, n in zip(reversed(xs[:-2]), reversed(ys[:-2])):
             if m != n and m != 1 and n != 1:
@@ -218,7 +234,8 @@ def self_attention(
     bk = s.backend
     xv = qkv.value
     shape = tuple(xv.shape)
-    if len(shape) != 3 or not isinstance(n_heads, int) or n_heads < 1 or shape[2] % (3 * n_heads):
+    n_heads = int_arg(op, "n_heads", n_heads, 1)
+    if len(shape) != 3 or shape[2] % (3 * n_heads):
         raise ShapeError(
             f"{op}: qkv has shape {shape} and n_heads={n_heads!r}; expected (B, T, 3 d) "
             "with d a multiple of n_heads"
@@ -226,8 +243,7 @@ def self_attention(
     b, t, d3 = shape
     d = d3 // 3
     hd = d // n_heads
-    if scale is None:
-        scale = 1.0 / math.sqrt(hd)
+    scale = _default_scale(hd) if scale is None else real_arg(op, "scale", scale)
     heads = (b, n_heads, t, hd)
     split = bk.transpose(bk.reshape(xv, (b, t, 3, n_heads, hd)), (2, 0, 3, 1, 4))
     want = needs_grad(s, qkv)

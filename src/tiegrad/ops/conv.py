@@ -5,15 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..backend import Array, Backend
-from ..errors import HyperparameterError, ShapeError
+from ..errors import ShapeError
 from ..session import TensorRef
-from ._core import affine_operands, needs_grad, session_of, value_of
-
-
-def _int_arg(op: str, name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise HyperparameterError(f"{op}: {name} must be an int >= {minimum}, got {value!r}")
-    return value
+from ._core import affine_operands, int_arg, needs_grad, session_of, value_of
 
 
 def _fold(bk: Backend, cols: Array, shape: tuple[int, ...], stride: int) -> Array:
@@ -37,8 +31,8 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
     """
     s = session_of(x, weight, bias)
     bk = s.backend
-    stride = _int_arg("conv2d", "stride", stride, 1)
-    padding = _int_arg("conv2d", "padding", padding, 0)
+    stride = int_arg("conv2d", "stride", stride, 1)
+    padding = int_arg("conv2d", "padding", padding, 0)
     xv, wv = value_of(s, x), value_of(s, weight)
     xs, ws = tuple(xv.shape), tuple(wv.shape)
     if len(xs) != 4 or len(ws) != 4 or xs[1] != ws[1]:
@@ -94,8 +88,8 @@ def max_pool2d(x: TensorRef, kernel_size: int, stride: int | None = None) -> Ten
     """
     s = session_of(x)
     bk = s.backend
-    k = _int_arg("max_pool2d", "kernel_size", kernel_size, 1)
-    stride = k if stride is None else _int_arg("max_pool2d", "stride", stride, 1)
+    k = int_arg("max_pool2d", "kernel_size", kernel_size, 1)
+    stride = k if stride is None else int_arg("max_pool2d", "stride", stride, 1)
     xv = x.value
     xs = tuple(xv.shape)
     if len(xs) != 4 or xs[2] < k or xs[3] < k:

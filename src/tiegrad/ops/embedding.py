@@ -29,7 +29,7 @@ def embedding(weight: TensorRef, indices: Any) -> TensorRef:
 
     def vjp(g):
         gw = bk.zeros(ws, g.dtype)
-        bk.index_add(gw, flat, bk.reshape(g, (-1, d)))
+        bk.index_add(gw, flat, bk.reshape(g, (tuple(flat.shape)[0], d)))  # d may be 0
         return (gw,)
 
     return s._record(out, (weight.id,), vjp)

@@ -86,6 +86,7 @@ def getitem(x: TensorRef, index: Any) -> TensorRef:
 
 def concat(xs: Sequence[Any], axis: int = 0) -> TensorRef:
     """Join arrays along an existing axis; VJP: the matching slices of the cotangent."""
+    xs = list(xs)  # a generator is read once
     s = session_of(*xs)
     bk = s.backend
     vals = [value_of(s, x) for x in xs]
@@ -113,6 +114,7 @@ def concat(xs: Sequence[Any], axis: int = 0) -> TensorRef:
 
 def stack(xs: Sequence[Any], axis: int = 0) -> TensorRef:
     """Join equal-shaped arrays along a new axis; VJP: the matching slices."""
+    xs = list(xs)  # a generator is read once
     s = session_of(*xs)
     bk = s.backend
     vals = [value_of(s, x) for x in xs]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..session import TensorRef
-from ._core import normalize_axes, session_of
+from ._core import one_axis, session_of
 
 
 def softmax(x: TensorRef, axis: int = -1) -> TensorRef:
@@ -13,8 +13,10 @@ def softmax(x: TensorRef, axis: int = -1) -> TensorRef:
     """
     s = session_of(x)
     bk = s.backend
-    (ax,) = normalize_axes(axis, x.value.ndim, "softmax")
+    ax = one_axis(axis, x.value.ndim, "softmax")
     xv = x.value
+    if not tuple(xv.shape)[ax]:
+        return _empty(s, x)
     e = bk.exp(xv - bk.max(xv, axis=ax, keepdims=True))
     out = e / bk.sum(e, axis=ax, keepdims=True)
 
@@ -31,8 +33,10 @@ def log_softmax(x: TensorRef, axis: int = -1) -> TensorRef:
     """
     s = session_of(x)
     bk = s.backend
-    (ax,) = normalize_axes(axis, x.value.ndim, "log_softmax")
+    ax = one_axis(axis, x.value.ndim, "log_softmax")
     xv = x.value
+    if not tuple(xv.shape)[ax]:
+        return _empty(s, x)
     shifted = xv - bk.max(xv, axis=ax, keepdims=True)
     out = shifted - bk.log(bk.sum(bk.exp(shifted), axis=ax, keepdims=True))
 
@@ -40,3 +44,8 @@ def log_softmax(x: TensorRef, axis: int = -1) -> TensorRef:
         return (g - bk.exp(out) * bk.sum(g, axis=ax, keepdims=True),)
 
     return s._record(out, (x.id,), vjp)
+
+
+def _empty(s, x: TensorRef) -> TensorRef:
+    """(Log-)softmax along an axis of no element: an empty array, as in PyTorch; VJP ``g``."""
+    return s._record(s.backend.exp(x.value), (x.id,), lambda g: (g,))
