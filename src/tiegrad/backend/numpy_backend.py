@@ -91,6 +91,9 @@ _ERFC_S = (
     9.60896809063285878198e0,
     3.36907645100081516050e0,
 )
+# The cap on |x| in erfc's tail: erf is already 1 in float64 (from |x| of about 6 on),
+# and a huge |x| (1e62, inf) would overflow the rational polynomials to inf / inf (NaN).
+_ERF_ONE = 27.0
 
 
 def _poly(coeffs: tuple[float, ...], x: np.ndarray) -> np.ndarray:
@@ -112,7 +115,7 @@ def _erf(x: np.ndarray) -> np.ndarray:
     ab = a[~small]
     mid = ab < 8.0
     erfc = np.empty_like(ab)
-    am, ar = ab[mid], ab[~mid]
+    am, ar = ab[mid], np.minimum(ab[~mid], _ERF_ONE)
     erfc[mid] = np.exp(-am * am) * _poly(_ERFC_P, am) / _poly(_ERFC_Q, am)
     erfc[~mid] = np.exp(-ar * ar) * _poly(_ERFC_R, ar) / _poly(_ERFC_S, ar)
     out[~small] = np.copysign(1.0 - erfc, z[~small])

@@ -172,21 +172,6 @@ def normalize_axes(axis: Any, ndim: int, op: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def int_arg(op: str, name: str, value: Any, minimum: int) -> int:
-    """An integer argument (Python's or NumPy's, not a bool) >= ``minimum``, as an int."""
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise HyperparameterError(f"{op}: {name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def real_arg(op: str, name: str, value: Any) -> float:
-    """A real-number argument (Python's, NumPy's, a ``Fraction``; not a bool) as a float."""
-    number = scalar_value(value)
-    if number is None:
-        raise HyperparameterError(f"{op}: {name} must be a real number, got {value!r}")
-    return float(number)
-
-
 def one_axis(axis: Any, ndim: int, op: str) -> int:
     """One axis as a non-negative int; None, a list or a bool is a ``ShapeError``."""
     if isinstance(axis, bool) or not isinstance(axis, Integral):

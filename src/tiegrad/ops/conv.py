@@ -6,8 +6,9 @@ from typing import Any
 
 from ..backend import Array, Backend
 from ..errors import ShapeError
+from ..optim.hyperparams import count
 from ..session import TensorRef
-from ._core import affine_operands, int_arg, needs_grad, session_of, value_of
+from ._core import affine_operands, needs_grad, session_of, value_of
 
 
 def _fold(bk: Backend, cols: Array, shape: tuple[int, ...], stride: int) -> Array:
@@ -31,8 +32,8 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int = 1, padding: int 
     """
     s = session_of(x, weight, bias)
     bk = s.backend
-    stride = int_arg("conv2d", "stride", stride, 1)
-    padding = int_arg("conv2d", "padding", padding, 0)
+    stride = count("conv2d", "stride", stride, 1)
+    padding = count("conv2d", "padding", padding, 0)
     xv, wv = value_of(s, x), value_of(s, weight)
     xs, ws = tuple(xv.shape), tuple(wv.shape)
     if len(xs) != 4 or len(ws) != 4 or xs[1] != ws[1]:
@@ -88,8 +89,8 @@ def max_pool2d(x: TensorRef, kernel_size: int, stride: int | None = None) -> Ten
     """
     s = session_of(x)
     bk = s.backend
-    k = int_arg("max_pool2d", "kernel_size", kernel_size, 1)
-    stride = k if stride is None else int_arg("max_pool2d", "stride", stride, 1)
+    k = count("max_pool2d", "kernel_size", kernel_size, 1)
+    stride = k if stride is None else count("max_pool2d", "stride", stride, 1)
     xv = x.value
     xs = tuple(xv.shape)
     if len(xs) != 4 or xs[2] < k or xs[3] < k:

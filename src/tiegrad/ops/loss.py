@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import HyperparameterError, ShapeError
+from ..errors import ShapeError
+from ..optim import hyperparams
 from ..session import TensorRef
 from ._core import (
     check_index_range,
@@ -19,6 +20,7 @@ from ._core import (
     sum_last,
     value_of,
 )
+from .reduce import half_to_float32, scaled_sum
 
 
 def cross_entropy(
@@ -36,15 +38,15 @@ def cross_entropy(
     ``e`` the loss of a position is ``-(1 - e) * logp[t] - e / C * sum(logp)``. One node;
     the forward keeps the softmax and the VJP is ``(softmax - q) * weight`` with ``q``
     the smoothed one-hot target, built as ``softmax * weight`` minus the target terms
-    (scattered into the rows, no one-hot array).
+    (scattered into the rows, no one-hot array). ``ignore_index`` is an integer and
+    ``label_smoothing`` a real number in [0, 1], read as Python numbers (a NumPy scalar
+    does not widen the loss); a half-precision mean or sum accumulates in float32.
     """
     s = session_of(logits)
     bk = s.backend
     check_reduction("cross_entropy", reduction)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise HyperparameterError(
-            f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}"
-        )
+    ignore_index = hyperparams.count("cross_entropy", "ignore_index", ignore_index, -(2**63))
+    label_smoothing = hyperparams.unit_interval("cross_entropy", "label_smoothing", label_smoothing)
     lv = logits.value
     shape = tuple(lv.shape)
     t = int_array(s, "cross_entropy", targets)
@@ -130,12 +132,11 @@ def _count(bk: Any, reduction: str, mask: Any, host_count: int | None) -> float:
 
 
 def _reduce(bk: Any, per: Any, reduction: str, count: float) -> Any:
-    """The per-position losses reduced: as they are, summed, or summed over ``count``."""
+    """The per-position losses reduced: as they are, summed, or summed over ``count``
+    (half precision in float32, ``scaled_sum``)."""
     if reduction == "none":
         return per
-    if reduction == "sum" or not count:
-        return bk.sum(per)
-    return bk.sum(per) * (1.0 / count)
+    return scaled_sum(bk, per, scale=1.0 / count if reduction == "mean" and count else 1.0)
 
 
 def _reduced_cross_entropy(s: Any, logits: TensorRef, fused: tuple[Any, Any]) -> TensorRef:
@@ -171,7 +172,8 @@ def _fused_cross_entropy(
 def mse_loss(pred: TensorRef, target: Any, reduction: str = "mean") -> TensorRef:
     """Mean (or summed, or elementwise) squared difference; shapes must be equal.
 
-    A reduced loss is the dot product of the flat difference with itself (one pass).
+    A reduced loss is the dot product of the flat difference with itself (one pass),
+    of a half-precision difference in float32 (rounded back once, as ``ops.mean``).
     The mean of no elements is NaN, as ``ops.mean`` and PyTorch's ``mse_loss`` give.
     """
     s = session_of(pred, target)
@@ -186,14 +188,19 @@ def mse_loss(pred: TensorRef, target: Any, reduction: str = "mean") -> TensorRef
     diff = pv - tv
     n = math.prod(tuple(pv.shape))
     mean = reduction == "mean"
+    scale = (1.0 / n if n else math.nan) if mean else 1.0
     if reduction == "none":
         out = diff * diff
     else:
         flat = bk.reshape(diff, (-1,))
+        wide = half_to_float32(bk, flat.dtype)
+        if wide is not None:
+            flat = bk.astype(flat, wide)
         out = bk.matmul(flat, flat)  # one BLAS dot: no squared temporary
-    scale = (1.0 / n if n else math.nan) if mean else 1.0
-    if mean:
-        out = out * scale
+        if mean:
+            out = out * scale
+        if wide is not None:
+            out = bk.astype(out, diff.dtype)
     factor = 2.0 * scale
     want_p, want_t = needs_grad(s, pred), needs_grad(s, target)
 

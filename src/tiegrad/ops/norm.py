@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import HyperparameterError, ShapeError
+from ..errors import ShapeError
+from ..optim.hyperparams import positive
 from ..session import TensorRef
 from ._core import lift, needs_grad, session_of, sum_last, sum_rows, value_of, vector_value
+from .reduce import half_to_float32
 
 
 def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> TensorRef:
@@ -17,11 +19,16 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     VJP: ``gx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))`` with ``gh = g * weight``.
     Rows run through the backend's fused kernels where it has them
     (``Backend.layer_norm_rows``), else as a 2-D array in cache-sized blocks.
+
+    The output has the dtype of that formula with ``x`` promoted by a Python float
+    (NumPy: integers give float64, as in ``linear``). Half precision is computed in
+    float32 (statistics, output and gradients, as PyTorch does: a float16 sum of
+    squares overflows) and rounded back once. ``eps`` is a finite real number > 0
+    (read as a Python float).
     """
     s = session_of(x, weight, bias)
     bk = s.backend
-    if not eps > 0:
-        raise HyperparameterError(f"layer_norm: eps must be > 0, got {eps}")
+    eps = positive("layer_norm", "eps", eps)
     xv = value_of(s, x)
     shape = tuple(xv.shape)
     if not shape:
@@ -39,18 +46,26 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     x2 = bk.reshape(xv, (rows, d))
     wv = None if w is None else w.value
     bv = None if b is None else b.value
+    head = x2[:0] * 1.0  # x promoted by a float (0 rows)
+    half = half_to_float32(bk, head.dtype)
+    if half is not None or head.dtype != x2.dtype:
+        x2 = bk.astype(x2, head.dtype if half is None else half)
     fused = bk.layer_norm_rows(x2, wv, bv, eps)
     if fused is None:
         out2, xhat, rstd = _layer_norm_blocks(bk, x2, wv, bv, eps)
     else:
         out2, xhat, rstd = fused
     out = bk.reshape(out2, shape)
+    if half is not None:
+        out = bk.astype(out, _affine_dtype(head, wv, bv))
     want_x = needs_grad(s, x)
     want_w = w is not None and needs_grad(s, w)
     want_b = b is not None and needs_grad(s, b)
 
     def vjp(g):
         g2 = bk.reshape(g, (rows, d))
+        if half is not None and half_to_float32(bk, g2.dtype) is not None:
+            g2 = bk.astype(g2, half)
         wants = (want_x, want_w, want_b)
         gx, gw, gb = bk.layer_norm_backward_rows(g2, wv, xhat, rstd, wants) or (None,) * 3
         if want_x and gx is None:
@@ -64,6 +79,10 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
             grads.append(gw)
         if b is not None:
             grads.append(gb)
+        if half is not None:  # each gradient back in its operand's dtype
+            grads = [
+                gr if gr is None else bk.astype(gr, r.value.dtype) for gr, r in zip(grads, refs)
+            ]
         return grads
 
     return s._record(out, tuple(r.id for r in refs), vjp)
@@ -74,19 +93,15 @@ def _layer_norm_blocks(bk, x2, wv, bv, eps: float):
 
     Row means are matrix-vector products, row dot products ``einsum`` reductions (no
     product temporaries), and the other passes run in place on the block's slice of
-    the outputs. Output dtypes follow the type promotion of the unfused formula
-    (probed on 0 rows).
+    the outputs. ``x2`` has a float dtype; output dtypes follow the type promotion of
+    the unfused formula (``_affine_dtype``).
     """
     rows, d = tuple(x2.shape)
     inv_d = 1.0 / d if d else 0.0
-    head = x2[:0] - x2[:0]
-    xhat = bk.empty((rows, d), head.dtype)
-    rstd = bk.empty((rows, 1), head.dtype)
-    if wv is not None:
-        head = head * wv
-    if bv is not None:
-        head = head + bv
-    out2 = xhat if wv is None and bv is None else bk.empty((rows, d), head.dtype)
+    xhat = bk.empty((rows, d), x2.dtype)
+    rstd = bk.empty((rows, 1), x2.dtype)
+    out_dtype = _affine_dtype(x2[:0], wv, bv)
+    out2 = xhat if wv is None and bv is None else bk.empty((rows, d), out_dtype)
 
     def forward_rows(lo: int, hi: int) -> None:
         xb = x2[lo:hi]
@@ -103,6 +118,15 @@ def _layer_norm_blocks(bk, x2, wv, bv, eps: float):
 
     bk.blockwise(forward_rows, rows, d)
     return out2, xhat, rstd
+
+
+def _affine_dtype(head, wv, bv):
+    """The dtype of ``xhat * wv + bv`` for ``xhat`` of ``head``'s dtype (probed on 0 rows)."""
+    if wv is not None:
+        head = head * wv
+    if bv is not None:
+        head = head + bv
+    return head.dtype
 
 
 def _layer_norm_backward_blocks(bk, g2, wv, xhat, rstd):

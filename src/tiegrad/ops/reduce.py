@@ -1,6 +1,7 @@
 """Reductions over axes: sum, mean and max, with ``keepdims``.
 
 VJPs are module-level functions bound with ``functools.partial`` (see ``arithmetic``).
+Half-precision sums accumulate in float32 (``scaled_sum``), as PyTorch's do.
 """
 
 from __future__ import annotations
@@ -9,9 +10,37 @@ import math
 from functools import partial
 from typing import Any
 
+from ..backend import Array, Backend
 from ..errors import ShapeError
 from ..session import TensorRef
 from ._core import normalize_axes, session_of
+
+_HALF = ("float16", "bfloat16")
+
+
+def half_to_float32(bk: Backend, dtype: Any) -> Any:
+    """``bk.float32`` for a half-precision ``dtype`` (float16, bfloat16), else None.
+
+    Half precision is computed in float32 where it would overflow or lose its low bits
+    (sums, means, row statistics: PyTorch's accumulation type) and where NumPy has no
+    half-precision routine (random draws); other dtypes run as they are.
+    """
+    return bk.float32 if bk.dtype_name(dtype) in _HALF else None
+
+
+def scaled_sum(
+    bk: Backend, x: Array, axis: Any = None, keepdims: bool = False, scale: float = 1.0
+) -> Array:
+    """``bk.sum(x, axis, keepdims) * scale`` (no product when ``scale`` is 1).
+
+    A half-precision ``x`` is summed and scaled in float32 and rounded back once: a
+    float16 mean of 70000 ones is 1, not ``inf``. Other dtypes give the bits they did.
+    """
+    wide = half_to_float32(bk, x.dtype)
+    out = bk.sum(x if wide is None else bk.astype(x, wide), axis=axis, keepdims=keepdims)
+    if scale != 1.0:
+        out = out * scale
+    return out if wide is None else bk.astype(out, x.dtype)
 
 
 def _kept_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
@@ -32,12 +61,15 @@ def _max_vjp(bk, xv, mk, axes, kshape, g):
 
 
 def sum(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
-    """Sum over ``axis`` (all by default); VJP: ``g`` broadcast back."""
+    """Sum over ``axis`` (all by default); VJP: ``g`` broadcast back.
+
+    Half precision accumulates in float32 (``scaled_sum``).
+    """
     s = session_of(x)
     bk = s.backend
     shape = tuple(x.value.shape)
     axes = normalize_axes(axis, len(shape), "sum")
-    out = bk.sum(x.value, axis=axes, keepdims=keepdims)
+    out = scaled_sum(bk, x.value, axes, keepdims)
     vjp = partial(_spread_vjp, bk, _kept_shape(shape, axes), shape, 1.0)
     return s._record(out, (x.id,), vjp)
 
@@ -45,7 +77,8 @@ def sum(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
 def mean(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
     """Mean over ``axis`` (all by default); VJP: ``g / n`` broadcast back.
 
-    Over no elements (an empty axis) the mean is NaN, as in PyTorch and NumPy.
+    Over no elements (an empty axis) the mean is NaN, as in PyTorch and NumPy. Half
+    precision accumulates in float32 (``scaled_sum``).
     """
     s = session_of(x)
     bk = s.backend
@@ -53,7 +86,7 @@ def mean(x: TensorRef, axis: Any = None, keepdims: bool = False) -> TensorRef:
     axes = normalize_axes(axis, len(shape), "mean")
     n = math.prod(shape[a] for a in axes)
     inv = 1.0 / n if n else math.nan
-    out = bk.sum(x.value, axis=axes, keepdims=keepdims) * inv
+    out = scaled_sum(bk, x.value, axes, keepdims, inv)
     vjp = partial(_spread_vjp, bk, _kept_shape(shape, axes), shape, inv)
     return s._record(out, (x.id,), vjp)
 

@@ -22,7 +22,8 @@ from ..params.groups import check_learning_rate
 Checker = Callable[[str, str, Any], Any]
 
 
-def _number(owner: str, name: str, value: Any) -> float:
+def real(owner: str, name: str, value: Any) -> float:
+    """A finite real number (Python's, NumPy's, a ``Fraction``; bools refused), as a float."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
         raise HyperparameterError(f"{owner}: {name} must be a real number, got {value!r}")
     x = float(value)
@@ -41,7 +42,7 @@ def learning_rate(owner: str, name: str, value: Any) -> float:
 
 def at_least_zero(owner: str, name: str, value: Any) -> float:
     """A finite number >= 0."""
-    x = _number(owner, name, value)
+    x = real(owner, name, value)
     if x < 0:
         raise HyperparameterError(f"{owner}: {name} must be >= 0, got {value!r}")
     return x
@@ -49,7 +50,7 @@ def at_least_zero(owner: str, name: str, value: Any) -> float:
 
 def positive(owner: str, name: str, value: Any) -> float:
     """A finite number > 0."""
-    x = _number(owner, name, value)
+    x = real(owner, name, value)
     if x <= 0:
         raise HyperparameterError(f"{owner}: {name} must be > 0, got {value!r}")
     return x
@@ -57,7 +58,7 @@ def positive(owner: str, name: str, value: Any) -> float:
 
 def unit_interval(owner: str, name: str, value: Any) -> float:
     """A number in [0, 1]."""
-    x = _number(owner, name, value)
+    x = real(owner, name, value)
     if not 0.0 <= x <= 1.0:
         raise HyperparameterError(f"{owner}: {name} must be in [0, 1], got {value!r}")
     return x
@@ -65,7 +66,7 @@ def unit_interval(owner: str, name: str, value: Any) -> float:
 
 def decay_rate(owner: str, name: str, value: Any) -> float:
     """A number in [0, 1): a running-average coefficient such as a beta."""
-    x = _number(owner, name, value)
+    x = real(owner, name, value)
     if not 0.0 <= x < 1.0:
         raise HyperparameterError(f"{owner}: {name} must be in [0, 1), got {value!r}")
     return x
