@@ -497,3 +497,88 @@ def test_attention_on_device_takes_a_wider_cotangent_like_the_host(t):
     for host, dev in zip(*grads):
         assert dev.dtype == host.dtype == np.float32
         np.testing.assert_allclose(dev, host, rtol=1e-4, atol=1e-5)
+
+
+def _both(fn, *arrays, seed_dtype=None):
+    """``fn`` of leaves of ``arrays`` on the host and on the device: (value, gradients) each."""
+    results = []
+    for device in (None, DEVICE):
+        s = EagerSession(device=device)
+        leaves = [s.leaf(a) for a in arrays]
+        out = fn(*leaves)
+        value = out.numpy()
+        seed = np.ones(value.shape, seed_dtype or value.dtype)
+        grads = s.backward(out, seed)
+        host = [grads[r] for r in leaves]
+        results.append((value, [g.cpu().numpy() if device else g for g in host]))
+    return results
+
+
+@pytest.mark.parametrize(
+    "index",
+    [[[0, 1], [2, 2]], np.array([1, 0, 1], np.uint8), np.array([[True], [False], [True]])[:, 0]],
+    ids=["nested-list", "uint8", "mask"],
+)
+def test_indexes_mean_on_the_device_what_they_mean_to_numpy(index):
+    x = np.arange(12.0).reshape(3, 4)
+    (hv, hg), (dv, dg) = _both(lambda r: r[index], x)
+    np.testing.assert_array_equal(dv, hv)
+    np.testing.assert_array_equal(dg[0], hg[0])
+
+
+@pytest.mark.parametrize("index", [np.array([1.0, 0.0]), slice(None, None, -1)])
+def test_indexes_the_device_cannot_read_are_index_range_errors(index):
+    s = EagerSession(device=DEVICE)
+    x = s.leaf(np.arange(12.0).reshape(3, 4))
+    n = len(s)
+    with pytest.raises(tiegrad.IndexRangeError, match="getitem"):
+        x[index]
+    assert len(s) == n
+
+
+@pytest.mark.parametrize(
+    "fn, shapes",
+    [
+        (lambda a, b: ops.matmul(a, b), [(3, 4), (4, 2)]),
+        (lambda x, w, b: ops.linear(x, w, b), [(5, 4), (3, 4), (3,)]),
+        (lambda q, k, v: ops.scaled_dot_product_attention(q, k, v), [(2, 3, 4)] * 3),
+    ],
+    ids=["matmul", "linear", "attention"],
+)
+def test_products_of_mixed_dtypes_promote_on_the_device_like_numpy(fn, shapes):
+    arrays = [
+        _r(*sh, seed=i).astype(np.float32 if i else np.float64) for i, sh in enumerate(shapes)
+    ]
+    (hv, hg), (dv, dg) = _both(fn, *arrays)
+    assert dv.dtype == hv.dtype == np.float64
+    np.testing.assert_allclose(dv, hv, rtol=1e-6)
+    for d, h in zip(dg, hg):
+        assert d.dtype == h.dtype
+        np.testing.assert_allclose(d, h, rtol=1e-5, atol=1e-6)
+
+
+def test_a_wider_cotangent_reaches_a_float32_product_on_the_device():
+    a, b = _r(3, 4).astype(np.float32), _r(4, 2, seed=1).astype(np.float32)
+    (hv, hg), (dv, dg) = _both(lambda x, y: ops.matmul(x, y), a, b, seed_dtype=np.float64)
+    for d, h in zip(dg, hg):
+        assert d.dtype == h.dtype
+        np.testing.assert_allclose(d, h, rtol=1e-6)
+
+
+def test_where_reads_a_numeric_condition_as_nonzero_on_the_device():
+    cond = np.array([[0, 2, 0, -1]] * 3)
+    (hv, hg), (dv, dg) = _both(lambda x: ops.where(cond, x, 0.0), _r(3, 4))
+    np.testing.assert_array_equal(dv, hv)
+    np.testing.assert_array_equal(dg[0], hg[0])
+
+
+def test_the_siamese_encoder_loss_runs_on_the_device():
+    from tiegrad.models import SiameseEncoder
+
+    model = SiameseEncoder(6, 4)
+    x1, x2 = _r(5, 6).astype(np.float32), _r(5, 6, seed=2).astype(np.float32)
+    same = np.array([1, 0, 1, 1, 0])
+    losses = [
+        float(model.loss(EagerSession(device=d), x1, x2, same).item()) for d in (None, DEVICE)
+    ]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)

@@ -318,6 +318,12 @@ class Backend:
     def take_along_axis(self, x: Array, indices: Array, axis: int) -> Array:
         raise NotImplementedError
 
+    def index(self, index: Any) -> Any:
+        """``index`` (NumPy's indexing: ints, slices, ``None``, ``...``, integer arrays, a
+        boolean mask, alone or in a tuple) as this backend's arrays read it, with NumPy's
+        meaning; NumPy arrays read it as it is."""
+        return index
+
     def accumulate_at(self, out: Array, index: Any, values: Array) -> None:
         """``out[index] += values`` in place, accumulating repeated indices.
 

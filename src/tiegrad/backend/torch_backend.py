@@ -1,8 +1,11 @@
 """The device backend: PyTorch tensors on ``cuda``, ``mps`` or torch's CPU (``torch:cpu``).
 
 The only module of tiegrad that imports torch. It implements every method of
-``Backend`` with NumPy's names, broadcasting and dtype rules, so each op of
-``tiegrad.ops`` runs unchanged on a device (DESIGN: layers). Beyond the interface it
+``Backend`` with NumPy's names, broadcasting and dtype rules (products of mixed dtypes,
+conditions, indexes), so each op of ``tiegrad.ops`` runs unchanged on a device (DESIGN:
+layers). The arithmetic operators of the ops act on the tensors themselves and so
+promote mixed dtypes as torch does: a 0-d float64 array leaves a float32 tensor float32,
+and an integer input to a floating op gives float32 (NumPy: float64). Beyond the interface it
 offers ``upload`` / ``download`` (always copies, used by the mirror protocol, C7) and
 a ``TemporaryTracker`` counting owned temporaries (C8).
 
@@ -18,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import DeviceError, DTypeError
+from ..errors import DeviceError, DTypeError, IndexRangeError
 from .base import Array, Backend, DType, Shape
 from .tracker import TemporaryTracker
 
@@ -90,14 +93,30 @@ class TorchBackend(Backend):
     def _tensor(self, x: Any) -> torch.Tensor:
         return x if isinstance(x, torch.Tensor) else self.asarray(x)
 
-    def _index(self, index: Any) -> Any:
-        """An index with every array-like component as a tensor on this device."""
+    def index(self, index: Any) -> Any:
+        """NumPy's index as torch reads it: every array-like component a tensor on this
+        device, int64 for integers (torch reads a ``uint8`` tensor as a mask, and a nested
+        list as a tuple of indices), bool for masks; other element types, and slices of
+        negative step (torch has no such view), are an ``IndexRangeError``."""
         if isinstance(index, tuple):
-            return tuple(self._index(i) for i in index)
+            return tuple(self.index(i) for i in index)
+        if isinstance(index, slice) and index.step is not None and index.step < 0:
+            raise IndexRangeError(
+                f"{index!r}: a slice of negative step has no view on the torch backend; "
+                "index with an integer array instead (np.arange(n - 1, -1, -1) reverses)"
+            )
         if isinstance(index, (np.ndarray, list)):
-            return self.asarray(np.asarray(index))
-        if isinstance(index, torch.Tensor) and not self._on_device(index):
-            return index.to(self.torch_device)
+            arr = np.asarray(index)
+            if arr.dtype.kind not in "biu":
+                raise IndexRangeError(
+                    f"an index array must hold integers or bools, got dtype {arr.dtype}"
+                )
+            return self.asarray(arr if arr.dtype.kind == "b" else arr.astype(np.int64))
+        if isinstance(index, torch.Tensor):
+            if not self._on_device(index):
+                index = index.to(self.torch_device)
+            if index.dtype == torch.uint8:
+                index = index.to(torch.int64)
         return index
 
     @staticmethod
@@ -219,7 +238,10 @@ class TorchBackend(Backend):
             x = self._tensor(x)  # two Python numbers give NumPy's dtype (float64), not torch's
         if isinstance(y, np.ndarray):
             y = self.asarray(y)
-        return torch.where(self._tensor(cond), x, y)
+        cond = self._tensor(cond)
+        if cond.dtype != torch.bool:  # NumPy reads any condition as "nonzero"
+            cond = cond != 0
+        return torch.where(cond, x, y)
 
     def isfinite_all(self, x: Array) -> bool:
         return bool(torch.isfinite(x).all())
@@ -408,7 +430,19 @@ class TorchBackend(Backend):
         return F.pad(x, flat)
 
     def matmul(self, a: Array, b: Array) -> Array:
+        if a.dtype != b.dtype:  # torch's products refuse mixed operands; NumPy promotes
+            dtype = self._numpy_result(a.dtype, b.dtype)
+            a, b = a.to(dtype), b.to(dtype)
         return torch.matmul(a, b)
+
+    def _numpy_result(self, a: torch.dtype, b: torch.dtype) -> torch.dtype:
+        """The dtype NumPy gives an operation on arrays of dtypes ``a`` and ``b`` (torch's
+        promotion where NumPy has no such type: bfloat16)."""
+        try:
+            names = (np.dtype(self.dtype_name(a)), np.dtype(self.dtype_name(b)))
+        except TypeError:
+            return torch.promote_types(a, b)
+        return self.dtype_of(np.result_type(*names).name)
 
     def einsum(self, subscripts: str, *operands: Array) -> Array:
         """``torch.einsum``, except for a reduced elementwise product (``"ij,ij->j"``).
@@ -439,7 +473,7 @@ class TorchBackend(Backend):
     # -- indexing ------------------------------------------------------------------------
     def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
         axis %= x.ndim
-        idx = self._tensor(self._index(indices)).to(torch.int64)
+        idx = self._tensor(self.index(indices)).to(torch.int64)
         idx = self._wrap_negative(idx, x.shape[axis])
         out = torch.index_select(x, axis, idx.reshape(-1))
         if idx.ndim == 1:
@@ -447,12 +481,12 @@ class TorchBackend(Backend):
         return out.reshape(tuple(x.shape[:axis]) + tuple(idx.shape) + tuple(x.shape[axis + 1 :]))
 
     def take_along_axis(self, x: Array, indices: Array, axis: int) -> Array:
-        idx = self._tensor(self._index(indices)).to(torch.int64)
+        idx = self._tensor(self.index(indices)).to(torch.int64)
         return torch.take_along_dim(x, self._wrap_negative(idx, x.shape[axis]), dim=axis)
 
     def accumulate_at(self, out: Array, index: Any, values: Array) -> None:
         """``out[index] += values`` with repeated indices accumulated, like ``np.add.at``."""
-        index = self._index(index)
+        index = self.index(index)
         values = self._tensor(values).to(out.dtype)
         parts = index if isinstance(index, tuple) else (index,)
         arrays = [p for p in parts if isinstance(p, torch.Tensor)]
@@ -473,7 +507,7 @@ class TorchBackend(Backend):
         out.view(-1).index_add_(0, positions.reshape(-1), flat)
 
     def index_add(self, out: Array, indices: Array, values: Array) -> None:
-        out.index_add_(0, self._index(indices).to(torch.int64), self._tensor(values).to(out.dtype))
+        out.index_add_(0, self.index(indices).to(torch.int64), self._tensor(values).to(out.dtype))
 
     def sliding_windows(self, x: Array, kh: int, kw: int, stride: int) -> Array:
         return x.unfold(2, kh, stride).unfold(3, kw, stride)

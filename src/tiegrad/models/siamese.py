@@ -62,7 +62,7 @@ class SiameseEncoder(ConfiguredModel):
     def loss(self, session: EagerSession, x1: Any, x2: Any, same: Any) -> TensorRef:
         """Contrastive loss; ``same`` (B,) is 1 for pairs of one class, 0 otherwise."""
         z1, z2 = self(session, x1, x2)
-        flags = np.asarray(same, dtype=z1.dtype)
+        flags = np.asarray(same, dtype=session.backend.dtype_name(z1.dtype))
         check_shape(self, "same", flags.shape, (z1.shape[0],))
         same = session.constant(flags)
         diff = z1 - z2

@@ -69,6 +69,7 @@ def getitem(x: TensorRef, index: Any) -> TensorRef:
     xv = x.value
     index = _plain_index(s, index)
     try:
+        index = bk.index(index)
         out = xv[index]
     except IndexError as e:
         raise IndexRangeError(
