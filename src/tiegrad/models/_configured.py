@@ -102,15 +102,16 @@ class ConfiguredModel(Module):
     @contextlib.contextmanager
     def _inference(self) -> Iterator[EagerSession]:
         """A host session recording no gradients, with the model in eval mode inside the
-        block; the training flag is restored afterwards."""
+        block; every submodule's own training flag is restored afterwards."""
         session = EagerSession()
-        was_training = self.training
+        modes = [(m, m.training) for _, m in self.named_modules()]
         self.eval()
         try:
             with session.no_grad():
                 yield session
         finally:
-            self.train(was_training)
+            for m, mode in modes:
+                object.__setattr__(m, "training", mode)  # this module's flag alone
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.items())

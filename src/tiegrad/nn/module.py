@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterator
+from numbers import Integral
 from typing import Any
 
 from ..errors import DTypeError, ShapeError, SlotError, TapeError, TiegradError
+from ..optim.hyperparams import flag
 from ..params import Param, ParamList, dense_group_gradient
 from ..session import EagerSession, Gradients
 
@@ -54,6 +56,11 @@ class Module:
             )
         params: dict[str, Param] = d["_params"]
         modules: dict[str, Module] = d["_modules"]
+        if isinstance(value, (Param, Module)) and (not name or "." in name):
+            raise SlotError(  # a path segment: "a.weight" would name two things
+                f"{type(self).__name__}: a parameter or submodule name must be non-empty and "
+                f"without '.', got {name!r}"
+            )
         if isinstance(value, Param):
             modules.pop(name, None)
             if value.name is None:
@@ -105,9 +112,11 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} defines no forward")
 
     def train(self, mode: bool = True) -> Module:
-        """Set ``training`` on this module and every submodule (dropout reads it)."""
+        """Set ``training`` on this module and every submodule (dropout reads it); ``mode``
+        is a bool (a ``HyperparameterError`` otherwise, as torch refuses one)."""
+        mode = flag(self.label(), "mode", mode)
         for _, m in self.named_modules():
-            object.__setattr__(m, "training", bool(mode))
+            object.__setattr__(m, "training", mode)
         return self
 
     def to(self, device: str | None) -> Module:
@@ -177,12 +186,16 @@ class Module:
         ancestors.discard(me)
 
     def named_parameters(self) -> Iterator[tuple[str, Param]]:
-        """``(path, handle)`` once per storage, under its first path (C1)."""
-        seen: set[int] = set()
+        """``(path, handle)`` once per storage (C1), in the order storages first appear,
+        under the storage's first trainable path (its canonical slot, C5) or, when every
+        path is frozen, its first path: filtering on ``p.requires_grad`` keeps exactly
+        the storages that train."""
+        chosen: dict[int, tuple[str, Param]] = {}
         for path, p in self.named_slots():
-            if id(p.storage) not in seen:
-                seen.add(id(p.storage))
-                yield path, p
+            first = chosen.get(id(p.storage))
+            if first is None or (p.requires_grad and not first[1].requires_grad):
+                chosen[id(p.storage)] = (path, p)
+        yield from chosen.values()
 
     def aliases(self) -> dict[str, list[str]]:
         """``{first path: [other paths]}`` for every storage named by several paths."""
@@ -211,7 +224,8 @@ class Module:
         return sum(p.size for _, p in self.named_slots())
 
     def named_gradients(self, gradients: Gradients) -> dict[str, Any]:
-        """``{first path: gradient}`` per storage with a trainable use in ``gradients``.
+        """``{path: gradient}`` per storage with a trainable use in ``gradients``, under
+        its ``named_parameters`` path.
 
         The gradient of a storage is the sum over its trainable uses recorded in
         ``gradients.session`` (C4); frozen uses contribute nothing, and a storage with no
@@ -319,20 +333,58 @@ class Module:
 
 
 class ModuleList(Module):
-    """A list of submodules registered as ``"0"``, ``"1"``, ...; it has no forward."""
+    """A list of submodules registered as ``"0"``, ``"1"``, ...; it has no forward.
+
+    Reads and edits as a Python list (``ml[i]``, ``ml[a:b]``, ``ml[i] = m``, ``del
+    ml[i]``, ``insert``, ``append``, ``extend``, ``+=``); after an edit the items are
+    registered again as ``"0"`` .. ``"n-1"``, so paths follow positions, as in
+    ``torch.nn.ModuleList``. Items must be Modules and indexes integers or slices (a
+    ``TiegradError`` / ``IndexError`` otherwise, before anything changes).
+    """
 
     def __init__(self, modules: Any = ()) -> None:
         super().__init__()
-        for m in modules:
-            self.append(m)
+        self.extend(modules)
 
-    def append(self, module: Module) -> ModuleList:
+    def _checked(self, module: Any) -> Module:
         if not isinstance(module, Module):
             raise TiegradError(
                 f"{type(self).__name__}: items must be Modules, got {type(module).__name__}"
             )
-        setattr(self, str(len(self._modules)), module)
+        return module
+
+    def _position(self, i: Any) -> int:
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, Integral):
+            raise IndexError(f"{type(self).__name__}: indexes are ints or slices, got {i!r}")
+        if not -n <= i < n:
+            raise IndexError(f"{type(self).__name__}: index {i} out of range for {n} modules")
+        return int(i) % n
+
+    def _register(self, items: list[Module]) -> None:
+        """Register ``items`` as ``"0"`` .. ``"n-1"``, replacing the current ones."""
+        for key in list(self._modules):
+            delattr(self, key)
+        for k, m in enumerate(items):
+            setattr(self, str(k), m)
+
+    def append(self, module: Module) -> ModuleList:
+        setattr(self, str(len(self._modules)), self._checked(module))
         return self
+
+    def extend(self, modules: Any) -> ModuleList:
+        items = [self._checked(m) for m in modules]
+        for m in items:
+            self.append(m)
+        return self
+
+    def insert(self, i: int, module: Module) -> None:
+        items = list(self)
+        items.insert(i, self._checked(module))
+        self._register(items)
+
+    def __iadd__(self, modules: Any) -> ModuleList:
+        return self.extend(modules)
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -340,11 +392,22 @@ class ModuleList(Module):
     def __iter__(self) -> Iterator[Module]:
         return iter(list(self._modules.values()))
 
-    def __getitem__(self, i: int) -> Module:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"{type(self).__name__}: index {i} out of range for {n} modules")
-        return self._modules[str(i % n)]
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            items = list(self)[i]  # a new list of the same modules (torch's slicing)
+            return Sequential(*items) if isinstance(self, Sequential) else ModuleList(items)
+        return self._modules[str(self._position(i))]
+
+    def __setitem__(self, i: Any, module: Module) -> None:
+        setattr(self, str(self._position(i)), self._checked(module))
+
+    def __delitem__(self, i: Any) -> None:
+        items = list(self)
+        if isinstance(i, slice):
+            del items[i]
+        else:
+            del items[self._position(i)]
+        self._register(items)
 
 
 class Sequential(ModuleList):

@@ -12,7 +12,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 from ..errors import AliasError, DTypeError, ShapeError, SlotError
-from ..params import Param
+from ..params import Param, ParameterStorage
 
 if TYPE_CHECKING:
     from .module import Module
@@ -47,8 +47,10 @@ def tie(module: Module, path: str, source: str, requires_grad: bool | None = Non
 def untie(module: Module, path: str) -> Param:
     """Give ``path`` a new storage holding a copy of its current value (C1, C7).
 
-    The handle keeps its flag. An AliasError is raised when no other path of ``module``
-    names that storage through its own handle (nothing to untie).
+    The handle at ``path`` stays (with its flag) and now holds the new storage, so an
+    optimizer built before the untie trains the two storages apart from its next step,
+    as after ``tie``. An AliasError is raised when no other path of ``module`` names that
+    storage through its own handle (nothing to untie).
     """
     handle = module.get_parameter(path)
     others = [
@@ -60,14 +62,8 @@ def untie(module: Module, path: str) -> Param:
         raise AliasError(
             f"untie: {path!r} of {module.label()} shares its storage with no other path"
         )
-    fresh = Param(
-        handle.storage.current_host_value(),
-        requires_grad=handle.requires_grad,
-        name=path,
-        dtype=handle.dtype,
-    )
-    module.set_parameter(path, fresh)
-    return fresh
+    handle.storage = ParameterStorage(handle.storage.current_host_value().copy())
+    return handle
 
 
 def set_trainable(module: Module, pattern: str | list[str], requires_grad: bool) -> list[str]:
@@ -81,7 +77,10 @@ def set_trainable(module: Module, pattern: str | list[str], requires_grad: bool)
     checked before any flag is set (C6). Returns the matched paths in slot order.
     """
     op = "unfreeze" if requires_grad else "freeze"
-    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    if isinstance(pattern, str):
+        patterns = [pattern]
+    else:
+        patterns = list(pattern) if isinstance(pattern, (list, tuple)) else []
     if not patterns or not all(isinstance(p, str) for p in patterns):
         raise SlotError(
             f"{op}: expected a glob pattern or a non-empty list of them, got {pattern!r}"

@@ -82,6 +82,10 @@ class Param:
         return int(np.prod(self.shape))
 
     @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
     def value(self) -> np.ndarray:
         """The host value as a read-only array, without syncing a mirror (C7).
 

@@ -104,6 +104,13 @@ class ParameterStorage:
     def __repr__(self) -> str:
         return f"ParameterStorage(shape={self.shape}, dtype={self.dtype.name}, id=0x{id(self):x})"
 
+    def __reduce__(self) -> tuple[type, tuple[np.ndarray]]:
+        """A copy (``copy``, ``deepcopy``, ``pickle``) is a new storage of the current host
+        value (a newer mirror synced first, C7), with no mirror and no pins: an update of
+        one never reaches the other. ``deepcopy`` copies a storage once, so the ties of a
+        module copied whole stay ties in the copy (C1)."""
+        return (ParameterStorage, (self.current_host_value().copy(),))
+
     # -- host side -------------------------------------------------------------------
     @property
     def host(self) -> np.ndarray:
