@@ -183,3 +183,35 @@ def test_one_cycle_runs_a_full_loop_and_ends_at_the_last_phase_end(strategy, thr
     assert sched.last_epoch == 10
     assert lrs(opt) == [pytest.approx(1.0 / 25 / 1e4, rel=1e-12)]
     assert opt.param_groups[0]["momentum"] == pytest.approx(0.95, rel=1e-12)
+
+
+def test_a_learning_rate_beyond_floats_range_is_a_hyperparameter_error():
+    from fractions import Fraction
+
+    from tiegrad.optim import clip_grad_norm
+
+    opt = SGD([Param(np.ones(2))], lr=0.1)
+    sched = ExponentialLR(opt, 2.0)
+    with pytest.raises(HyperparameterError, match="ExponentialLR at step 1100.*finite"):
+        sched.lr_at(1100)  # 2.0 ** 1100 leaves float's range
+    for bad in (10**400, Fraction(10**400), np.complex128(0.1 + 2j)):
+        with pytest.raises(HyperparameterError):
+            SGD([Param(np.ones(2))], lr=bad)
+    with pytest.raises(HyperparameterError, match="weight_decay must be finite"):
+        SGD([Param(np.ones(2))], lr=0.1, weight_decay=10**400)
+    with pytest.raises(HyperparameterError, match="norm_type"):
+        clip_grad_norm([np.ones(2)], 1.0, norm_type=10**400)
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
+def test_a_second_live_schedule_on_one_optimizer_warns_that_they_do_not_multiply():
+    import gc
+
+    opt = SGD([Param(np.ones(2))], lr=1.0)
+    first = StepLR(opt, 1, 0.5)
+    del first
+    gc.collect()
+    kept = ExponentialLR(opt, 0.9)  # the first was dropped: no warning
+    with pytest.warns(UserWarning, match="do not multiply"):
+        StepLR(opt, 1, 0.5)
+    assert kept.optimizer is opt

@@ -126,7 +126,7 @@ def _norm_type(what: str, norm_type: Any) -> float:
         return math.inf
     try:
         p = float(norm_type)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         p = math.nan
     if not (math.isfinite(p) and p > 0):
         raise HyperparameterError(

@@ -26,7 +26,10 @@ def real(owner: str, name: str, value: Any) -> float:
     """A finite real number (Python's, NumPy's, a ``Fraction``; bools refused), as a float."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
         raise HyperparameterError(f"{owner}: {name} must be a real number, got {value!r}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int or Fraction beyond float's range
+        x = math.inf
     if not math.isfinite(x):
         raise HyperparameterError(f"{owner}: {name} must be finite, got {value!r}")
     return x

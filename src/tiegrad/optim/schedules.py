@@ -14,6 +14,11 @@ sets every group's ``lr`` for step 0 at once and, at each ``step()``, advances
 functions of the step (no drift from repeated multiplication). Every new learning
 rate is checked (finite, >= 0) before any group changes (C6).
 
+So a schedule owns its groups' ``lr``: a manual change is overwritten at the next
+``step()``, and two schedules on one optimizer do not multiply as torch's chained
+schedulers do (the last one stepped sets the value). A second live schedule on an
+optimizer warns; write a combined rule as one ``LambdaLR`` instead.
+
 ``state_dict()`` is JSON-serializable: ``{"kind", "last_epoch", "base_lrs", ...the
 schedule's parameters}``; ``load_state_dict`` validates all of it, then sets the
 groups' learning rates for the loaded step. ``LambdaLR``'s functions are code and
@@ -23,6 +28,8 @@ are not saved: the schedule loading the state supplies them.
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -37,6 +44,9 @@ from .hyperparams import (
     positive,
     unit_interval,
 )
+
+# optimizer -> its latest schedule (both weakly: a schedule dropped frees its place)
+_SCHEDULES: weakref.WeakKeyDictionary[Any, weakref.ref[Schedule]] = weakref.WeakKeyDictionary()
 
 
 class Schedule:
@@ -59,6 +69,15 @@ class Schedule:
         self.last_epoch = 0
         self._last_lr: list[float] = []
         self._apply(self._values(0, self.base_lrs, self.config))
+        earlier = _SCHEDULES.get(optimizer)
+        if earlier is not None and earlier() is not None:
+            warnings.warn(
+                f"{self.kind}: this optimizer already has a live {earlier().kind} schedule; "
+                "each sets the learning rates from its own formula, so they do not multiply "
+                "as chained torch schedulers do (the last one stepped wins)",
+                stacklevel=2,
+            )
+        _SCHEDULES[optimizer] = weakref.ref(self)
 
     # -- subclass hooks ------------------------------------------------------------------
     def _checked_config(self, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,11 +92,18 @@ class Schedule:
         """``{"lr": [...]}`` (and other group keys a schedule sets) at ``epoch``, checked."""
         lrs = [
             learning_rate(
-                f"{self.kind} at step {epoch}: group {i}", "lr", self._lr(cfg, b, epoch, i)
+                f"{self.kind} at step {epoch}: group {i}", "lr", self._lr_or_inf(cfg, b, epoch, i)
             )
             for i, b in enumerate(base_lrs)
         ]
         return {"lr": lrs}
+
+    def _lr_or_inf(self, cfg: Mapping[str, Any], base: float, epoch: int, group: int) -> float:
+        """``_lr``, or inf where its power leaves float's range (``gamma ** epoch``)."""
+        try:
+            return self._lr(cfg, base, epoch, group)
+        except OverflowError:
+            return math.inf
 
     # -- public API ----------------------------------------------------------------------
     def step(self) -> None:

@@ -183,10 +183,12 @@ def check_learning_rate(lr: Any) -> float:
 
     Strings and bools are refused even though ``float()`` would convert them (C6).
     """
-    if isinstance(lr, (str, bytes, bool, np.bool_)):
-        raise HyperparameterError(f"lr: expected a number, got {lr!r}")
+    if isinstance(lr, (str, bytes, bool, np.bool_, complex, np.complexfloating)):
+        raise HyperparameterError(f"lr: expected a real number, got {lr!r}")
     try:
         value = float(lr)
+    except OverflowError:  # an int or Fraction beyond float's range
+        value = math.inf
     except (TypeError, ValueError):
         raise HyperparameterError(f"lr: expected a number, got {lr!r}") from None
     if not math.isfinite(value) or value < 0:
