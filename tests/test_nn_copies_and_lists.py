@@ -52,12 +52,13 @@ def test_a_copied_model_trains_on_its_own_and_keeps_its_ties(copier):
     assert train(reference, AdamW(reference.parameters(), lr=1e-2)) == losses
 
 
-def test_named_parameters_names_a_tied_storage_by_its_trainable_path():
+def test_named_parameters_gives_a_tied_storage_the_handle_of_its_trainable_path():
     model = small_lm()
     model.freeze("embed.weight")  # the storage still trains through lm_head.weight
-    names = [path for path, p in model.named_parameters() if p.requires_grad]
-    assert "lm_head.weight" in names and "embed.weight" not in names
-    params = [p for _, p in model.named_parameters() if p.requires_grad]
+    names = dict((path, p) for path, p in model.named_parameters() if p.requires_grad)
+    assert "lm_head.weight" not in names  # one entry per storage, under its first path
+    assert names["embed.weight"] is model.lm_head.weight
+    params = list(names.values())
     before = model.embed.weight.value.copy()
     train(model, SGD(params, lr=0.5), steps=1)
     assert not np.array_equal(model.embed.weight.value, before)

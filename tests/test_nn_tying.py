@@ -66,9 +66,11 @@ def test_a_tied_weight_frozen_at_one_use_gets_exactly_the_other_uses_gradient(fr
     m = TinyTied()
     assert m.freeze(frozen) == [frozen]
     assert m.get_parameter(frozen).storage is m.embed.weight.storage  # the tie survives
+    trainable = [(path, p) for path, p in m.named_parameters() if p.requires_grad]
+    assert [path for path, _ in trainable] == ["embed.weight"]  # the name stays put
     trained = "head.weight" if frozen == "embed.weight" else "embed.weight"
-    assert [path for path, p in m.named_parameters() if p.requires_grad] == [trained]
-    g = tiegrad_grad(m)[trained]  # under the storage's trainable path (its canonical slot)
+    assert trainable[0][1] is m.get_parameter(trained)  # the handle of the trained use
+    g = tiegrad_grad(m)["embed.weight"]
     want = torch_grad(m.embed.weight.value, frozen == "embed.weight", frozen == "head.weight")
     np.testing.assert_allclose(g, want, rtol=1e-10, atol=1e-13)
     both = torch_grad(m.embed.weight.value, False, False)

@@ -186,15 +186,17 @@ class Module:
         ancestors.discard(me)
 
     def named_parameters(self) -> Iterator[tuple[str, Param]]:
-        """``(path, handle)`` once per storage (C1), in the order storages first appear,
-        under the storage's first trainable path (its canonical slot, C5) or, when every
-        path is frozen, its first path: filtering on ``p.requires_grad`` keeps exactly
-        the storages that train."""
+        """``(path, handle)`` once per storage (C1), under its first path. The handle is
+        that of the storage's first trainable path (its canonical slot, C5), or of its
+        first path when every path is frozen: filtering on ``p.requires_grad`` keeps
+        exactly the storages that train, and the names stay put when a path is frozen."""
         chosen: dict[int, tuple[str, Param]] = {}
         for path, p in self.named_slots():
             first = chosen.get(id(p.storage))
-            if first is None or (p.requires_grad and not first[1].requires_grad):
+            if first is None:
                 chosen[id(p.storage)] = (path, p)
+            elif p.requires_grad and not first[1].requires_grad:
+                chosen[id(p.storage)] = (first[0], p)
         yield from chosen.values()
 
     def aliases(self) -> dict[str, list[str]]:
@@ -224,8 +226,7 @@ class Module:
         return sum(p.size for _, p in self.named_slots())
 
     def named_gradients(self, gradients: Gradients) -> dict[str, Any]:
-        """``{path: gradient}`` per storage with a trainable use in ``gradients``, under
-        its ``named_parameters`` path.
+        """``{first path: gradient}`` per storage with a trainable use in ``gradients``.
 
         The gradient of a storage is the sum over its trainable uses recorded in
         ``gradients.session`` (C4); frozen uses contribute nothing, and a storage with no
