@@ -582,3 +582,9 @@ def test_the_siamese_encoder_loss_runs_on_the_device():
         float(model.loss(EagerSession(device=d), x1, x2, same).item()) for d in (None, DEVICE)
     ]
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+def test_an_empty_list_index_selects_nothing_on_the_device_as_in_numpy():
+    s = EagerSession(device=DEVICE)
+    x = s.leaf(np.ones((3, 4)))
+    assert tuple(x[[]].shape) == (0, 4)

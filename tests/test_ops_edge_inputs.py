@@ -185,3 +185,8 @@ def test_numpy_integers_and_fractions_are_taken_as_arguments():
         "scale must be a real number",
         lambda: T.self_attention(qkv, 2, scale="big"),
     )
+
+
+def test_the_mean_of_integers_is_floating_over_one_element_too():
+    s = EagerSession()
+    assert T.mean(s.constant(np.array([[1], [2]])), axis=1).value.dtype == np.float64

@@ -524,7 +524,7 @@ class EagerSession:
                 )
             # Our own copy: a gradient may pass the seed on, and the caller's later writes
             # must not reach it (PyTorch copies too).
-            seed = bk.copy(bk.astype(seed, ov.dtype))
+            seed = bk.copy(seed) if seed.dtype == ov.dtype else bk.astype(seed, ov.dtype)
         keep = set(self._grad_leaves) if retain is None else {self._resolve_id(r) for r in retain}
         meta, parents, vjps, rg = self._meta, self._parents, self._vjps, self._rg
         result: dict[int, Array] = {}

@@ -107,6 +107,8 @@ class TorchBackend(Backend):
             )
         if isinstance(index, (np.ndarray, list)):
             arr = np.asarray(index)
+            if not arr.size and isinstance(index, list):
+                arr = arr.astype(np.int64)  # NumPy's reading of x[[]]: no position
             if arr.dtype.kind not in "biu":
                 raise IndexRangeError(
                     f"an index array must hold integers or bools, got dtype {arr.dtype}"

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from numbers import Integral
 from typing import Any
 
+from .._checks import flag
 from ..errors import DTypeError, ShapeError, SlotError, TapeError, TiegradError
-from ..optim.hyperparams import flag
 from ..params import Param, ParamList, dense_group_gradient
 from ..session import EagerSession, Gradients
 
@@ -357,7 +357,10 @@ class ModuleList(Module):
     def _position(self, i: Any) -> int:
         n = len(self)
         if isinstance(i, bool) or not isinstance(i, Integral):
-            raise IndexError(f"{type(self).__name__}: indexes are ints or slices, got {i!r}")
+            raise IndexError(
+                f"{type(self).__name__}: an item's index is an int (slices read and delete), "
+                f"got {i!r}"
+            )
         if not -n <= i < n:
             raise IndexError(f"{type(self).__name__}: index {i} out of range for {n} modules")
         return int(i) % n

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .. import _checks
 from ..errors import DTypeError, ShapeError
-from ..optim import hyperparams
 from ..session import TensorRef
 from ._core import (
     lift,
@@ -179,7 +179,7 @@ def scaled_dot_product_attention(
             f"{_OP}: q {qs}, k {ks} and v {vs} do not fit "
             "(expected q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv))"
         )
-    scale = _default_scale(qs[-1]) if scale is None else hyperparams.real(_OP, "scale", scale)
+    scale = _default_scale(qs[-1]) if scale is None else _checks.real(_OP, "scale", scale)
     for xs, ys in ((qs, ks), (qs, vs), (ks, vs)):
         for m, n in zip(reversed(xs[:-2]), reversed(ys[:-2])):
             if m != n and m != 1 and n != 1:
@@ -233,7 +233,7 @@ def self_attention(
     bk = s.backend
     xv = qkv.value
     shape = tuple(xv.shape)
-    n_heads = hyperparams.size(op, "n_heads", n_heads)
+    n_heads = _checks.size(op, "n_heads", n_heads)
     if len(shape) != 3 or shape[2] % (3 * n_heads):
         raise ShapeError(
             f"{op}: qkv has shape {shape} and n_heads={n_heads!r}; expected (B, T, 3 d) "
@@ -242,7 +242,7 @@ def self_attention(
     b, t, d3 = shape
     d = d3 // 3
     hd = d // n_heads
-    scale = _default_scale(hd) if scale is None else hyperparams.real(op, "scale", scale)
+    scale = _default_scale(hd) if scale is None else _checks.real(op, "scale", scale)
     heads = (b, n_heads, t, hd)
     split = bk.transpose(bk.reshape(xv, (b, t, 3, n_heads, hd)), (2, 0, 3, 1, 4))
     want = needs_grad(s, qkv)

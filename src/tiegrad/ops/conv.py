@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._checks import count
 from ..backend import Array, Backend
 from ..errors import ShapeError
-from ..optim.hyperparams import count
 from ..session import TensorRef
 from ._core import affine_operands, needs_grad, session_of, value_of
 

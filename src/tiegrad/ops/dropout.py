@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..optim import hyperparams
+from .. import _checks
 from ..session import TensorRef
 from ._core import session_of
 from .reduce import half_to_float32
@@ -18,7 +18,7 @@ def dropout(x: TensorRef, p: float, training: bool = True) -> TensorRef:
     nothing; ``p == 1`` gives zeros.
     """
     s = session_of(x)
-    p = hyperparams.unit_interval("dropout", "p", p)
+    p = _checks.unit_interval("dropout", "p", p)
     if p == 0.0 or not training:
         return x
     bk = s.backend

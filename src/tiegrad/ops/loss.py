@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .. import _checks
 from ..errors import ShapeError
-from ..optim import hyperparams
 from ..session import TensorRef
 from ._core import (
     check_index_range,
@@ -45,8 +45,8 @@ def cross_entropy(
     s = session_of(logits)
     bk = s.backend
     check_reduction("cross_entropy", reduction)
-    ignore_index = hyperparams.count("cross_entropy", "ignore_index", ignore_index, -(2**63))
-    label_smoothing = hyperparams.unit_interval("cross_entropy", "label_smoothing", label_smoothing)
+    ignore_index = _checks.count("cross_entropy", "ignore_index", ignore_index, -(2**63))
+    label_smoothing = _checks.unit_interval("cross_entropy", "label_smoothing", label_smoothing)
     lv = logits.value
     shape = tuple(lv.shape)
     t = int_array(s, "cross_entropy", targets)
@@ -136,7 +136,7 @@ def _reduce(bk: Any, per: Any, reduction: str, count: float) -> Any:
     (half precision in float32, ``scaled_sum``)."""
     if reduction == "none":
         return per
-    return scaled_sum(bk, per, scale=1.0 / count if reduction == "mean" and count else 1.0)
+    return scaled_sum(bk, per, scale=1.0 / count if reduction == "mean" and count else None)
 
 
 def _reduced_cross_entropy(s: Any, logits: TensorRef, fused: tuple[Any, Any]) -> TensorRef:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .._checks import positive
 from ..errors import ShapeError
-from ..optim.hyperparams import positive
 from ..session import TensorRef
 from ._core import lift, needs_grad, session_of, sum_last, sum_rows, value_of, vector_value
 from .reduce import half_to_float32
@@ -46,10 +46,12 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     x2 = bk.reshape(xv, (rows, d))
     wv = None if w is None else w.value
     bv = None if b is None else b.value
-    head = x2[:0] * 1.0  # x promoted by a float (0 rows)
-    half = half_to_float32(bk, head.dtype)
-    if half is not None or head.dtype != x2.dtype:
-        x2 = bk.astype(x2, head.dtype if half is None else half)
+    head = x2[:0]  # x's dtype, for the dtype of a half-precision output
+    half = half_to_float32(bk, x2.dtype)
+    if half is not None:
+        x2 = bk.astype(x2, half)
+    elif not bk.is_floating(x2.dtype):
+        x2 = bk.astype(x2, (head * 1.0).dtype)  # integers: x promoted by a float
     fused = bk.layer_norm_rows(x2, wv, bv, eps)
     if fused is None:
         out2, xhat, rstd = _layer_norm_blocks(bk, x2, wv, bv, eps)

@@ -15,8 +15,6 @@ from ..errors import ShapeError
 from ..session import TensorRef
 from ._core import normalize_axes, session_of
 
-_HALF = ("float16", "bfloat16")
-
 
 def half_to_float32(bk: Backend, dtype: Any) -> Any:
     """``bk.float32`` for a half-precision ``dtype`` (float16, bfloat16), else None.
@@ -25,20 +23,21 @@ def half_to_float32(bk: Backend, dtype: Any) -> Any:
     (sums, means, row statistics: PyTorch's accumulation type) and where NumPy has no
     half-precision routine (random draws); other dtypes run as they are.
     """
-    return bk.float32 if bk.dtype_name(dtype) in _HALF else None
+    return bk.float32 if dtype.itemsize == 2 and bk.is_floating(dtype) else None
 
 
 def scaled_sum(
-    bk: Backend, x: Array, axis: Any = None, keepdims: bool = False, scale: float = 1.0
+    bk: Backend, x: Array, axis: Any = None, keepdims: bool = False, scale: float | None = None
 ) -> Array:
-    """``bk.sum(x, axis, keepdims) * scale`` (no product when ``scale`` is 1).
+    """``bk.sum(x, axis, keepdims) * scale`` (no product without ``scale``; with one, even
+    1, the product makes an integer or bool sum floating, as a mean is).
 
     A half-precision ``x`` is summed and scaled in float32 and rounded back once: a
     float16 mean of 70000 ones is 1, not ``inf``. Other dtypes give the bits they did.
     """
     wide = half_to_float32(bk, x.dtype)
     out = bk.sum(x if wide is None else bk.astype(x, wide), axis=axis, keepdims=keepdims)
-    if scale != 1.0:
+    if scale is not None:
         out = out * scale
     return out if wide is None else bk.astype(out, x.dtype)
 

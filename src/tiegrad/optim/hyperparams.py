@@ -9,30 +9,21 @@ optimizer can validate everything before its first write.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
-from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
 
+from .. import _checks
 from ..errors import HyperparameterError
 from ..params.groups import check_learning_rate
 
 Checker = Callable[[str, str, Any], Any]
 
-
-def real(owner: str, name: str, value: Any) -> float:
-    """A finite real number (Python's, NumPy's, a ``Fraction``; bools refused), as a float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
-        raise HyperparameterError(f"{owner}: {name} must be a real number, got {value!r}")
-    try:
-        x = float(value)
-    except OverflowError:  # an int or Fraction beyond float's range
-        x = math.inf
-    if not math.isfinite(x):
-        raise HyperparameterError(f"{owner}: {name} must be finite, got {value!r}")
-    return x
+# The scalar checks live below every layer (``tiegrad._checks``: the ops use them too).
+real, at_least_zero, positive = _checks.real, _checks.at_least_zero, _checks.positive
+unit_interval, decay_rate, flag = _checks.unit_interval, _checks.decay_rate, _checks.flag
+count, size = _checks.count, _checks.size
 
 
 def learning_rate(owner: str, name: str, value: Any) -> float:
@@ -43,45 +34,6 @@ def learning_rate(owner: str, name: str, value: Any) -> float:
         raise HyperparameterError(f"{owner}: {e}") from None
 
 
-def at_least_zero(owner: str, name: str, value: Any) -> float:
-    """A finite number >= 0."""
-    x = real(owner, name, value)
-    if x < 0:
-        raise HyperparameterError(f"{owner}: {name} must be >= 0, got {value!r}")
-    return x
-
-
-def positive(owner: str, name: str, value: Any) -> float:
-    """A finite number > 0."""
-    x = real(owner, name, value)
-    if x <= 0:
-        raise HyperparameterError(f"{owner}: {name} must be > 0, got {value!r}")
-    return x
-
-
-def unit_interval(owner: str, name: str, value: Any) -> float:
-    """A number in [0, 1]."""
-    x = real(owner, name, value)
-    if not 0.0 <= x <= 1.0:
-        raise HyperparameterError(f"{owner}: {name} must be in [0, 1], got {value!r}")
-    return x
-
-
-def decay_rate(owner: str, name: str, value: Any) -> float:
-    """A number in [0, 1): a running-average coefficient such as a beta."""
-    x = real(owner, name, value)
-    if not 0.0 <= x < 1.0:
-        raise HyperparameterError(f"{owner}: {name} must be in [0, 1), got {value!r}")
-    return x
-
-
-def flag(owner: str, name: str, value: Any) -> bool:
-    """A bool (``True``/``False``; numbers are refused so typos do not pass)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise HyperparameterError(f"{owner}: {name} must be True or False, got {value!r}")
-    return bool(value)
-
-
 def betas(owner: str, name: str, value: Any) -> tuple[float, float]:
     """A pair ``(beta1, beta2)``, each in [0, 1)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
@@ -90,20 +42,6 @@ def betas(owner: str, name: str, value: Any) -> tuple[float, float]:
         decay_rate(owner, f"{name}[0]", value[0]),
         decay_rate(owner, f"{name}[1]", value[1]),
     )
-
-
-def count(owner: str, name: str, value: Any, minimum: int = 0) -> int:
-    """An integer >= ``minimum`` (bools refused)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise HyperparameterError(f"{owner}: {name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise HyperparameterError(f"{owner}: {name} must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def size(owner: str, name: str, value: Any) -> int:
-    """An integer >= 1: a width, a count of layers, a vocabulary size."""
-    return count(owner, name, value, minimum=1)
 
 
 #: Integers of configurations are below INT64_LIMIT (TOML's range, a C ``int64``).
