@@ -179,6 +179,19 @@ def test_to_torch_checks_every_buffer_value_before_writing_anything():  # C6
     assert int(m.num_batches_tracked) == 4 and torch.equal(m.weight, torch.full((3,), 7.0))
 
 
+@pytest.mark.parametrize("counter", [np.uint64(2**63 + 5), 2**63 + 5, 2**70])
+def test_to_torch_keeps_numpy_scalars_and_python_ints_in_the_counters_range(counter):  # C6
+    m = torch.nn.BatchNorm1d(3)
+    params = from_torch(m)
+    params["weight"].set_value(np.full(3, 7.0, np.float32))
+    with pytest.raises(DTypeError, match="'num_batches_tracked' is .* here but torch.int64"):
+        to_torch(params, m, buffers={"num_batches_tracked": counter})
+    assert int(m.num_batches_tracked) == 0 and torch.equal(m.weight, torch.ones(3))
+    to_torch(params, m, buffers={"num_batches_tracked": 2**62, "running_mean": [0.1, 1, 2]})
+    assert int(m.num_batches_tracked) == 2**62
+    assert torch.equal(m.running_mean, torch.tensor([0.1, 1.0, 2.0]))
+
+
 def test_an_expanded_parameter_is_refused_both_ways():
     m = torch.nn.Module()
     m.a = torch.nn.Parameter(torch.zeros(3))

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from tiegrad import EagerSession, ShapeError
+from tiegrad import DTypeError, EagerSession, ShapeError
 from tiegrad import nn as tnn
 
 torch = pytest.importorskip("torch")
@@ -252,15 +252,25 @@ def test_wrong_input_shape_names_the_layer_and_both_shapes(layer, shape, expecte
     assert str(shape) in msg and expected in msg
 
 
-def test_wrong_key_padding_mask_shape_names_the_layer():
-    mha = tnn.MultiHeadAttention(8, 2)
-    with pytest.raises(
-        ShapeError,
-        match=r"MultiHeadAttention\(.*key_padding_mask has shape \(2, 4\), expected \(2, 3\)",
-    ):
-        mha(
-            EagerSession(), np.zeros((2, 3, 8), np.float32), key_padding_mask=np.zeros((2, 4), bool)
-        )
+@pytest.mark.parametrize(
+    "mask, error, message",
+    [
+        (
+            np.zeros((2, 4), bool),
+            ShapeError,
+            r"key_padding_mask has shape \(2, 4\), expected \(2, 3\)",
+        ),
+        (np.zeros((2, 3), np.int64), DTypeError, "key_padding_mask must be bool, got int64"),
+    ],
+)
+@pytest.mark.parametrize("layer", [tnn.MultiHeadAttention, tnn.TransformerBlock])
+def test_a_wrong_key_padding_mask_names_the_layer_and_records_nothing(
+    layer, mask, error, message
+):  # C6
+    s = EagerSession()
+    with pytest.raises(error, match=layer.__name__ + r"\(.*" + message):
+        layer(8, 2)(s, np.zeros((2, 3, 8), np.float32), key_padding_mask=mask)
+    assert len(s) == 0
 
 
 def test_module_called_without_a_session_says_how_to_call_it():

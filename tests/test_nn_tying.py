@@ -158,9 +158,18 @@ def test_a_pattern_that_matches_nothing_is_an_error_and_changes_nothing():
         m.freeze("blocks.*")
     with pytest.raises(SlotError, match="unfreeze: pattern 'nope'"):
         m.unfreeze(["head.weight", "nope"])
-    with pytest.raises(SlotError, match="non-empty list"):
+    with pytest.raises(SlotError, match="non-empty collection"):
         m.freeze([])
     assert m.param_list().requires_grad_array() == [True, True]
+
+
+def test_patterns_come_in_any_iterable():
+    m = TinyTied()
+    assert m.freeze({"head.weight"}) == ["head.weight"]
+    assert m.unfreeze(p for p in ("head.weight",)) == ["head.weight"]
+    assert m.param_list().requires_grad_array() == [True, True]
+    with pytest.raises(SlotError, match="glob pattern"):
+        m.freeze({"head.weight": 1, 2: 3})
 
 
 def test_partial_freeze_of_a_submodule_registered_twice_is_refused():

@@ -191,6 +191,18 @@ def test_layer_norm():
     compare(lambda a: T.layer_norm(a, eps=1e-3), lambda a: F.layer_norm(a, (8,), eps=1e-3), [x])
 
 
+@pytest.mark.parametrize("d", [7, 96])
+def test_layer_norm_of_constant_rows_is_exactly_the_bias_as_in_torch(d):
+    x = np.stack([np.full(d, c, np.float32) for c in (10.1, -3.3, 0.0, 3e4)] + [rnd(d)])
+    b = rnd(d, seed=2)
+    s = EagerSession()
+    out = T.layer_norm(s.leaf(x), bias=s.leaf(b))
+    np.testing.assert_array_equal(out.value[:4], np.broadcast_to(b, (4, d)))
+    theirs = F.layer_norm(torch.tensor(x), (d,), bias=torch.tensor(b))
+    assert_close(out.value, theirs, "layer_norm of constant rows")
+    compare(T.layer_norm, lambda a: F.layer_norm(a, (d,)), [x[[0, 1, 2, 4]]])
+
+
 @pytest.mark.parametrize("xshape", [(6,), (4, 6), (2, 3, 6)])
 def test_linear(xshape):
     x, w, b = rnd(*xshape), rnd(5, 6, seed=1), rnd(5, seed=2)

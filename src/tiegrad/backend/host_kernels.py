@@ -388,7 +388,10 @@ def layer_norm(
     """Rows ``lo .. hi`` of ``(rows, d)`` ``x``: ``xhat``, ``rstd`` (rows, 1) and ``out``.
 
     ``xhat = (x - mean) * rstd``, ``rstd = 1 / sqrt(var + eps)`` (biased variance, two
-    passes over the row), ``out = xhat * w + b``; ``out`` may be ``xhat`` itself.
+    passes over the row), ``out = xhat * w + b``; ``out`` may be ``xhat`` itself. The
+    mean is taken of the row shifted by its first element, so a constant row has
+    ``x - mean`` exactly 0 (``xhat`` 0, as in PyTorch) rather than its rounding error
+    over ``sqrt(eps)``.
     """
     rows, n = x.shape
     if (
@@ -404,9 +407,12 @@ def layer_norm(
     epsf = _F(eps)
     for r in range(lo, hi):
         xr, hr, outr = x[r], xhat[r], out[r]  # row views: the inner loops index from 0
-        mean = _sum(xr) * inv_n
+        shift = xr[0] if n else _F(0.0)
         for j in range(n):
-            hr[j] = xr[j] - mean
+            hr[j] = xr[j] - shift
+        mean = _sum(hr) * inv_n
+        for j in range(n):
+            hr[j] -= mean
         rs = _F(1.0) / np.sqrt(_dot(hr, hr) * inv_n + epsf)
         rstd[r, 0] = rs
         for j in range(n):

@@ -180,8 +180,8 @@ def layer_norm(
     """``host_kernels.layer_norm``'s bits."""
     inv_n = _F(1.0) / _F(x.shape[1])
     xr = x[lo:hi]
-    mean = _lanes(xr) * inv_n
-    h = xr - mean[:, None]
+    h = xr - xr[:, :1]
+    h -= (_lanes(h) * inv_n)[:, None]
     rs = _F(1.0) / np.sqrt(_lanes(h, h) * inv_n + _F(eps))
     rstd[lo:hi, 0] = rs
     h *= rs[:, None]

@@ -201,11 +201,11 @@ def _buffer_tensor(path: str, value: Any, target: Any) -> Any:
     """``value`` as a tensor of buffer ``target``'s dtype, or a ``DTypeError`` where that
     would change a value.
 
-    A NumPy array (either byte order) must keep every value in the buffer's dtype: ints
-    into a float buffer while they fit its significand, float64 into float32 only where
-    exact, never a float into an integer counter nor an integer out of its range (a
-    uint64 above 2**63 into int64); lists and Python numbers are converted to it, floats
-    into floating buffers only.
+    A NumPy array or scalar (either byte order) must keep every value in the buffer's
+    dtype: ints into a float buffer while they fit its significand, float64 into float32
+    only where exact. Lists and Python numbers are converted to it, floats into floating
+    buffers only. Nothing puts a float into an integer counter or an integer out of its
+    range (a uint64 above 2**63 into int64, a Python int of 2**70).
     """
     import torch
 
@@ -216,8 +216,8 @@ def _buffer_tensor(path: str, value: Any, target: Any) -> Any:
         want = np.dtype(str(target.dtype).replace("torch.", ""))
     except TypeError:  # bfloat16: NumPy has no such type; the kinds decide
         want = None
-    if exact and isinstance(value, np.ndarray) and want is not None and arr.size:
-        if not np.can_cast(arr.dtype, want):
+    if exact and want is not None and arr.size:
+        if isinstance(value, (np.ndarray, np.generic)) and not np.can_cast(arr.dtype, want):
             back = arr.astype(want).astype(arr.dtype)
             exact = np.array_equal(back, arr, equal_nan=arr.dtype.kind == "f")
         if want.kind in "iu" and arr.dtype.kind in "iu":

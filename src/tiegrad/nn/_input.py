@@ -38,11 +38,20 @@ def check_shape(layer: Module, what: str, shape: tuple[int, ...], pattern: Patte
         raise ShapeError(f"{layer.label()}: {what} has shape {shape}, expected {describe(pattern)}")
 
 
-def layer_input(layer: Module, session: EagerSession, x: Any, pattern: Pattern) -> TensorRef:
-    """``x`` as a ref of ``session`` (arrays become constants), its shape checked first:
-    a wrong shape records nothing (C6)."""
+def checked_input(
+    layer: Module, session: EagerSession, x: Any, pattern: Pattern
+) -> tuple[Any, Any]:
+    """``x`` unrecorded (a ref of ``session`` or the caller's operand) and its value,
+    once the shape fits ``pattern``: for a layer with more to check before ``lift(session,
+    x, value)`` records it (C6)."""
     if isinstance(x, TensorRef):
         x = lift(session, x)  # checked: a ref of another session or generation raises
     value = value_of(session, x)
     check_shape(layer, "input", tuple(value.shape), pattern)
-    return lift(session, x, value)
+    return x, value
+
+
+def layer_input(layer: Module, session: EagerSession, x: Any, pattern: Pattern) -> TensorRef:
+    """``x`` as a ref of ``session`` (arrays become constants), its shape checked first:
+    a wrong shape records nothing (C6)."""
+    return lift(session, *checked_input(layer, session, x, pattern))

@@ -7,13 +7,24 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import ConfigError
-from ..optim.hyperparams import size
+from .._checks import size
+from ..errors import ConfigError, DTypeError
+from ..ops._core import lift
 from ..session import EagerSession, TensorRef
 from . import init
-from ._input import check_shape, layer_input
+from ._input import check_shape, checked_input
 from .layers import MLP, Dropout, LayerNorm, Linear
 from .module import Module
+
+
+def _checked_mask(layer: Module, key_padding_mask: Any, input_shape: Any) -> np.ndarray:
+    """``key_padding_mask`` as a bool (B, T) array for an input of ``input_shape``, checked
+    before the layer records anything (C6)."""
+    mask = np.asarray(key_padding_mask)
+    check_shape(layer, "key_padding_mask", mask.shape, tuple(input_shape[:2]))
+    if mask.dtype != np.bool_:
+        raise DTypeError(f"{layer.label()}: key_padding_mask must be bool, got {mask.dtype}")
+    return mask
 
 
 class MultiHeadAttention(Module):
@@ -55,14 +66,12 @@ class MultiHeadAttention(Module):
             self.proj.bias = init.constant((d_model,), 0.0, dtype)
 
     def forward(self, session: EagerSession, x: Any, key_padding_mask: Any = None) -> TensorRef:
-        x = layer_input(self, session, x, ("B", "T", self.d_model))
-        b, t, _ = x.shape
+        x, value = checked_input(self, session, x, ("B", "T", self.d_model))
         if key_padding_mask is not None:
-            mask = np.asarray(key_padding_mask)
-            check_shape(self, "key_padding_mask", mask.shape, (b, t))
+            mask = _checked_mask(self, key_padding_mask, value.shape)
             key_padding_mask = session.backend.asarray(mask)
         y = ops.self_attention(
-            self.qkv(session, x),
+            self.qkv(session, lift(session, x, value)),
             self.n_heads,
             causal=self.causal,
             key_padding_mask=key_padding_mask,
@@ -104,7 +113,10 @@ class TransformerBlock(Module):
         self.drop = Dropout(dropout)
 
     def forward(self, session: EagerSession, x: Any, key_padding_mask: Any = None) -> TensorRef:
-        x = layer_input(self, session, x, ("B", "T", self.d_model))
+        x, value = checked_input(self, session, x, ("B", "T", self.d_model))
+        if key_padding_mask is not None:
+            key_padding_mask = _checked_mask(self, key_padding_mask, value.shape)
+        x = lift(session, x, value)
         x = x + self.drop(session, self.attn(session, self.ln1(session, x), key_padding_mask))
         return x + self.drop(session, self.mlp(session, self.ln2(session, x)))
 

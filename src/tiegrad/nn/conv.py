@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..optim.hyperparams import count, size
+from .._checks import count, size
 from ..session import EagerSession, TensorRef
 from . import init
 from ._input import layer_input

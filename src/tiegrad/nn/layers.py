@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from .. import ops
+from .._checks import count, positive, size, unit_interval
 from ..errors import ConfigError
-from ..optim.hyperparams import count, positive, size, unit_interval
 from ..session import EagerSession, TensorRef
 from . import init
 from ._input import layer_input

@@ -23,7 +23,7 @@ paths is one object: its handles are shared by both paths.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from numbers import Integral
 from typing import Any
 
@@ -297,7 +297,7 @@ class Module:
         m._params[leaf] = m.__dict__[leaf] = param
 
     # -- freezing ----------------------------------------------------------------------
-    def freeze(self, pattern: str | list[str]) -> list[str]:
+    def freeze(self, pattern: str | Iterable[str]) -> list[str]:
         """Clear ``requires_grad`` on the handles of the paths matching ``pattern``.
 
         See ``tiegrad.nn.tying.set_trainable``; returns the matched paths.
@@ -306,7 +306,7 @@ class Module:
 
         return set_trainable(self, pattern, False)
 
-    def unfreeze(self, pattern: str | list[str]) -> list[str]:
+    def unfreeze(self, pattern: str | Iterable[str]) -> list[str]:
         """Set ``requires_grad`` on the handles of the paths matching ``pattern``."""
         from .tying import set_trainable
 

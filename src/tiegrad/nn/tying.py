@@ -8,6 +8,7 @@ and Keras cannot express (``shared/ANCHORS.md``, pain points 10 and 11).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
@@ -66,24 +67,25 @@ def untie(module: Module, path: str) -> Param:
     return handle
 
 
-def set_trainable(module: Module, pattern: str | list[str], requires_grad: bool) -> list[str]:
+def set_trainable(module: Module, pattern: str | Iterable[str], requires_grad: bool) -> list[str]:
     """Set ``requires_grad`` on the handles at the paths matching ``pattern``.
 
-    ``pattern`` is a glob (``fnmatch``, case-sensitive; ``*`` also crosses dots) or a
-    list of globs, matched against whole paths. Only the matched paths change: a tied
-    storage frozen at one path stays trainable through its other paths. Every pattern
-    must match some path (SlotError), and a handle shared by a submodule registered at
-    several paths cannot be set at some of them only (AliasError). Everything is
-    checked before any flag is set (C6). Returns the matched paths in slot order.
+    ``pattern`` is a glob (``fnmatch``, case-sensitive; ``*`` also crosses dots) or an
+    iterable of globs (list, tuple, set, generator), matched against whole paths. Only
+    the matched paths change: a tied storage frozen at one path stays trainable through
+    its other paths. Every pattern must match some path (SlotError), and a handle shared
+    by a submodule registered at several paths cannot be set at some of them only
+    (AliasError). Everything is checked before any flag is set (C6). Returns the matched
+    paths in slot order.
     """
     op = "unfreeze" if requires_grad else "freeze"
     if isinstance(pattern, str):
         patterns = [pattern]
     else:
-        patterns = list(pattern) if isinstance(pattern, (list, tuple)) else []
+        patterns = list(pattern) if isinstance(pattern, Iterable) else []
     if not patterns or not all(isinstance(p, str) for p in patterns):
         raise SlotError(
-            f"{op}: expected a glob pattern or a non-empty list of them, got {pattern!r}"
+            f"{op}: expected a glob pattern or a non-empty collection of them, got {pattern!r}"
         )
     slots = module.named_slots()
     for pat in patterns:

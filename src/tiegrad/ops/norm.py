@@ -108,7 +108,8 @@ def _layer_norm_blocks(bk, x2, wv, bv, eps: float):
     def forward_rows(lo: int, hi: int) -> None:
         xb = x2[lo:hi]
         xh = xhat[lo:hi]
-        xh[...] = xb - sum_last(bk, xb) * inv_d
+        xh[...] = xb - xb[:, :1]  # shifted by the first element: a constant row gives 0
+        xh -= sum_last(bk, xh) * inv_d
         r = 1.0 / bk.sqrt(bk.reshape(bk.einsum("ij,ij->i", xh, xh), (-1, 1)) * inv_d + eps)
         rstd[lo:hi] = r
         xh *= r
