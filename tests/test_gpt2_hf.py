@@ -251,6 +251,8 @@ def test_bad_files_change_nothing(saved, tmp_path, defect):
         model.load_pretrained(tmp_path)
     for path, value in values(model).items():
         np.testing.assert_array_equal(value, before[path], err_msg=path)
+    if defect == "missing":  # from_pretrained counts the elements before building
+        expected = r"config.json: describes a model of \d+ elements, but the weights in"
     with pytest.raises(CheckpointError, match=expected):
         GPT2.from_pretrained(tmp_path)
 

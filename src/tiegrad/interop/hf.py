@@ -20,6 +20,7 @@ checked before any value is written (C6); missing or unexpected names are one
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,16 +87,31 @@ def model_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_gpt2(directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2:
-    """A ``GPT2`` built from ``config.json`` with the directory's weights loaded."""
+    """A ``GPT2`` built from ``config.json`` with the directory's weights loaded.
+
+    The configuration is checked against the tensors' headers before anything is
+    built: a model with more elements than the files hold is a ``CheckpointError``, so a
+    ``config.json`` from elsewhere cannot make it allocate more than its weights.
+    """
     from ..models.gpt2 import GPT2
 
     config = read_config(directory)
     try:
-        model = GPT2(**model_kwargs(config), dtype=dtype)
+        args = GPT2.check_config(dict(model_kwargs(config), dtype=dtype))
     except (ConfigError, HyperparameterError) as e:  # GPT2.check_config's verdicts
         raise ConfigError(f"{Path(directory) / CONFIG}: {e}") from None
+    tensors = read_tensors(directory)
+    held = sum(math.prod(file.tensors[name].shape) for file, name in tensors.values())
+    needed = GPT2.layout_size(args)[1]
+    if needed > held:
+        raise CheckpointError(
+            f"{Path(directory) / CONFIG}: describes a model of {needed} elements, but the "
+            f"weights in {directory} hold {held} (tensors missing, or a configuration of "
+            "another model)"
+        )
+    model = GPT2(**args)
     model.source_config = config
-    load_weights(model, directory)
+    load_weights(model, directory, tensors)
     return model
 
 
@@ -146,8 +162,13 @@ def read_tensors(directory: str | os.PathLike[str]) -> dict[str, tuple[Safetenso
     return out
 
 
-def load_weights(model: GPT2, directory: str | os.PathLike[str]) -> None:
-    """Write the directory's tensors into ``model`` (see the module docstring).
+def load_weights(
+    model: GPT2,
+    directory: str | os.PathLike[str],
+    tensors: dict[str, tuple[SafetensorsFile, str]] | None = None,
+) -> None:
+    """Write the directory's tensors (``read_tensors``, unless given) into ``model`` (see
+    the module docstring).
 
     Checked first: the names (each model path once; missing and unexpected ones are
     listed), shapes, and the model's ties: the tensors of two tied paths must be equal
@@ -155,7 +176,8 @@ def load_weights(model: GPT2, directory: str | os.PathLike[str]) -> None:
     cast to the model's dtype. On any error the model is unchanged (C6, C9).
     """
     where = f"{directory}"
-    tensors = read_tensors(directory)
+    if tensors is None:
+        tensors = read_tensors(directory)
     slots = dict(model.named_slots())
     is_tied = tied(model)
     needed = [p for p in slots if not (is_tied and p == HEAD)]
@@ -233,11 +255,11 @@ def save_gpt2(model: GPT2, directory: str | os.PathLike[str]) -> None:
             "transformers' GPT-2 cannot express (only lm_head.weight with "
             "transformer.wte.weight); save it with tiegrad.save, or untie them first"
         )
+    text = json.dumps(hf_config(model), indent=2, sort_keys=True) + "\n"
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {p: param.storage.current_host_value() for p, param in model.named_parameters()}
     write_safetensors(os.fspath(path / WEIGHTS), tensors, {"format": "pt"})
-    text = json.dumps(hf_config(model), indent=2, sort_keys=True) + "\n"
     tmp = path / f".{CONFIG}.tmp"
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path / CONFIG)

@@ -151,6 +151,7 @@ class TiedCausalLM(ConfiguredModel):
             )
         if not np.issubdtype(out.dtype, np.integer):
             raise DTypeError(f"{self.label()}: generate needs integer ids, got {out.dtype.name}")
+        out = out.astype(np.int64)  # sampled ids join them: uint64 with int64 is float64
         max_new_tokens = count("generate", "max_new_tokens", max_new_tokens)
         temperature = at_least_zero("generate", "temperature", temperature)
         if top_k is not None:
@@ -175,7 +176,8 @@ def _sample(
     z = logits.astype(np.float64)
     if temperature == 0:
         return np.argmax(z, axis=-1)[:, None]
-    z = z / temperature
+    with np.errstate(over="ignore"):  # a tiny temperature: -inf, all but the largest
+        z = (z - z.max(axis=-1, keepdims=True)) / temperature  # max 0: never inf - inf
     if top_k is not None:
         kth = np.sort(z, axis=-1)[:, -top_k][:, None]
         z = np.where(z < kth, -np.inf, z)

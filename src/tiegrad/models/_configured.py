@@ -92,12 +92,14 @@ class ConfiguredModel(Module):
     def _configure(
         self, seed: int, dtype: Any, **args: Any
     ) -> tuple[np.random.Generator, np.dtype]:
-        """Check the arguments (``check_config``), set ``config`` to ``args`` plus ``seed``
-        and the dtype's name; return the generator ``default_rng(seed)`` and the dtype."""
-        self.check_config(dict(args, seed=seed, dtype=dtype))
+        """Check the arguments (``check_config``), set ``config`` to them as the checks
+        read them (Python numbers for NumPy scalars and ``Fraction``s, so ``config`` is
+        JSON) with the dtype's name; return the generator ``default_rng(seed)`` and the
+        dtype."""
+        checked = self.check_config(dict(args, seed=seed, dtype=dtype))
         dt = init.float_dtype(dtype)
-        self.config = dict(args, seed=seed, dtype=dt.name)
-        return np.random.default_rng(seed), dt
+        self.config = dict(checked, dtype=dt.name)
+        return np.random.default_rng(checked["seed"]), dt
 
     @contextlib.contextmanager
     def _inference(self) -> Iterator[EagerSession]:

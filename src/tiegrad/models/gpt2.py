@@ -99,7 +99,8 @@ class GPT2Attention(Module):
         h, hd = self.n_heads, self.d // self.n_heads
         heads = qkv.reshape(b, t, 3, h, hd).permute(2, 0, 3, 1, 4)
         q, k, v = heads[0], heads[1], heads[2]
-        hidden = np.triu(np.full((t, t), -np.inf, dtype=np.float32), 1)
+        dtype = np.dtype(session.backend.dtype_name(qkv.dtype))  # the scores' own dtype
+        hidden = np.triu(np.full((t, t), -np.inf, dtype=dtype), 1)
         scores = (q @ k.transpose(-2, -1)) * self.scale + session.constant(hidden)
         p = ops.dropout(ops.softmax(scores), self.attn_pdrop, True)
         return (p @ v).permute(0, 2, 1, 3).reshape(b, t, self.d)
