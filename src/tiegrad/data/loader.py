@@ -19,12 +19,14 @@ depend on the number of processes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from numbers import Real
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError, ShapeError
+from .. import _checks
+from ..errors import ConfigError, DTypeError, ShapeError
 
 Batch = tuple[np.ndarray, ...]
 
@@ -47,6 +49,17 @@ def check_positive(what: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{what} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def check_rng(owner: str, rng: Any) -> np.random.Generator:
+    """``rng`` itself when it is a ``numpy.random.Generator``, else a ``ConfigError``
+    naming ``owner`` (a seed or None is not turned into a generator)."""
+    if not isinstance(rng, np.random.Generator):
+        raise ConfigError(
+            f"{owner}: rng must be a numpy.random.Generator (np.random.default_rng(seed)), "
+            f"got {type(rng).__name__}"
+        )
+    return rng
 
 
 class Shard:
@@ -97,12 +110,29 @@ class Shard:
 
 
 class ArrayDataset:
-    """Samples stored as arrays that share their first dimension (features, labels, ...)."""
+    """Samples stored as arrays that share their first dimension (features, labels, ...).
+
+    Each array holds real numbers (bool, integer, floating); a ragged list or an array of
+    objects, strings or complex numbers is a ``DTypeError`` naming the array.
+    """
 
     def __init__(self, *arrays: Any) -> None:
         if not arrays:
             raise ConfigError("ArrayDataset needs at least one array")
-        arrs = tuple(np.asarray(a) for a in arrays)
+        arrs = []
+        for i, a in enumerate(arrays):
+            try:
+                arr = np.asarray(a)
+            except ValueError:  # NumPy refuses ragged nested lists
+                raise DTypeError(
+                    f"ArrayDataset: array {i} is ragged (its rows differ in length)"
+                ) from None
+            if arr.dtype.kind not in "biuf":
+                raise DTypeError(
+                    f"ArrayDataset: array {i} must hold real numbers (bool, integer, floating), "
+                    f"got dtype {arr.dtype}"
+                )
+            arrs.append(arr)
         for i, a in enumerate(arrs):
             if a.ndim == 0:
                 raise ShapeError(f"ArrayDataset: array {i} is a scalar; samples lie along axis 0")
@@ -111,7 +141,7 @@ class ArrayDataset:
                     f"ArrayDataset: array {i} has {a.shape[0]} samples, "
                     f"expected {arrs[0].shape[0]} (like array 0)"
                 )
-        self.arrays = arrs
+        self.arrays = tuple(arrs)
 
     def __len__(self) -> int:
         return int(self.arrays[0].shape[0])
@@ -120,7 +150,15 @@ class ArrayDataset:
         return tuple(a[index] for a in self.arrays)
 
     def split(self, fraction: float, rng: np.random.Generator) -> tuple[ArrayDataset, ArrayDataset]:
-        """Two datasets: a random ``1 - fraction`` of the samples, then the rest."""
+        """Two datasets: a random ``1 - fraction`` of the samples, then the rest.
+
+        ``fraction`` is a real number (not a bool or a string) in (0, 1); ``rng`` a
+        ``numpy.random.Generator``."""
+        if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, Real):
+            raise ConfigError(
+                f"ArrayDataset.split: fraction must be a real number, got {fraction!r:.80}"
+            )
+        check_rng("ArrayDataset.split", rng)
         if not 0.0 < fraction < 1.0:
             raise ConfigError(f"ArrayDataset.split: fraction must lie in (0, 1), got {fraction}")
         order = rng.permutation(len(self))
@@ -130,8 +168,38 @@ class ArrayDataset:
         return ArrayDataset(*self[order[:-n_second]]), ArrayDataset(*self[order[-n_second:]])
 
 
+def check_dataset(owner: str, dataset: Any) -> None:
+    """A ``ConfigError`` naming ``owner`` unless ``dataset`` is an ``ArrayDataset`` or a
+    dataset object (``len()``, and ``dataset[index_array]`` gives a tuple of arrays).
+
+    Plain arrays, lists, tuples, mappings and strings are refused: indexed by an array of
+    sample indices they do not give a tuple of arrays (wrap them: ``ArrayDataset(x, y)``).
+    """
+    plain = (np.ndarray, Sequence, Mapping, str, bytes)
+    if isinstance(dataset, ArrayDataset):
+        return
+    if isinstance(dataset, plain) or not all(
+        hasattr(dataset, m) for m in ("__len__", "__getitem__")
+    ):
+        raise ConfigError(
+            f"{owner}: dataset must be an ArrayDataset (or a dataset whose [index array] is a "
+            f"tuple of arrays), got {type(dataset).__name__}; wrap arrays as ArrayDataset(x, y)"
+        )
+
+
+def check_batch(owner: str, batch: Any) -> Batch:
+    """``batch`` when it is a non-empty tuple of NumPy arrays, else a ``ConfigError``."""
+    if not (isinstance(batch, tuple) and batch and all(isinstance(a, np.ndarray) for a in batch)):
+        raise ConfigError(
+            f"{owner}: dataset[index array] must be a tuple of NumPy arrays, "
+            f"got {type(batch).__name__}"
+        )
+    return batch
+
+
 class DataLoader:
-    """Batches of an ``ArrayDataset``; shuffled (when asked) by the epoch's generator.
+    """Batches of an ``ArrayDataset`` (or of a dataset whose ``[index array]`` is a tuple
+    of arrays); shuffled (when asked) by the epoch's generator.
 
     Iterating the loader directly uses its own generator seeded with ``seed``; the
     trainer calls ``epoch(rng)`` with its generator instead. ``batch_size`` is the
@@ -140,6 +208,11 @@ class DataLoader:
     processes too, so that every sample weighs the same in the averaged gradient;
     otherwise a ``ConfigError`` is raised by the constructor (given
     ``rank``/``world_size``) or when an epoch starts (group's), before any batch.
+
+    Checked first, before anything is built: ``dataset`` (``check_dataset``), then
+    ``shuffle``, ``drop_last`` (bools) and ``seed`` (an integer >= 0), which raise
+    ``HyperparameterError`` as tiegrad's other scalar arguments (``tiegrad._checks``);
+    ``epoch`` checks its generator when called, before any batch is drawn.
     """
 
     unit = "samples"
@@ -154,6 +227,10 @@ class DataLoader:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
+        check_dataset("DataLoader", dataset)
+        shuffle = _checks.flag("DataLoader", "shuffle", shuffle)
+        drop_last = _checks.flag("DataLoader", "drop_last", drop_last)
+        seed = _checks.count("DataLoader", "seed", seed)
         self.shard = Shard("DataLoader", rank, world_size)
         self.batch_size = check_positive("DataLoader: batch_size", batch_size)
         if drop_last and len(dataset) < batch_size:
@@ -174,13 +251,19 @@ class DataLoader:
         return n // b if self.drop_last else -(-n // b)
 
     def epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
-        """One pass over the dataset; the order is drawn from ``rng`` when shuffling."""
+        """One pass over the dataset; the order is drawn from ``rng`` (a
+        ``numpy.random.Generator``, checked at this call) when shuffling."""
+        return self._epoch(check_rng("DataLoader.epoch", rng))
+
+    def _epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
         rank, world = self.shard.resolve(self.batch_size, self.partial)
         n = len(self.dataset)
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         for k in range(len(self)):
             batch = order[k * self.batch_size : (k + 1) * self.batch_size]
-            yield self.dataset[batch[self.shard.part(len(batch), rank, world)]]
+            yield check_batch(
+                "DataLoader", self.dataset[batch[self.shard.part(len(batch), rank, world)]]
+            )
 
     def __iter__(self) -> Iterator[Batch]:
         return self.epoch(self.rng)

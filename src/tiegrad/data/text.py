@@ -18,20 +18,23 @@ from numbers import Real
 import numpy as np
 
 from ..errors import ConfigError
-from .loader import Batch, Shard, check_positive
-from .tokenizer import HFTokenizer
-from .vocab import Vocab
+from .loader import Batch, Shard, check_positive, check_rng
+from .tokenizer import HFTokenizer, check_path
+from .vocab import KINDS, Vocab
 
 SPLITS = ("train", "val")
 
 
 def read_text(path: str | os.PathLike, kind: str = "char") -> str | bytes:
-    """The contents of a text file: ``str`` for a char vocabulary, ``bytes`` for bytes.
+    """The contents of a text file: ``str`` for ``kind="char"``, ``bytes`` for ``"byte"``.
 
-    A missing, unreadable or empty file, or (for ``char``) one that is not UTF-8,
-    raises ``ConfigError`` naming the file.
+    A ``path`` that is no ``str``/``os.PathLike``, another ``kind``, a missing,
+    unreadable or empty file, or (for ``char``) one that is not UTF-8, raises
+    ``ConfigError`` naming the argument or the file.
     """
-    path = os.fspath(path)
+    path = os.fspath(check_path("read_text", "path", path))
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ConfigError(f"read_text: unknown kind {kind!r}, expected one of {KINDS}")
     if not os.path.isfile(path):
         raise ConfigError(f"text file {path!r} does not exist or is not a file")
     try:
@@ -110,7 +113,9 @@ class TextDataset:
     ) -> TextDataset:
         """A dataset of a UTF-8 (or, with ``vocab="byte"``, any) file; see ``read_text``."""
         kind = vocab.kind if isinstance(vocab, Vocab) else vocab
-        return cls(read_text(path, kind), block_size, vocab, val_fraction)
+        return cls(
+            read_text(path, "byte" if kind == "byte" else "char"), block_size, vocab, val_fraction
+        )
 
     # -- vocabulary ------------------------------------------------------------------
     @property
@@ -136,8 +141,10 @@ class TextDataset:
         return np.ascontiguousarray(win[:, :-1]), np.ascontiguousarray(win[:, 1:])
 
     def sample(self, split: str, batch_size: int, rng: np.random.Generator) -> Batch:
-        """``(inputs, targets)`` of shape ``(batch_size, block_size)`` at random offsets."""
+        """``(inputs, targets)`` of shape ``(batch_size, block_size)`` at random offsets
+        drawn from ``rng`` (a ``numpy.random.Generator``)."""
         batch_size = check_positive("TextDataset: batch_size", batch_size)
+        check_rng("TextDataset.sample", rng)
         high = len(self.tokens(split)) - self.block_size
         return self._windows(split, rng.integers(0, high, size=batch_size))
 
@@ -177,6 +184,10 @@ class WindowLoader:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
+        if not isinstance(dataset, TextDataset):
+            raise ConfigError(
+                f"WindowLoader: dataset must be a TextDataset, got {type(dataset).__name__}"
+            )
         self.shard = Shard("WindowLoader", rank, world_size)
         dataset.tokens(split)
         self.dataset = dataset
@@ -188,6 +199,10 @@ class WindowLoader:
         return max(1, len(self.dataset.tokens(self.split)) // per_batch)
 
     def epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
+        """One epoch of random windows drawn from ``rng`` (checked at this call)."""
+        return self._epoch(check_rng("WindowLoader.epoch", rng))
+
+    def _epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
         rank, world = self.shard.resolve(self.batch_size)
         part = self.shard.part(self.batch_size, rank, world)
         for _ in range(len(self)):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .vocab import Vocab, check_token_ids
+from .vocab import Vocab, check_text, check_token_ids, utf8
 
 #: The tokenizer files transformers writes next to a model, copied along on export.
 TOKENIZER_FILES = (
@@ -28,11 +28,23 @@ TOKENIZER_FILES = (
 )
 
 
+def check_path(owner: str, name: str, value: Any) -> Path:
+    """``value`` (a ``str`` or ``os.PathLike``) as a ``Path``; anything else (None, an int
+    file descriptor, bytes) is a ``ConfigError`` naming ``owner``, ``name`` and the type."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(
+            f"{owner}: {name} must be a str or os.PathLike, got {type(value).__name__}"
+        )
+    return Path(value)
+
+
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` built from ``files["tokenizer.json"]``.
 
     ``files`` maps file names of ``TOKENIZER_FILES`` to their text; the others are kept
-    only to be written back by ``save``. Encoding adds no special tokens.
+    only to be written back by ``save``. Encoding adds no special tokens. ``size`` is the
+    largest token id + 1 (added tokens included), so every id ``encode`` gives lies in
+    ``[0, size)`` even when the vocabulary's ids have gaps.
     """
 
     kind = "hf"
@@ -55,11 +67,13 @@ class HFTokenizer:
         except Exception as e:  # tokenizers raises its own Exception type
             raise ConfigError(f"tokenizer.json cannot be read by tokenizers: {e}") from None
         self.files = dict(files)
+        ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
+        self._size = max(ids) + 1 if ids else 0
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike[str]) -> HFTokenizer | None:
         """The tokenizer of a model directory, or None when it has no ``tokenizer.json``."""
-        folder = Path(directory)
+        folder = check_path("HFTokenizer.from_directory", "directory", directory)
         if not (folder / "tokenizer.json").is_file():
             return None
         files = {}
@@ -76,15 +90,28 @@ class HFTokenizer:
 
     @property
     def size(self) -> int:
-        """The number of token ids, added tokens included."""
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+        """The number of token ids: the largest id (added tokens included) + 1; 0 when
+        the vocabulary is empty. Ids missing from a vocabulary with gaps count too."""
+        return self._size
 
     def __len__(self) -> int:
         return self.size
 
     def encode(self, text: str) -> np.ndarray:
-        """Token ids of ``text`` as an int64 array (no special tokens added)."""
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text`` (a ``str``) as an int64 array (no special tokens added).
+
+        A ``text`` of another type, a character without UTF-8 bytes (a lone surrogate,
+        named with its position) and text that ``tokenizers`` cannot encode (a word-level
+        vocabulary without an unknown token meeting an unseen word) are ``ConfigError``.
+        """
+        check_text("tokenizer.encode", "text", text)
+        utf8("tokenizer", text)
+        try:
+            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # tokenizers raises bare Exception
+            raise ConfigError(
+                f"tokenizer: tokenizers cannot encode the text ({len(text)} characters): {e}"
+            ) from None
         return np.asarray(ids, dtype=np.int64)
 
     def decode(self, ids: Any) -> str:
@@ -93,9 +120,16 @@ class HFTokenizer:
         return self._tokenizer.decode(arr.tolist(), skip_special_tokens=False)
 
     def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write the tokenizer files into ``directory``."""
-        for name, text in self.files.items():
-            (Path(directory) / name).write_text(text, encoding="utf-8")
+        """Write the tokenizer files into ``directory``, creating it and its parents as
+        ``save_pretrained`` does; a folder that cannot be made or written is a
+        ``ConfigError`` naming the path."""
+        folder = check_path("HFTokenizer.save", "directory", directory)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, text in self.files.items():
+                (folder / name).write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"tokenizer: cannot write into {str(folder)!r}: {e}") from None
 
     def __repr__(self) -> str:
         return f"HFTokenizer(size={self.size})"

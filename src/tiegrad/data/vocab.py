@@ -32,19 +32,40 @@ def check_token_ids(owner: str, ids: Any, size: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def check_text(owner: str, name: str, value: Any) -> str:
+    """``value`` itself when it is a ``str``; otherwise a ``ConfigError`` naming ``owner``,
+    ``name`` and the type received (bytes, None and numbers are never converted)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{owner}: {name} must be a str, got {type(value).__name__}")
+    return value
+
+
+def utf8(owner: str, text: str) -> bytes:
+    """The UTF-8 bytes of ``text``; a character without any (a lone surrogate) is a
+    ``ConfigError`` naming ``owner``, the character and its position."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(
+            f"{owner}: character {text[e.start]!r} at position {e.start} has no UTF-8 bytes"
+        ) from None
+
+
 class Vocab:
     """A token vocabulary: ``kind="char"`` (the sorted characters of a text) or ``"byte"``.
 
     A byte vocabulary always has 256 ids (UTF-8 bytes) and encodes any text. A char
     vocabulary encodes only the characters it was built from; any other character is
-    a ``ConfigError`` naming it.
+    a ``ConfigError`` naming it. ``chars`` is a ``str`` of distinct characters (a list,
+    even of single characters, is a ``ConfigError``: ``to_dict`` must read back).
     """
 
     __slots__ = ("kind", "chars", "_index")
 
     def __init__(self, kind: str, chars: str = "") -> None:
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise ConfigError(f"vocab: unknown kind {kind!r}, expected one of {KINDS}")
+        check_text("vocab", "chars", chars)
         if kind == "char":
             if not chars:
                 raise ConfigError("vocab: a char vocabulary needs at least one character")
@@ -58,7 +79,9 @@ class Vocab:
 
     @classmethod
     def build(cls, text: str, kind: str = "char") -> Vocab:
-        """The vocabulary of ``text``: its sorted distinct characters, or the 256 bytes."""
+        """The vocabulary of ``text`` (a ``str``): its sorted distinct characters, or the
+        256 bytes."""
+        check_text("Vocab.build", "text", text)
         return cls(kind, "".join(sorted(set(text))) if kind == "char" else "")
 
     @classmethod
@@ -89,17 +112,12 @@ class Vocab:
         return self.kind
 
     def encode(self, text: str) -> np.ndarray:
-        """Token ids of ``text`` as an int64 array; a character the vocabulary cannot
-        encode (char: not in it; byte: not UTF-8, a lone surrogate) is a ``ConfigError``
-        naming it."""
+        """Token ids of ``text`` (a ``str``) as an int64 array; a character the vocabulary
+        cannot encode (char: not in it; byte: not UTF-8, a lone surrogate) is a
+        ``ConfigError`` naming it, and so is a ``text`` of another type (bytes, None)."""
+        check_text("vocab.encode", "text", text)
         if self.kind == "byte":
-            try:
-                raw = text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ConfigError(
-                    f"vocab: character {text[e.start]!r} at position {e.start} has no UTF-8 bytes"
-                ) from None
-            return np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+            return np.frombuffer(utf8("vocab", text), dtype=np.uint8).astype(np.int64)
         index = self._index
         try:
             return np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
