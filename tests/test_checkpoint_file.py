@@ -469,6 +469,41 @@ def test_rng_of_another_kind(tmp_path):
 # -- strict=False -------------------------------------------------------------------------------
 
 
+def test_a_name_that_is_not_utf8_text_is_refused_before_writing(tmp_path):  # C6
+    path = tmp_path / "names.safetensors"
+    with pytest.raises(CheckpointError, match=r"slot 1: path 'w\\ud800' is not UTF-8 text"):
+        tiegrad.save(
+            path, ParamList([Param(np.ones(2), name="a"), Param(np.ones(2), name="w\ud800")])
+        )
+    assert not path.exists() and not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_a_tensor_rewritten_as_bfloat16_is_refused(tmp_path, with_optimizer):  # C6, C9
+    from tiegrad.optim import Adam
+
+    plist = ParamList([Param(np.array([1.1, 2.2, 3.3], np.float32), name="w")])
+    opt = Adam(plist, lr=0.1)
+    opt.step([np.ones(3, np.float32)])
+    path = tmp_path / "bf16.safetensors"
+    tiegrad.save(path, plist, optimizer=opt)
+    header, data = split_header(path.read_bytes())
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    narrowed, out = {}, b""
+    for key in sorted(tensors):  # every tensor's upper 16 bits, the schema left as it was
+        begin, end = tensors[key]["data_offsets"]
+        raw = (np.frombuffer(data[begin:end], np.uint32) >> 16).astype("<u2").tobytes()
+        narrowed[key] = dict(
+            tensors[key], dtype="BF16", data_offsets=[len(out), len(out) + len(raw)]
+        )
+        out += raw
+    narrowed["__metadata__"] = header["__metadata__"]
+    path.write_bytes(join_header(narrowed, out))
+    target = ParamList([Param(np.zeros(3, np.float32), name="w")])
+    kwargs = {"optimizer": Adam(target, lr=0.1)} if with_optimizer else {}
+    expect_rejected(path, target, "is stored as BF16", **kwargs)
+
+
 def test_non_strict_loads_matching_paths_and_reports_the_rest(saved):
     target = mixed_list(seed=9)
     extra_slot = Param(np.full(2, 7, F32), name="new.bias")

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 import tiegrad.ops as T  # noqa: E402
 from tiegrad import EagerSession, Param, ParamList  # noqa: E402
+from tiegrad.backend import device_backend  # noqa: E402
 from tiegrad.optim import (  # noqa: E402
     SGD,
     Adagrad,
@@ -356,3 +357,24 @@ def test_one_cycle_matches_torch_up_to_total_steps(strategy, three_phase):
         ours.step()
         theirs.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1.0 / 25 / 1e4, rel=1e-12)
+
+
+@pytest.mark.parametrize("device", [False, True])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_centered_rmsprop_stays_finite_when_the_gradient_stops_varying(momentum, device):
+    """``square_avg - grad_avg**2`` is never negative in exact arithmetic but can round
+    to -1 ulp once both have converged: the rule takes it as 0, so the update stays
+    finite, as torch's does."""
+    g = (0.1 * (1 + 1e-7 * np.random.default_rng(0).standard_normal(64))).astype(np.float32)
+    p = Param(np.zeros(64, np.float32))
+    opt = RMSprop([p], lr=1e-6, centered=True, momentum=momentum)
+    tp = torch.zeros(64, requires_grad=True)
+    topt = torch.optim.RMSprop([tp], lr=1e-6, centered=True, momentum=momentum)
+    grad = device_backend("torch:cpu").asarray(g) if device else g
+    for _ in range(1500):
+        opt.step([grad])
+        tp.grad = torch.tensor(g)
+        topt.step()
+    assert np.isfinite(p.value).all() and torch.isfinite(tp).all()
+    sq, ga = opt.state_dict()["state"][0]["square_avg"], opt.state_dict()["state"][0]["grad_avg"]
+    assert (sq - ga * ga < 0).any()  # the case this test is about did occur

@@ -36,7 +36,7 @@ from tiegrad.nn import (
     MultiHeadAttention,
     TransformerBlock,
 )
-from tiegrad.optim import SGD, Adagrad, AdamW
+from tiegrad.optim import SGD, Adagrad, AdamW, schedules
 from tiegrad.train import Trainer
 from tiegrad.train.config import resolve
 
@@ -279,6 +279,55 @@ def test_impossible_optimizer_state_is_refused_with_the_slot(
         target.load_state_dict(sd)  # the same check without a file
 
 
+@pytest.mark.parametrize(
+    "opt_cls, hp, name",
+    [(AdamW, {}, "exp_avg_sq"), (AdamW, {"amsgrad": True}, "max_exp_avg_sq"), (Adagrad, {}, "sum")],
+)
+def test_a_sum_of_squares_that_overflowed_saves_and_resumes(tmp_path, opt_cls, hp, name):  # C9
+    w = Param(np.ones(3, np.float16), name="w")
+    opt = opt_cls(ParamList([w]), lr=0.01, eps=1e-4, **hp)
+    opt.step([np.array([300.0, 1.0, -300.0], np.float16)])  # 300**2 overflows float16
+    assert np.isinf(opt.state_dict()["state"][0][name]).tolist() == [True, False, True]
+    path = tmp_path / "inf.safetensors"
+    tiegrad.save(path, ParamList([w]), optimizer=opt)
+    w2 = Param(np.ones(3, np.float16), name="w")
+    opt2 = opt_cls(ParamList([w2]), lr=0.01, eps=1e-4, **hp)
+    tiegrad.load(path, ParamList([w2]), optimizer=opt2)
+    for o in (opt, opt2):
+        o.step([np.full(3, 0.5, np.float16)])
+    np.testing.assert_array_equal(w2.value, w.value)
+    sd = opt2.state_dict()
+    sd["state"][0][name] = np.where(np.isinf(sd["state"][0][name]), -np.inf, 1.0).astype("f2")
+    with pytest.raises(CheckpointError, match=f"'{name}' of slot 0: 2 of 3 values are NaN or -inf"):
+        opt2.load_state_dict(sd)
+
+
+def test_a_state_dict_with_an_empty_layout_is_refused_by_name():  # C6
+    _, opt = stepped(AdamW)
+    sd = opt.state_dict()
+    sd["layout"] = []
+    with pytest.raises(CheckpointError, match="the state is for 0 slots, this optimizer has 2"):
+        opt.load_state_dict(sd)
+
+
+def test_a_schedule_of_another_kind_is_refused_before_the_optimizer_changes(tmp_path):  # C6
+    plist, opt = stepped(AdamW)
+    path = tmp_path / "step_lr.safetensors"
+    tiegrad.save(path, plist, optimizer=opt, schedule=schedules.StepLR(opt, step_size=2))
+    fresh, target = stepped(AdamW)
+    target.step([np.full((2, 3), 1e20, np.float32), np.ones(3, np.float32)])  # +inf moments
+    before = target.state_dict()
+    schedule = schedules.ExponentialLR(target, gamma=0.5)
+    with pytest.raises(CheckpointError, match="'StepLR' schedule, this one is 'ExponentialLR'"):
+        tiegrad.load(path, fresh, optimizer=target, schedule=schedule)
+    after = target.state_dict()
+    assert after["step_count"] == before["step_count"] == 2
+    assert after["param_groups"] == before["param_groups"]
+    for slot, entry in before["state"].items():
+        for name, value in entry.items():
+            np.testing.assert_array_equal(after["state"][slot][name], value)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_parameters_load_only_when_allowed(tmp_path, bad):
     plist, _ = stepped(SGD, lr=0.1)
@@ -345,7 +394,7 @@ def test_tensor_and_slot_counts_are_bounded_by_the_data(tmp_path):
     path = tmp_path / "many.safetensors"
     header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(n)}
     header_file(path, header)
-    with pytest.raises(CheckpointError, match=f"describes {n} tensors, more than the {n - 1}"):
+    with pytest.raises(CheckpointError, match=f"{n} tensors in the header, more than the {n - 1}"):
         tiegrad.inspect(path)
     tiegrad.save(path, ParamList([Param(np.zeros(2, np.float32), name="a")]))
     tensors, doc = read_doc(path)
@@ -354,6 +403,42 @@ def test_tensor_and_slot_counts_are_bounded_by_the_data(tmp_path):
     write_doc(path, tensors, doc)
     with pytest.raises(CheckpointError, match=f"lists {n + 1} slots, more than the {n - 1}"):
         tiegrad.inspect(path)
+
+
+def _scalars_with_adam(path):
+    plist = ParamList([Param(np.float32(i), name=f"p{i}") for i in range(1500)])
+    opt = AdamW(plist)
+    opt.step([np.float32(1.0)] * 1500)  # 1500 slots, 4500 tensors of 4 bytes
+    tiegrad.save(path, plist, optimizer=opt)
+
+
+@pytest.mark.parametrize(
+    "save, message",
+    [
+        (_scalars_with_adam, "4500 tensors to write, more than the 4377"),
+        (
+            lambda path: tiegrad.save(
+                path, ParamList([Param(np.zeros(1, np.float32), name="w")] * 4200)
+            ),
+            "4200 slots, more than the 4096",
+        ),
+        (
+            lambda path: tiegrad.save(
+                path, ParamList([Param(np.zeros(1))]), extra="x" * (fileio.HEADER_ALLOWANCE + 100)
+            ),
+            "header length",
+        ),
+    ],
+)
+def test_save_refuses_a_file_the_reader_would_refuse_and_keeps_the_old_one(
+    tmp_path, save, message
+):  # C6, C9
+    path = tmp_path / "limits.safetensors"
+    tiegrad.save(path, ParamList([Param(np.ones(2, np.float32), name="old")]))
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError, match=message):
+        save(path)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
 
 
 def test_layout_errors_show_a_bounded_table(tmp_path):

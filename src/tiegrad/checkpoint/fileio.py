@@ -86,6 +86,11 @@ class TensorEntry:
         return "float32" if self.code == _BF16 else _DTYPES[self.code].name
 
     @property
+    def widened(self) -> bool:
+        """Whether the stored type is narrower than ``dtype`` (bfloat16, read as float32)."""
+        return self.code == _BF16
+
+    @property
     def nbytes(self) -> int:
         return self.end - self.begin
 
@@ -133,6 +138,16 @@ def write_safetensors(
     any point leaves the old file or the new one under ``path``, never a partial one;
     a failure deletes the temporary file. OS errors become ``CheckpointError``.
     """
+    where = f"checkpoint {path}"
+    try:
+        data = memoryview(
+            safetensors.numpy.save({k: _contiguous(v) for k, v in tensors.items()}, dict(metadata))
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: cannot serialize: {e}") from e
+    n = int.from_bytes(data[:8], "little")
+    check_header_length(where, n, len(data) - 8 - n)
+    check_entries(where, "tensors to write", len(tensors), len(data) - 8 - n)
     folder = os.path.dirname(os.path.abspath(path))
     stem = _temporary_stem(os.path.basename(path))
     _remove_stale_temporaries(folder, stem)
@@ -143,11 +158,6 @@ def write_safetensors(
         raise CheckpointError(f"checkpoint {path}: cannot create a temporary file: {e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
-            data = memoryview(
-                safetensors.numpy.save(
-                    {k: _contiguous(v) for k, v in tensors.items()}, dict(metadata)
-                )
-            )
             for start in range(0, len(data), _WRITE_CHUNK):
                 f.write(data[start : start + _WRITE_CHUNK])
             f.flush()
@@ -252,8 +262,32 @@ def checkpoint_path(path: Any) -> str:
 
 def entry_limit(data_len: int) -> int:
     """The most tensors a header, or slots a schema, may describe for ``data_len`` bytes
-    of tensor data: ``ENTRY_ALLOWANCE`` plus one per ``BYTES_PER_ENTRY`` bytes."""
+    of tensor data: ``ENTRY_ALLOWANCE`` plus one per ``BYTES_PER_ENTRY`` bytes. The
+    reader's limit on a file's work, which the writer checks too, so that a file it
+    writes always reads back (C9)."""
     return ENTRY_ALLOWANCE + data_len // BYTES_PER_ENTRY
+
+
+def check_entries(where: str, what: str, count: int, data_len: int) -> None:
+    """Raise unless ``count`` entries (``what``: ``"tensors"``, ``"slots"``) fit
+    ``data_len`` bytes of tensor data (``entry_limit``)."""
+    limit = entry_limit(data_len)
+    if count > limit:
+        raise CheckpointError(
+            f"{where}: {count} {what}, more than the {limit} allowed for {data_len} data "
+            f"bytes (at most {ENTRY_ALLOWANCE} plus one per {BYTES_PER_ENTRY} bytes)"
+        )
+
+
+def check_header_length(where: str, n: int, data_len: int) -> None:
+    """Raise unless a header of ``n`` bytes fits ``data_len`` bytes of tensor data (the
+    reader's limit, checked by the writer too, as ``check_entries``)."""
+    limit = min(MAX_HEADER_BYTES, HEADER_ALLOWANCE + data_len)
+    if n > limit:
+        raise CheckpointError(
+            f"{where}: header length {n} exceeds {limit} (a header may take "
+            f"{HEADER_ALLOWANCE} bytes plus one per data byte, at most {MAX_HEADER_BYTES})"
+        )
 
 
 def read_safetensors(path: str) -> SafetensorsFile:
@@ -287,12 +321,7 @@ def read_safetensors(path: str) -> SafetensorsFile:
                     f"{where}: header length {n} is larger than the {size - 8} bytes after it "
                     f"(truncated or damaged file)"
                 )
-            limit = min(MAX_HEADER_BYTES, HEADER_ALLOWANCE + size - 8 - n)
-            if n > limit:
-                raise CheckpointError(
-                    f"{where}: header length {n} exceeds {limit} (a header may take "
-                    f"{HEADER_ALLOWANCE} bytes plus one per data byte, at most {MAX_HEADER_BYTES})"
-                )
+            check_header_length(where, n, size - 8 - n)
             blob = f.read()
         except OSError as e:
             raise CheckpointError(f"{where}: cannot read: {e}") from e
@@ -301,11 +330,7 @@ def read_safetensors(path: str) -> SafetensorsFile:
     header = parse_json(blob[:n], f"{where}: the header")
     data = memoryview(blob)[n:]
     count = len(header) - ("__metadata__" in header)
-    if count > entry_limit(len(data)):
-        raise CheckpointError(
-            f"{where}: the header describes {count} tensors, more than the "
-            f"{entry_limit(len(data))} allowed for {len(data)} data bytes"
-        )
+    check_entries(where, "tensors in the header", count, len(data))
     metadata: dict[str, str] = {}
     entries: dict[str, TensorEntry] = {}
     for name, spec in header.items():

@@ -58,8 +58,9 @@ def load(
     RNG state. On any error nothing has changed (C6) and a ``CheckpointError`` names the
     file and the slot; a layout mismatch shows both layouts side by side. The optimizer
     and schedule check their own state in ``load_state_dict`` (changing nothing when
-    they refuse it); should the schedule refuse after the optimizer accepted, the
-    optimizer's previous state is put back.
+    they refuse it); a schedule with ``check_state_dict`` (tiegrad's) is checked before
+    the optimizer loads, and should another schedule refuse after the optimizer
+    accepted, the optimizer's previous ``state_dict`` is put back.
 
     The target's alias layout must already be the file's: ties are restored by writing
     each file storage into the one target storage at the same slots (C9).
@@ -111,6 +112,8 @@ def load(
             writes[t.storage] = (plist[t.storage].storage, value)
     if check_extra is not None:
         check_extra(schema.extra)
+    if schedule is not None and hasattr(schedule, "check_state_dict"):
+        _call_loader(schedule.check_state_dict, schema.schedule, "the schedule", where)
 
     if optimizer is not None:
         before = copy.deepcopy(optimizer.state_dict()) if schedule is not None else None

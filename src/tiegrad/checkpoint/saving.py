@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..params import ParamList
-from .fileio import checkpoint_path, supported_dtype, write_safetensors
+from .fileio import check_entries, checkpoint_path, supported_dtype, write_safetensors
 from .schema import (
     METADATA_KEY,
     OPTIM_PREFIX,
@@ -127,6 +127,7 @@ def save(
         state = _plain(generator_of(rng, where).bit_generator.state)
         rng_state = json_value(state, "the RNG state", where)
     extra = json_value(extra, "extra", where)
+    check_entries(where, "slots", len(slots), sum(t.nbytes for t in tensors.values()))
     schema = Schema(tuple(slots), record, schedule_state, rng_state, extra)
     return write_safetensors(path, tensors, {METADATA_KEY: schema.to_json()})
 

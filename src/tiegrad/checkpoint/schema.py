@@ -311,6 +311,11 @@ def _check_tensors(schema: Schema, file: SafetensorsFile, where: str) -> None:
             raise CheckpointError(
                 f"{where}: {what}: tensor {key!r} has shape {entry.shape}, expected {shape}"
             )
+        if entry.widened:  # tiegrad writes every tensor in its own dtype
+            raise CheckpointError(
+                f"{where}: {what}: tensor {key!r} is stored as {entry.code}, which a tiegrad "
+                f"checkpoint never holds (expected {dtype or 'the parameter dtype'})"
+            )
         if dtype is None and not np.issubdtype(np.dtype(entry.dtype), np.floating):
             raise CheckpointError(
                 f"{where}: {what}: tensor {key!r} has dtype {entry.dtype}, expected a float"
@@ -331,7 +336,7 @@ def slot_paths(plist: ParamList) -> list[str]:
     """A unique path per slot: the handle's name, ``slot{i}`` when it has none.
 
     A name already used by an earlier slot (the same handle at two slots) gets the
-    suffix ``#{i}``, its slot index.
+    suffix ``#{i}``, its slot index. A path must be UTF-8 text, as the file stores it.
     """
     paths: list[str] = []
     seen: set[str] = set()
@@ -340,6 +345,13 @@ def slot_paths(plist: ParamList) -> list[str]:
         path = base if base not in seen else f"{base}#{i}"
         if path in seen:
             raise CheckpointError(f"slot {i}: path {path!r} is not unique in the parameter list")
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise CheckpointError(
+                f"slot {i}: path {path!r} is not UTF-8 text ({e.reason} at {e.start}), as a "
+                "checkpoint stores names"
+            ) from None
         seen.add(path)
         paths.append(path)
     return paths
@@ -391,7 +403,7 @@ def layout_table(
     shown = sorted(set(range(min(TABLE_ROWS, len(pairs)))) | set(differing[:TABLE_ROWS]))
     rows = [(cells(pairs[i][0]), cells(pairs[i][1]), _differs(*pairs[i])) for i in shown]
     widths = [
-        max(len(head[k]), *(len(r[side][k]) for r in rows for side in (0, 1)))
+        max([len(head[k]), *(len(r[side][k]) for r in rows for side in (0, 1))])
         for k in range(len(head))
     ]
 

@@ -108,7 +108,7 @@ class ForeachOps:
     def divide(self, a: TensorList, b: Operand, out: TensorList | None = None) -> TensorList:
         return self._apply("div", out, a, b)
 
-    def maximum(self, a: TensorList, b: TensorList, out: TensorList | None = None) -> TensorList:
+    def maximum(self, a: TensorList, b: Operand, out: TensorList | None = None) -> TensorList:
         return self._apply("maximum", out, a, b)
 
     def negative(self, a: TensorList, out: TensorList | None = None) -> TensorList:

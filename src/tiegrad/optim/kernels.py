@@ -298,7 +298,10 @@ def rmsprop(
             if centered:
                 aj = ga[j] * a + d * oma
                 ga[j] = aj
-                w = np.sqrt(sj - aj * aj)
+                w = sj - aj * aj
+                if w < 0:  # rounding (``rmsprop_rule``); NaN stays NaN, as np.maximum's
+                    w = t(0.0)
+                w = np.sqrt(w)
             else:
                 w = np.sqrt(sj)
             w = d / (w + e)

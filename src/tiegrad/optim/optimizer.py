@@ -21,8 +21,11 @@ State belongs to the storage; the canonical slot is only its key. When the layou
 changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot) each entry
 moves to the canonical slot of its storage, so a storage keeps one history however its
 uses are frozen; a storage no longer trained at any slot loses its state at the next
-write, and a new one starts fresh. A storage whose use was recorded as trainable but
-that is frozen at every slot now is refused (the layout changed since ``backward``).
+write, and a new one starts fresh; ``state_dict`` (and so a checkpoint) holds the state
+of the storages trained now, so one taken while a storage is frozen at every slot has
+none for it, as the next step would drop it (C5). A storage whose use was recorded as
+trainable but that is frozen at every slot now is refused (the layout changed since
+``backward``).
 
 Every step validates everything before its first write (C6): each group's
 hyperparameters, storages shared across groups having equal hyperparameters, every
@@ -707,9 +710,24 @@ class Optimizer:
         tables: Mapping[np.dtype, fused.GradientTable],
     ) -> None:
         """The update after validation: state arranged on a program's first step, then
-        one rule call per run, each storage from its current value (C3, C4)."""
+        one rule call per run, each storage from its current value (C3, C4).
+
+        A square of a finite gradient may overflow to +inf (``optim.state_values``): the
+        NumPy rules do not warn of it, as the kernels and PyTorch do not."""
         if not program.arranged:
             self._arrange_state(program.specs, hps)
+        with np.errstate(over="ignore"):
+            self._run_rules(grads, hps, program, tables)
+        program.advance()
+
+    def _run_rules(
+        self,
+        grads: Sequence[np.ndarray | None],
+        hps: Sequence[Mapping[str, Any]],
+        program: Program,
+        tables: Mapping[np.dtype, fused.GradientTable],
+    ) -> None:
+        """``_apply``'s rule calls, run by run."""
         for i, run in enumerate(program.runs):
             gi, step, fresh, dtype = run.key
             names = program.specs[run.slots[0]][2]
@@ -725,7 +743,6 @@ class Optimizer:
             else:
                 self._update_many(run, grads, names, c)
             self._state.set_steps(run.slots, step)
-        program.advance()
 
     def _work_rows(self, dtype: np.dtype) -> list[np.ndarray]:
         """``work_buffers`` scratch rows plus two gather rows of ``CHUNK`` elements, reused."""

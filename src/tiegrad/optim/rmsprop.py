@@ -5,7 +5,7 @@ with ``d`` its summed gradient::
 
     d = -d if maximize;  d = d + weight_decay * p
     s = alpha * s + (1 - alpha) * d * d
-    centered:  a = alpha * a + (1 - alpha) * d;  r = sqrt(s - a * a) + eps
+    centered:  a = alpha * a + (1 - alpha) * d;  r = sqrt(max(s - a * a, 0)) + eps
     otherwise: r = sqrt(s) + eps
     momentum > 0:  b = momentum * b + d / r;  p = p - lr * b
     otherwise:     p = p - lr * d / r
@@ -59,6 +59,7 @@ def rmsprop_rule(
         ga += w
         xp.multiply(ga, ga, out=w)
         xp.subtract(sq, w, out=w)
+        xp.maximum(w, 0.0, out=w)  # s >= a * a exactly; rounded, s - a * a can be -1 ulp
         xp.sqrt(w, out=w)
     else:
         xp.sqrt(sq, out=w)

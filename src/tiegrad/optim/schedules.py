@@ -131,18 +131,31 @@ class Schedule:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Adopt a state, validated completely first (C6); sets the groups' learning rates."""
+        epoch, base_lrs, cfg, values = self._read_state(state_dict)
+        self.base_lrs, self.config, self.last_epoch = base_lrs, cfg, epoch
+        self._apply(values)
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise the ``CheckpointError`` that ``load_state_dict`` would raise; change nothing
+        (``tiegrad.load`` checks a schedule's state before it loads the optimizer's)."""
+        self._read_state(state_dict)
+
+    def _read_state(
+        self, state_dict: Mapping[str, Any]
+    ) -> tuple[int, list[float], dict[str, Any], dict[str, list[Any]]]:
+        """``(last_epoch, base_lrs, config, values)`` of a state, checked (C6)."""
         where = f"{self.kind}.load_state_dict"
         if not isinstance(state_dict, Mapping):
             raise CheckpointError(f"{where}: expected a mapping, got {type(state_dict).__name__}")
+        kind = state_dict.get("kind", self.kind)
+        if kind != self.kind:
+            raise CheckpointError(
+                f"{where}: the state is for a {kind!r:.80} schedule, this one is {self.kind!r}"
+            )
         keys = ["kind", "last_epoch", "base_lrs", *self.config]
         if sorted(map(str, state_dict)) != sorted(keys):
             raise CheckpointError(
                 f"{where}: keys {sorted(map(str, state_dict))}, expected {sorted(keys)}"
-            )
-        if state_dict["kind"] != self.kind:
-            raise CheckpointError(
-                f"{where}: the state is for a {state_dict['kind']!r} schedule, this one is "
-                f"{self.kind!r}"
             )
         epoch = count(where, "last_epoch", state_dict["last_epoch"])
         base = state_dict["base_lrs"]
@@ -151,9 +164,7 @@ class Schedule:
             raise CheckpointError(f"{where}: base_lrs must be a list of {groups} learning rates")
         base_lrs = [learning_rate(where, f"base_lrs[{i}]", b) for i, b in enumerate(base)]
         cfg = self._checked_config({k: state_dict[k] for k in self.config})
-        values = self._values(epoch, base_lrs, cfg)
-        self.base_lrs, self.config, self.last_epoch = base_lrs, cfg, epoch
-        self._apply(values)
+        return epoch, base_lrs, cfg, self._values(epoch, base_lrs, cfg)
 
     def _apply(self, values: Mapping[str, list[Any]]) -> None:
         for key, per_group in values.items():

@@ -1,7 +1,9 @@
 """Checks of optimizer state values that no step can produce (C6).
 
-A step refuses non-finite gradients (or skips them), so every moment it stores is
-finite; second moments, their running maximum and Adagrad's sums of squares are
+A step refuses non-finite gradients (or skips them), so no moment it stores is NaN
+or -inf, and only a sum or average of squares can reach +inf (the square of a finite
+gradient can overflow: 300**2 in float16; such an element then moves by 0, as in
+PyTorch). Second moments, their running maximum and Adagrad's sums of squares are
 never negative, and AMSGrad's maximum is never below the second moment. Loaded state
 that breaks one of these (a NaN moment, a negative ``exp_avg_sq``, ``exp_avg`` and
 ``exp_avg_sq`` swapped) would write NaN into the parameters at the next step, so
@@ -37,10 +39,13 @@ def check_state_values(where: str, entries: Mapping[int, Mapping[str, Any]]) -> 
         arrays = {k: v for k, v in entry.items() if isinstance(v, np.ndarray)}
         for name, value in arrays.items():
             what = f"{where}: state {name!r} of slot {slot}"
-            bad = value.size - _count(np.isfinite(value))
+            squares = name in NON_NEGATIVE
+            finite = np.isfinite(value)
+            bad = value.size - _count(finite | (value == np.inf) if squares else finite)
             if bad:
-                raise CheckpointError(f"{what}: {bad} of {value.size} values are NaN or infinite")
-            if name in NON_NEGATIVE and (neg := _count(value < 0)):
+                allowed = "NaN or -inf" if squares else "NaN or infinite"
+                raise CheckpointError(f"{what}: {bad} of {value.size} values are {allowed}")
+            if squares and (neg := _count(value < 0)):
                 raise CheckpointError(
                     f"{what}: {neg} of {value.size} values are negative; it is a sum or "
                     f"average of squares (are exp_avg and exp_avg_sq swapped?)"
