@@ -61,7 +61,10 @@ class FileCallback(Callback):
 
 
 def perplexity(loss: float) -> float:
-    """``exp(loss)``, the perplexity of a mean cross-entropy in nats (``inf`` on overflow)."""
+    """``exp(loss)``, the perplexity of a mean cross-entropy in nats (``inf`` on overflow,
+    NaN for a NaN loss)."""
+    if math.isnan(loss):
+        return math.nan
     return math.exp(loss) if loss < 709.0 else math.inf
 
 

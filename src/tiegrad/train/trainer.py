@@ -35,7 +35,9 @@ a sharded validation loader's loss is averaged over the ranks.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -135,6 +137,50 @@ def _model_loss(model: Any) -> LossFn:
         return model.loss(session, *batch)
 
     return loss_fn
+
+
+def _scalar_loss(loss: Any) -> TensorRef:
+    """``loss`` when it is one number recorded on the tape; else a ``ConfigError`` naming
+    ``loss_fn`` (a float has no gradient, a per-sample loss needs a reduction)."""
+    if not isinstance(loss, TensorRef):
+        raise ConfigError(
+            f"Trainer: loss_fn must return the loss as a TensorRef of the session, got "
+            f"{type(loss).__name__}"
+        )
+    if loss.size != 1:
+        raise ConfigError(
+            f"Trainer: loss_fn must return one number, got shape {tuple(loss.shape)} (reduce "
+            "it, e.g. with ops.mean)"
+        )
+    return loss
+
+
+def _check_batches(batches: Sequence[Any]) -> None:
+    """A list of validation batches: at least one, each a tuple (or list) of arrays."""
+    if not batches:
+        raise ConfigError("Trainer: val_data is an empty list; give None or at least one batch")
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, (tuple, list)):
+            raise ConfigError(
+                f"Trainer: val_data[{i}] is a {type(batch).__name__}, expected a batch (a tuple "
+                "of arrays); for one batch (x, y) pass [(x, y)]"
+            )
+
+
+def _checked_extra(extra: Any) -> dict[str, Any]:
+    """``extra`` as a dict that a checkpoint can store (JSON), without the key
+    ``"trainer"`` that the trainer's own state takes."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"Trainer: extra must be a dict or None, got {type(extra).__name__}")
+    if "trainer" in extra:
+        raise ConfigError("Trainer: extra['trainer'] is reserved for the trainer's own state")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"Trainer: extra is not JSON-serializable: {e}") from None
+    return dict(extra)
 
 
 def _accumulate(total: list[Any], new: list[Any], first: bool) -> list[Any]:
@@ -287,6 +333,14 @@ class Trainer:
                 "Trainer: val_data must be None, a batch source or a list of batches, got "
                 f"{type(val_data).__name__}"
             )
+        if isinstance(val_data, (list, tuple)):
+            _check_batches(val_data)
+        for name, method in (("optimizer", "step"), ("optimizer", "canonical_gradients")):
+            if not callable(getattr(optimizer, method, None)):
+                raise ConfigError(
+                    f"Trainer: the {name} must be a tiegrad optimizer (with {method}()), got "
+                    f"{type(optimizer).__name__}"
+                )
         if (max_steps is None) == (epochs is None):
             raise ConfigError("Trainer: give exactly one of max_steps and epochs")
         self.grad_accum = check_positive("Trainer: grad_accum", grad_accum)
@@ -306,13 +360,28 @@ class Trainer:
         self.patience = None if patience is None else check_positive("Trainer: patience", patience)
         if patience is not None and val_data is None:
             raise ConfigError("Trainer: early stopping (patience) needs val_data")
-        if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and clip_norm > 0):
-            raise ConfigError(f"Trainer: clip_norm must be a positive number, got {clip_norm!r}")
+        if clip_norm is not None and (
+            isinstance(clip_norm, bool)
+            or not isinstance(clip_norm, (int, float))
+            or not 0 < clip_norm < math.inf
+        ):
+            raise ConfigError(
+                f"Trainer: clip_norm must be a finite number > 0 or None, got {clip_norm!r}"
+            )
         if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
             raise ConfigError(f"Trainer: min_delta must be a number >= 0, got {min_delta!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ConfigError(f"Trainer: seed must be an integer >= 0, got {seed!r}")
+        if not isinstance(callbacks, (list, tuple)):
+            raise ConfigError(
+                f"Trainer: callbacks must be a list of Callbacks, got {type(callbacks).__name__}"
+            )
         callbacks = list(callbacks)
+        if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"Trainer: run_dir must be a str, os.PathLike or None, got {type(run_dir).__name__}"
+            )
+        extra = _checked_extra(extra)
         for i, cb in enumerate(callbacks):
             if not isinstance(cb, Callback):
                 raise ConfigError(
@@ -337,7 +406,7 @@ class Trainer:
         self.resume = resume
         self.progress_enabled = progress
         self.plot_enabled = plot
-        self.extra = dict(extra or {})
+        self.extra = extra
         self.resume_hint = resume_hint
         self.out = out if out is not None else sys.stdout
         self.callbacks = callbacks
@@ -364,8 +433,11 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------
     def _next_batch(self) -> Batch:
+        """The next batch; a source's epoch that ends early ends the epoch, and one that
+        yields no batch at all is a ``ConfigError`` (a new epoch would yield none either)."""
         while True:
-            if self._epoch_iter is None:
+            fresh = self._epoch_iter is None
+            if fresh:
                 self._epoch_iter = self.train_data.epoch(self.data_rng)
             batch = next(self._epoch_iter, None)
             if batch is not None:
@@ -373,6 +445,12 @@ class Trainer:
                 if self.batches_in_epoch >= len(self.train_data):
                     self._end_epoch()
                 return batch
+            if fresh:
+                self._epoch_iter = None
+                raise ConfigError(
+                    f"Trainer: train_data's epoch {self.epoch} yielded no batch (its len() is "
+                    f"{len(self.train_data)}); epoch(rng) must return a new iterator each call"
+                )
             self._end_epoch()
 
     def _end_epoch(self) -> None:
@@ -415,7 +493,7 @@ class Trainer:
             batch = self._next_batch()
             items += self.train_data.count(batch)
             s.reset()
-            loss = self.loss_fn(s, batch)
+            loss = _scalar_loss(self.loss_fn(s, batch))
             total += float(loss.item())
             if self.grad_accum > 1:
                 loss = loss * scale
@@ -455,7 +533,7 @@ class Trainer:
             with s.no_grad():
                 for batch in batches:
                     s.reset()
-                    losses.append(float(self.loss_fn(s, batch).item()))
+                    losses.append(float(_scalar_loss(self.loss_fn(s, batch)).item()))
         finally:
             s.reset()
             self._set_mode(True)
