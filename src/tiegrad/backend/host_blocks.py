@@ -19,6 +19,10 @@ Imported only through ``tiegrad._numba.kernels``; the drivers are compiled on th
 use (about half a second each) and cached like the kernels. Each driver is written out:
 numba caches only functions defined in a module, and one made by a factory (a closure
 over its kernel) or taking its kernel as an argument would compile in every process.
+numba keys a cached driver on this file alone, although the kernel is compiled into it:
+in a source checkout, an edit of ``host_kernels`` needs this file touched (or its
+``__pycache__`` entries removed), else the drivers keep the old kernel. An install
+writes every file anew, so it always recompiles.
 """
 
 from __future__ import annotations
