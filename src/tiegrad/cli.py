@@ -351,7 +351,11 @@ def _resume(args: argparse.Namespace) -> int:
     folder = args.run if args.run is not None else _newest_run()
     run = RunDir(folder)
     config = run.read_config()
+    if "steps" in config:  # compared below, before check_config sees it
+        check_value("steps", config["steps"], where=str(run.config_path))
     found = run.step_checkpoints()
+    if not found and run.best_path.is_file():
+        raise ConfigError(_best_only(run))
     if not found:
         raise ConfigError(f"run folder {folder!r} has no checkpoint to resume from")
     reached = found[-1][0]
@@ -376,7 +380,8 @@ def _resume(args: argparse.Namespace) -> int:
     config.pop("text_sha256", None)
     vocab = config.pop("vocab_table", None)
     config = check_config(config)
-    extra = _checkpoint_extra(found[-1][1])
+    schema = _checkpoint_schema(found[-1][1])
+    extra = schema.extra
     state = extra.get("trainer") if isinstance(extra, dict) else None
     bad = state.get("bad_evals") if isinstance(state, dict) else None
     patience = config["patience"]
@@ -390,7 +395,7 @@ def _resume(args: argparse.Namespace) -> int:
             )
         return 0
     _join_group(config)
-    return _run_job(config, resume=True, vocab=vocab)
+    return _run_job(config, resume=True, vocab=vocab, stored_schedule=schema.schedule)
 
 
 def _fresh_run_folder() -> str:
@@ -440,7 +445,12 @@ def _newest_run() -> str:
     return max(runs)[1]
 
 
-def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
+def _run_job(
+    config: dict[str, Any], resume: bool, vocab: Any = None, stored_schedule: Any = None
+) -> int:
+    """Train (``resume``: continue) the run ``config`` describes; ``vocab``: the run's
+    stored vocabulary, ``stored_schedule``: its latest checkpoint's schedule state (printed,
+    as the run keeps it). Returns the exit code."""
     from .data import tokenizer_from_dict
     from .train.job import (
         build_dataset,
@@ -510,7 +520,8 @@ def _run_job(config: dict[str, Any], resume: bool, vocab: Any = None) -> int:
         callbacks=callbacks,
     )
     if main_process:
-        _print_config(config, source.description, dataset, model, "resume" if resume else "train")
+        command = "resume" if resume else "train"
+        _print_config(config, source.description, dataset, model, command, stored_schedule)
         if resume and run.read_config().get("text_sha256") not in (None, source.sha256):
             print("warning: the training text differs from the one this run started with")
     result = trainer.fit()
@@ -579,7 +590,9 @@ def _job_callbacks(config: dict[str, Any], run: Any, model: Any, vocab: Any) -> 
 
 
 def _check_fresh_run_folder(run: Any, kwargs: dict[str, Any]) -> None:
-    """A new run never reuses a folder that holds checkpoints (of this model or another)."""
+    """A new run never reuses a folder that holds checkpoints (of this model or another):
+    the ``ConfigError`` says whose they are and what to do (resume only where a periodic
+    checkpoint exists)."""
     latest = run.existing_checkpoint()
     if latest is None:
         return
@@ -589,9 +602,22 @@ def _check_fresh_run_folder(run: Any, kwargs: dict[str, Any]) -> None:
             f"run folder {str(run.path)!r} holds a checkpoint of another model "
             f"({_model_difference(stored, kwargs)}): choose another --run"
         )
+    if run.latest() is None:
+        raise ConfigError(_best_only(run))
     raise ConfigError(
         f"run folder {str(run.path)!r} already holds this run's checkpoints: continue it "
         f"with 'tiegrad resume {run.path}' or choose another --run"
+    )
+
+
+def _best_only(run: Any) -> str:
+    """The error for a run folder holding ``best.safetensors`` but no periodic checkpoint
+    (its run stopped before the first): ``resume`` has nothing to continue and ``train``
+    would overwrite the best, so both refuse it and say what to do."""
+    return (
+        f"run folder {str(run.path)!r} holds best.safetensors but no periodic checkpoint "
+        "(step_*.safetensors) to resume from: its run stopped before the first one; move "
+        "the folder away to train it again, or train with another --run"
     )
 
 
@@ -636,12 +662,30 @@ def _quote(path: str) -> str:
 
 
 def _print_config(
-    config: dict[str, Any], text: str, dataset: Any, model: Any, command: str
+    config: dict[str, Any],
+    text: str,
+    dataset: Any,
+    model: Any,
+    command: str,
+    schedule: Any = None,
 ) -> None:
+    """Print the resolved configuration. ``schedule``: a resumed run's stored schedule
+    state, whose warmup and length are printed (the run keeps them, whatever ``steps``
+    now is); else they follow from ``config``."""
     from .train.config import DEFAULTS, warmup_steps
 
     unique = model.num_parameters()
     c = config
+    warmup, length = warmup_steps(c), c["steps"]
+    if isinstance(schedule, dict) and all(
+        type(schedule.get(k)) is int for k in ("warmup_steps", "total_steps")
+    ):  # a malformed state prints the configured one; the checkpoint's load refuses it
+        warmup, length = schedule["warmup_steps"], schedule["total_steps"]
+    kept = ""
+    if length != c["steps"]:
+        kept = f"; the run keeps its schedule of {length} steps"
+        if length < c["steps"]:
+            kept += f" (steps {length + 1}-{c['steps']} at min_lr)"
     print(f"tiegrad {command}: resolved configuration")
     print(
         f"  data     {text}; vocab {dataset.vocab.kind if c['init'] else c['vocab']} "
@@ -658,8 +702,8 @@ def _print_config(
         )
     print(
         f"  optim    AdamW lr={c['lr']:g} min_lr={c['min_lr']:g} "
-        f"warmup={warmup_steps(c)} "
-        f"weight_decay={c['weight_decay']:g} clip_norm={c['clip_norm']:g}"
+        f"warmup={warmup} "
+        f"weight_decay={c['weight_decay']:g} clip_norm={c['clip_norm']:g}{kept}"
     )
     print(
         f"  train    steps={c['steps']} batch_size={c['batch_size']} "
