@@ -50,6 +50,16 @@ def test_param_copies_value_and_exposes_its_fields():  # C1
         p.value[0, 0] = 1.0  # the host value is read-only
 
 
+def test_a_storage_built_from_an_array_copies_it():  # C1: no hidden alias of a NumPy array
+    src = np.arange(4, dtype=np.float32)
+    storage = ParameterStorage(src)
+    src[0] = 100.0
+    assert storage.host[0] == 0.0 and not np.shares_memory(storage.host, src)
+    handle = Param.of_storage(storage)
+    handle.set_value(np.full(4, 7.0, np.float32))
+    assert src[1] == 1.0
+
+
 def test_python_numbers_become_float32_and_integer_arrays_are_refused():
     assert Param(1.5).dtype == np.float32
     assert Param([[1, 2]]).dtype == np.float32

@@ -63,7 +63,7 @@ def untie(module: Module, path: str) -> Param:
         raise AliasError(
             f"untie: {path!r} of {module.label()} shares its storage with no other path"
         )
-    handle.storage = ParameterStorage(handle.storage.current_host_value().copy())
+    handle.storage = ParameterStorage(handle.storage.current_host_value())
     return handle
 
 

@@ -46,7 +46,7 @@ class Param:
                 arr = arr.astype(np.float32)
         if not np.issubdtype(arr.dtype, np.floating):
             raise DTypeError(f"Param {name!r}: needs a floating dtype, got {arr.dtype.name}")
-        self.storage = ParameterStorage(arr)
+        self.storage = ParameterStorage.adopting(arr)
         self.requires_grad = bool(requires_grad)
         self.name = name
 

@@ -60,12 +60,13 @@ def check_host_array(what: str, value: Any, shape: tuple[int, ...], dtype: np.dt
 class ParameterStorage:
     """One mutable parameter cell: host value, optional device mirror, host-current flag.
 
-    ``shape`` and ``dtype`` are fixed at creation. Create storages through ``Param``;
-    the constructor takes ownership of ``value`` without copying it (as ``commit_host``
-    does): the storage keeps that array writable for in-place updates and hands out
+    ``shape`` and ``dtype`` are fixed at creation. The constructor copies ``value`` (an
+    array of a floating dtype), so the caller's array never aliases the storage (C1);
+    ``adopting`` takes ownership of an array its caller made (``Param`` does, after its
+    own copy). The storage keeps its array writable for in-place updates and hands out
     ``host``, a read-only view of it, so that an update needs no flag change. A value in
-    non-native byte order (``'>f4'`` on a little-endian machine) is converted, a copy:
-    the storage's ``dtype`` is native, as every array tiegrad computes is.
+    non-native byte order (``'>f4'`` on a little-endian machine) is converted: the
+    storage's ``dtype`` is native, as every array tiegrad computes is.
     """
 
     __slots__ = (
@@ -84,6 +85,17 @@ class ParameterStorage:
     )
 
     def __init__(self, value: np.ndarray) -> None:
+        self._adopt(np.array(value))
+
+    @classmethod
+    def adopting(cls, value: np.ndarray) -> ParameterStorage:
+        """A storage that owns ``value`` itself, without a copy: for a caller that made the
+        array and keeps no other reference to it (as ``commit_host`` takes its value)."""
+        storage = cls.__new__(cls)
+        storage._adopt(value)
+        return storage
+
+    def _adopt(self, value: np.ndarray) -> None:
         if not np.issubdtype(value.dtype, np.floating):
             raise DTypeError(f"a parameter needs a floating dtype, got {value.dtype.name}")
         if not value.dtype.isnative:
@@ -109,7 +121,7 @@ class ParameterStorage:
         value (a newer mirror synced first, C7), with no mirror and no pins: an update of
         one never reaches the other. ``deepcopy`` copies a storage once, so the ties of a
         module copied whole stay ties in the copy (C1)."""
-        return (ParameterStorage, (self.current_host_value().copy(),))
+        return (ParameterStorage, (self.current_host_value(),))
 
     # -- host side -------------------------------------------------------------------
     @property
