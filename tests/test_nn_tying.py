@@ -128,6 +128,27 @@ def test_untie_gives_the_path_a_copy():
         tnn.untie(m, "head.weight")
 
 
+def test_an_optimizer_built_before_a_tie_trains_the_tied_storage_once():  # C4, C5
+    from tiegrad.optim import AdamW
+
+    m = tnn.Module()
+    m.a, m.b = Param(np.ones(3)), Param(np.full(3, 2.0))
+    opt = AdamW(m.parameters(), lr=0.1)
+
+    def step():
+        s = EagerSession()
+        loss = ops.sum(s.use(m.a) * 3.0 + s.use(m.b) * s.use(m.b))
+        opt.step(s.backward(loss))
+
+    step()
+    handle = m.b
+    assert tnn.tie(m, "b", "a") is handle and handle.storage is m.a.storage
+    step()  # the optimizer holds the handle at 'b': one storage, its gradient 3 + 2a
+    state = opt.state_dict()["state"]
+    assert list(state) == [0] and state[0]["step"] == 2
+    assert opt.params.canonical_slot_indices() == [0, 0]
+
+
 # -- bad input (C6: nothing changes) -----------------------------------------------------
 def test_tying_different_shapes_names_both_paths_and_shapes():
     m = tnn.Module()

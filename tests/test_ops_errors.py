@@ -73,6 +73,9 @@ def test_pow_needs_a_number(s):
     raises_and_records_nothing(
         s, ShapeError, "pow: the exponent must be a Python number", lambda: x ** np.ones(2)
     )
+    raises_and_records_nothing(
+        s, DTypeError, "pow: the exponent must be a Python number, got a TensorRef", lambda: x**x
+    )
 
 
 def test_axes_out_of_range(s):

@@ -20,14 +20,16 @@ if TYPE_CHECKING:
 
 
 def tie(module: Module, path: str, source: str, requires_grad: bool | None = None) -> Param:
-    """Make ``path`` name the storage of ``source``; returns the handle installed at ``path``.
+    """Make ``path`` name the storage of ``source``; returns the handle at ``path``.
 
-    The new handle is ``source``'s alias (``Param.alias``): same storage, its own flag,
-    named ``path``. ``requires_grad=None`` copies ``source``'s flag; ``False`` makes the
-    use through ``path`` contribute no gradient while ``source`` still trains the
-    storage. Both paths must exist (SlotError) and have equal shapes (ShapeError naming
-    both paths and shapes) and dtypes; a transposed use (an output projection tied to
-    an embedding) is written in the forward, never as a copy. Nothing changes on error.
+    The handle at ``path`` stays and now holds ``source``'s storage, with its own flag:
+    ``requires_grad=None`` copies ``source``'s flag; ``False`` makes the use through
+    ``path`` contribute no gradient while ``source`` still trains the storage. An
+    optimizer built before the tie therefore trains the one storage from its next step
+    (its state moves to the storage's canonical slot, C5), as after ``untie``. Both
+    paths must exist (SlotError) and have equal shapes (ShapeError naming both paths
+    and shapes) and dtypes; a transposed use (an output projection tied to an
+    embedding) is written in the forward, never as a copy. Nothing changes on error.
     """
     target = module.get_parameter(path)
     src = module.get_parameter(source)
@@ -40,9 +42,13 @@ def tie(module: Module, path: str, source: str, requires_grad: bool | None = Non
         raise DTypeError(
             f"tie: {path!r} has dtype {target.dtype.name} but {source!r} has dtype {src.dtype.name}"
         )
-    handle = src.alias(requires_grad=requires_grad, name=path)
-    module.set_parameter(path, handle)
-    return handle
+    flag = src.requires_grad if requires_grad is None else bool(requires_grad)
+    if target is src:  # one handle at both paths (a submodule registered twice)
+        target = src.alias(requires_grad=flag, name=path)
+        module.set_parameter(path, target)
+        return target
+    target.storage, target.requires_grad = src.storage, flag
+    return target
 
 
 def untie(module: Module, path: str) -> Param:

@@ -204,6 +204,11 @@ def pow(a: TensorRef, exponent: float) -> TensorRef:
     """
     s = session_of(a)
     c = scalar_value(exponent)
+    if isinstance(exponent, TensorRef):
+        raise DTypeError(
+            "pow: the exponent must be a Python number, got a TensorRef (a tensor exponent "
+            "is not supported: write ops.exp(b * ops.log(a)))"
+        )
     if c is None:
         raise ShapeError(
             f"pow: the exponent must be a Python number, got {type(exponent).__name__}"
