@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 from test_cli import TEXT, files_of
+from test_untrusted_input import assert_one_line_error, cli
 
 from tiegrad.cli import main
 from tiegrad.train import read_metrics
@@ -20,24 +21,6 @@ TRAIN = [
     "--d-model", "8", "--layers", "1", "--heads", "2", "--seq-len", "8",
     "--batch-size", "2", "--eval-batches", "1", "--no-progress",
 ]  # fmt: skip
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(result, *fragments: str) -> str:
-    code, _, err = result
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("tiegrad: error: "), err
-    for fragment in fragments:
-        assert fragment in err, err
-    return err
 
 
 @pytest.fixture(scope="module")

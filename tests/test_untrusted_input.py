@@ -63,12 +63,13 @@ def cli(capsys, *args) -> tuple[int, str, str]:
     return code, out, err
 
 
-def assert_one_line_error(result, *fragments: str) -> None:
+def assert_one_line_error(result, *fragments: str) -> str:
     code, _, err = result
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("tiegrad: error: "), err
     for fragment in fragments:
         assert fragment in err, err
+    return err
 
 
 # -- 1: tiegrad sample --checkpoint validates the model config before building -----------------

@@ -717,32 +717,22 @@ class Optimizer:
         if not program.arranged:
             self._arrange_state(program.specs, hps)
         with np.errstate(over="ignore"):
-            self._run_rules(grads, hps, program, tables)
+            for i, run in enumerate(program.runs):
+                gi, step, fresh, dtype = run.key
+                names = program.specs[run.slots[0]][2]
+                c = self._coefficients(hps[gi], step, fresh)
+                if dtype in tables and self.fused_rule is not None:
+                    batch = program.batches.get(i)
+                    if batch is None:
+                        batch = self._batch(self.fused_rule, program, i, names)
+                        program.batches[i] = batch
+                    self._update_fused(batch, run, tables[dtype], c)
+                elif len(run.slots) == 1:
+                    self._update_one(run, grads[run.slots[0]], names, c)
+                else:
+                    self._update_many(run, grads, names, c)
+                self._state.set_steps(run.slots, step)
         program.advance()
-
-    def _run_rules(
-        self,
-        grads: Sequence[np.ndarray | None],
-        hps: Sequence[Mapping[str, Any]],
-        program: Program,
-        tables: Mapping[np.dtype, fused.GradientTable],
-    ) -> None:
-        """``_apply``'s rule calls, run by run."""
-        for i, run in enumerate(program.runs):
-            gi, step, fresh, dtype = run.key
-            names = program.specs[run.slots[0]][2]
-            c = self._coefficients(hps[gi], step, fresh)
-            if dtype in tables and self.fused_rule is not None:
-                batch = program.batches.get(i)
-                if batch is None:
-                    batch = self._batch(self.fused_rule, program, i, names)
-                    program.batches[i] = batch
-                self._update_fused(batch, run, tables[dtype], c)
-            elif len(run.slots) == 1:
-                self._update_one(run, grads[run.slots[0]], names, c)
-            else:
-                self._update_many(run, grads, names, c)
-            self._state.set_steps(run.slots, step)
 
     def _work_rows(self, dtype: np.dtype) -> list[np.ndarray]:
         """``work_buffers`` scratch rows plus two gather rows of ``CHUNK`` elements, reused."""
