@@ -163,7 +163,8 @@ def main(scenario: str, out: str, steps: int) -> None:
 
         opt.step = counted
     run = os.path.join(out, "run")
-    samples = 72 if scenario == "datasize" and dist.rank() == 1 else 64
+    rank1 = dist.rank() == 1
+    samples = {"datasize": 72, "samples": 60}.get(scenario, 64) if rank1 else 64
     val = ValLosses()
     callbacks = {
         "val": [val],
@@ -180,6 +181,8 @@ def main(scenario: str, out: str, steps: int) -> None:
         eval_every=2 if scenario == "val" else None,
         patience=50 if scenario == "val" else None,
         max_steps=steps,
+        grad_accum=2 if scenario == "accum" and rank1 else 1,
+        clip_norm=0.5 if scenario == "clip" and rank1 else None,
         checkpoint_every=10,
         run_dir=run,
         resume=os.path.isdir(os.path.join(run, "checkpoints")),

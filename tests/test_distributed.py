@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
+from tiegrad.errors import DistributedError  # noqa: E402
+
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 240
@@ -186,7 +188,16 @@ def test_a_sharded_validation_loader_gives_every_rank_one_processs_losses(tmp_pa
     np.testing.assert_allclose(shared, single, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scenario, differs", [("datasize", "train_batches"), ("lr", "optimizer")])
+@pytest.mark.parametrize(
+    "scenario, differs",
+    [
+        ("datasize", "train_batches"),
+        ("lr", "optimizer"),
+        ("samples", "train_samples"),  # 60 and 64 samples: 8 batches of 8 each
+        ("accum", "grad_accum"),
+        ("clip", "clip_norm"),
+    ],
+)
 def test_ranks_with_other_data_or_settings_are_refused_at_the_start(tmp_path, scenario, differs):
     results, _ = launch(2, [scenario, tmp_path])
     for rc, _, err in results:
@@ -204,6 +215,43 @@ def test_each_rank_draws_its_own_dropout_masks_and_resumes_its_stream(tmp_path):
              for d in (whole, halves)}  # fmt: skip
     assert draws[whole][0] != draws[whole][1]  # not the same masks on both shards
     assert draws[halves] == draws[whole]  # each rank's stream continues exactly
+
+
+def test_without_torch_distributed_both_entry_points_say_what_to_install(monkeypatch, capsys):
+    from tiegrad.cli import main
+    from tiegrad.distributed import init
+
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)  # import fails
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(DistributedError, match="init: data-parallel training needs torch"):
+        init()
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--nproc", "2", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("tiegrad: error: --nproc: data-parallel training needs torch"), err
+
+
+@pytest.mark.parametrize("draws", [1, 2, 3, 7])
+def test_a_resumed_rank_keeps_the_half_output_a_jump_drops(draws):
+    """Rank 1's stream is rank 0's jumped; after an odd number of float32 draws (dropout
+    masks of an odd size) the generator holds half a 64-bit output, which ``jumped``
+    drops: a rank resumed from rank 0's saved state must draw what it would have."""
+    from tiegrad.train.trainer import _jumped
+
+    rank0 = np.random.Generator(np.random.PCG64(5))
+    rank1 = np.random.Generator(_jumped(rank0.bit_generator, 1))
+    rank0.random(draws, dtype=np.float32), rank1.random(draws, dtype=np.float32)
+    saved = np.random.PCG64()
+    saved.state = rank0.bit_generator.state  # what a checkpoint holds
+    resumed = np.random.Generator(_jumped(saved, 1))
+    np.testing.assert_array_equal(
+        resumed.random(9, dtype=np.float32), rank1.random(9, dtype=np.float32)
+    )
 
 
 def test_a_callbacks_failure_names_the_step_it_followed(tmp_path):

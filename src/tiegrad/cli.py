@@ -255,10 +255,10 @@ def _main(argv: Sequence[str] | None) -> int:
         "resume": _resume,
         "export": _export,
     }
-    if getattr(args, "nproc", None) is not None:
-        return _relaunch(args.nproc, sys.argv[1:] if argv is None else argv)
-    tune_process()  # the command owns its process (tiegrad.backend.tuning)
     try:
+        if getattr(args, "nproc", None) is not None:
+            return _relaunch(args.nproc, sys.argv[1:] if argv is None else argv)
+        tune_process()  # the command owns its process (tiegrad.backend.tuning)
         return commands[args.command](args)
     except TiegradError as e:
         _fail(_one_line(e))

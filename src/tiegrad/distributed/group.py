@@ -70,6 +70,18 @@ def _env_int(name: str, default: int | None = None) -> int:
         ) from None
 
 
+def require_torch(what: str) -> None:
+    """Raise ``DistributedError`` naming ``what`` unless ``torch.distributed`` imports:
+    data-parallel training runs on it, and tiegrad does not install torch itself."""
+    try:
+        import torch.distributed  # noqa: F401
+    except ImportError as e:
+        raise DistributedError(
+            f"{what}: data-parallel training needs torch.distributed ({e}); install torch "
+            "(the README's test command pins the version)"
+        ) from None
+
+
 def resolve_timeout(timeout: float | None) -> float:
     """``timeout`` in seconds, else ``TIEGRAD_DIST_TIMEOUT``, else 60; must be > 0."""
     if timeout is None:
@@ -113,6 +125,7 @@ def init(device: str | None = None, timeout: float | None = None) -> Group:
             f"tiegrad.distributed.init: RANK={rank} and WORLD_SIZE={world}: expected "
             "0 <= RANK < WORLD_SIZE"
         )
+    require_torch("tiegrad.distributed.init")
     import torch
     import torch.distributed as dist
 

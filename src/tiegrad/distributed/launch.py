@@ -29,6 +29,9 @@ def without_flag(argv: Sequence[str], flag: str) -> list[str]:
 
 def relaunch(nproc: int, argv: Sequence[str]) -> int:
     """Run ``python -m tiegrad ARGV`` on ``nproc`` local processes; returns the exit code."""
+    from .group import require_torch
+
+    require_torch("--nproc")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

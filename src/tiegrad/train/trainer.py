@@ -139,6 +139,34 @@ def _model_loss(model: Any) -> LossFn:
     return loss_fn
 
 
+def _jumped(bit_generator: Any, jumps: int) -> Any:
+    """``bit_generator.jumped(jumps)`` with the buffered half-output it had restored.
+
+    A float32 draw (dropout's masks) takes half of a 64-bit output and keeps the other
+    half for the next; ``jumped`` drops that half. The jumped stream's own half is the
+    upper half of its previous output: stepping back one output and reading it again
+    leaves the state where it was, with the half that the stream drawn step by step
+    would hold (PCG64's state fields; other generators are jumped as they are).
+    """
+    out = bit_generator.jumped(jumps)
+    state = bit_generator.state
+    if state.get("has_uint32") and "uinteger" in state and hasattr(out, "advance"):
+        out.advance(-1)
+        raw = int(out.random_raw())
+        new = out.state
+        new["has_uint32"], new["uinteger"] = 1, raw >> 32
+        out.state = new
+    return out
+
+
+def _length(obj: Any) -> int | None:
+    """``len(obj)``, or None for an object without a length."""
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
 def _scalar_loss(loss: Any) -> TensorRef:
     """``loss`` when it is one number recorded on the tape; else a ``ConfigError`` naming
     ``loss_fn`` (a float has no gradient, a per-sample loss needs a reduction)."""
@@ -556,19 +584,27 @@ class Trainer:
         """
         rank = self.parallel.rank
         if rank and not self._own_stream:
-            self.session.rng = np.random.Generator(self.session.rng.bit_generator.jumped(rank))
+            self.session.rng = np.random.Generator(_jumped(self.session.rng.bit_generator, rank))
         self._own_stream = True
 
     def _run_settings(self) -> dict[str, Any]:
         """What the ranks of a data-parallel run must share besides their position: the
-        training data's length, the run's length and the optimizer's hyperparameters
-        (``elapsed`` is each rank's own)."""
+        training data's length, batch size and sample count (where the source has them),
+        the run's length, gradient accumulation and clipping, the optimizer's
+        hyperparameters and the schedule's state (``elapsed`` is each rank's own)."""
+        data = self.train_data
         groups = getattr(self.optimizer, "param_groups", [])
+        state_of = getattr(self.schedule, "state_dict", None)
         return {
             "elapsed": None,
-            "train_batches": len(self.train_data) if hasattr(self.train_data, "__len__") else None,
+            "train_batches": len(data) if hasattr(data, "__len__") else None,
+            "batch_size": getattr(data, "batch_size", None),
+            "train_samples": _length(getattr(data, "dataset", None)),
             "max_steps": self.max_steps,
+            "grad_accum": self.grad_accum,
+            "clip_norm": self.clip_norm,
             "optimizer": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+            "schedule": state_of() if callable(state_of) else None,
         }
 
     def current_lr(self) -> float | None:
