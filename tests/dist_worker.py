@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 import tiegrad.distributed as dist
+from tiegrad import Param, ops
 from tiegrad.data import ArrayDataset, DataLoader
 from tiegrad.models import TiedLM
 from tiegrad.nn import untie
@@ -128,6 +129,8 @@ def main(scenario: str, out: str, steps: int) -> None:
     model = TiedLM(VOCAB, d_model=16, n_layers=1, n_heads=2, max_seq_len=SEQ, seed=3,
                    dropout=dropout)  # fmt: skip
     model.freeze("pos_embed.weight")
+    if scenario == "partial":  # a storage only rank 0 uses
+        model.extra = Param(np.zeros(4, np.float32))
     if scenario == "layout" and dist.rank() == 1:
         untie(model, "lm_head.weight")
     lr = 0.06 if scenario == "lr" and dist.rank() == 1 else 0.05
@@ -151,7 +154,11 @@ def main(scenario: str, out: str, steps: int) -> None:
         if dist.rank() == 1 and scenario == "perturb" and step == 4:
             p = model.param_list()[2]
             p.set_value(p.value + 1e-3)
-        return model.loss(session, *batch)
+        loss = model.loss(session, *batch)
+        if scenario == "partial" and dist.rank() == 0:  # rank 1 has no gradient for it:
+            weight = 0.5 if launched else 0.25  # the mean over 2 ranks of 0.5 and 0
+            loss = loss + ops.sum(session.use(model.extra)) * weight
+        return loss
 
     per_step = []
     if parallel is not None:

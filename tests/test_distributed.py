@@ -254,6 +254,12 @@ def test_a_resumed_rank_keeps_the_half_output_a_jump_drops(draws):
     )
 
 
+def test_a_storage_one_rank_does_not_use_trains_as_in_one_process(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    assert_close(run_ok(2, "partial", two, steps=6), run_ok(0, "partial", one, steps=6))
+
+
 def test_a_callbacks_failure_names_the_step_it_followed(tmp_path):
     results, _ = launch(2, ["raise_cb", tmp_path], timeout=30.0)
     assert all(rc != 0 for rc, _, _ in results)

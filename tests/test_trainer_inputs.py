@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from test_trainer import digits_like, values
 
-from tiegrad import ConfigError
-from tiegrad.data import DataLoader
+from tiegrad import ConfigError, MissingGradientError, Param, ops
+from tiegrad.data import ArrayDataset, DataLoader
 from tiegrad.models import MLPClassifier
-from tiegrad.optim import AdamW
+from tiegrad.nn import Module
+from tiegrad.optim import SGD, AdamW
 from tiegrad.train import Trainer
 from tiegrad.train.callbacks import perplexity
 
@@ -126,3 +127,45 @@ def _error(fn):
 def test_the_perplexity_of_a_nan_loss_is_nan():
     assert math.isnan(perplexity(math.nan))
     assert perplexity(1000.0) == math.inf and perplexity(0.0) == 1.0
+
+
+class Partly(Module):
+    """``a`` in every batch, ``b`` only in batches whose first sample is positive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Param(np.ones(1)), Param(np.full(1, 2.0))
+
+    def loss(self, s, x):
+        loss = ops.sum(s.use(self.a) * x)
+        return loss + ops.sum(s.use(self.b) * x) if x[0, 0] > 0 else loss
+
+
+def test_a_storage_some_micro_batches_do_not_use_gets_the_others_gradient():
+    model = Partly()
+    x = np.array([[1.0], [-1.0], [1.0], [-1.0]])  # batches of one: b in every other
+    trainer = Trainer(
+        model,
+        SGD(model.parameters(), lr=0.1),
+        train_data=DataLoader(ArrayDataset(x), 1, shuffle=False),
+        max_steps=2,
+        grad_accum=2,
+        progress=False,
+        plot=False,
+    )
+    trainer.fit()  # each step: a's gradient (1 - 1) / 2, b's 1 / 2 (its one batch)
+    np.testing.assert_allclose(model.a.value, [1.0])
+    np.testing.assert_allclose(model.b.value, [2.0 - 2 * 0.1 * 0.5])
+    never = Partly()
+    trainer = Trainer(
+        never,
+        SGD(never.parameters(), lr=0.1),
+        train_data=DataLoader(ArrayDataset(-np.abs(x)), 1, shuffle=False),
+        max_steps=1,
+        grad_accum=2,
+        progress=False,
+        plot=False,
+    )
+    with pytest.raises(MissingGradientError, match="slot 1 .* is trainable but has no gradient"):
+        trainer.fit()
+    assert never.a.value == 1.0 and never.b.value == 2.0

@@ -170,11 +170,13 @@ class DataParallel:
         """The averaged canonical gradients of ``loss``: bit for bit
         ``average(optimizer.canonical_gradients(session.backward(loss)))``, which is what
         runs without ``overlap``. With it, each bucket is packed and its all-reduce
-        launched during the sweep; the gradients are validated as ``optimizer`` does."""
+        launched during the sweep; the gradients are validated as ``optimizer`` does. A
+        storage this rank did not use contributes zeros (another rank may have used it)."""
         if not self.overlap:
-            return self.average(optimizer.canonical_gradients(session.backward(loss)))
+            grads = optimizer.canonical_gradients(session.backward(loss), allow_missing=True)
+            return self.average(grads)
         hooks = self.buckets.overlap_hooks(session, self.world_size, self._on_gpu)
-        optimizer.canonical_gradients(session.backward(loss, on_final=hooks))
+        optimizer.canonical_gradients(session.backward(loss, on_final=hooks), allow_missing=True)
         return self.buckets.finish(self._on_gpu)
 
     @property

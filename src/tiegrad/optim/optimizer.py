@@ -194,14 +194,19 @@ class Optimizer:
         nothing to clear between steps.
         """
 
-    def canonical_gradients(self, gradients: GradientsArg = None) -> list[np.ndarray | None]:
+    def canonical_gradients(
+        self, gradients: GradientsArg = None, *, allow_missing: bool = False
+    ) -> list[np.ndarray | None]:
         """The validated gradient of every canonical slot, None at the other slots.
 
         ``gradients`` takes the forms ``step`` takes. The result is the list form
         ``step`` and ``clip_grad_norm`` accept; with ``Gradients`` a storage used once
         gets the very array ``backward`` produced (C4). Nothing is written.
+        ``allow_missing`` leaves None at a trainable slot whose storage the gradients
+        do not reach (a micro-batch or a rank that did not use it) instead of raising:
+        the caller sums such parts, and ``step`` checks the sum.
         """
-        return self._resolve(gradients, self._plan())
+        return self._resolve(gradients, self._plan(), allow_missing)
 
     def step(self, gradients: GradientsArg = None) -> None:
         """One update of every trainable storage (C3-C6); see the module docstring.
@@ -561,8 +566,11 @@ class Optimizer:
         return specs, entries
 
     # -- gradients -----------------------------------------------------------------------
-    def _resolve(self, gradients: GradientsArg, plan: StepPlan) -> list[np.ndarray | None]:
-        """The validated gradient of each canonical slot of ``plan``, None elsewhere (C4-C6)."""
+    def _resolve(
+        self, gradients: GradientsArg, plan: StepPlan, allow_missing: bool = False
+    ) -> list[np.ndarray | None]:
+        """The validated gradient of each canonical slot of ``plan``, None elsewhere (C4-C6);
+        ``allow_missing``: None, too, at a canonical slot without one."""
         if gradients is None:
             gradients = latest_gradients()
             if gradients is None:
@@ -589,6 +597,8 @@ class Optimizer:
             return raw  # every gradient an ndarray of its slot's dtype and shape
         for i, g in zip(plan.canonical, given):
             p = plan.storages[i]
+            if g is None and allow_missing:
+                continue
             if g is None:
                 raise MissingGradientError(
                     f"{self.kind}.step: {self._label(i)} is trainable but has no gradient{hint}"

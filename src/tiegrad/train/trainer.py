@@ -211,15 +211,20 @@ def _checked_extra(extra: Any) -> dict[str, Any]:
     return dict(extra)
 
 
-def _accumulate(total: list[Any], new: list[Any], first: bool) -> list[Any]:
-    """``total + new`` per slot. The first addition (``first``) makes new arrays and later
-    ones add into those, so the arrays the optimizer handed out are never written."""
+def _accumulate(total: list[Any], new: list[Any], owned: set[int]) -> list[Any]:
+    """``total + new`` per slot, None counted as zeros (a micro-batch that did not use a
+    storage). A slot's first addition makes a new array (listed in ``owned``) and later
+    ones add into it, so the arrays the optimizer handed out are never written."""
     for i, g in enumerate(new):
-        if g is not None:
-            if first:
-                total[i] = total[i] + g
-            else:
-                total[i] += g
+        if g is None:
+            continue
+        if total[i] is None:
+            total[i] = g
+        elif i in owned:
+            total[i] += g
+        else:
+            total[i] = total[i] + g
+            owned.add(i)
     return total
 
 
@@ -510,14 +515,17 @@ class Trainer:
         gradients are summed per canonical slot (``optimizer.canonical_gradients``:
         the uses of one storage summed, C4), so only one tape is alive at a time. Data
         parallel: one batch is averaged over the ranks by ``DataParallel.backward``
-        (during the sweep), several after the last one.
+        (during the sweep), several after the last one. A storage some batches (or
+        ranks) did not use gets the sum (or mean) of the others; one that no batch of
+        the step used is the optimizer's ``MissingGradientError`` in one process.
         """
         s = self.session
         total = 0.0
         items = 0
         scale = 1.0 / self.grad_accum
         grads: list[Any] | None = None
-        for k in range(self.grad_accum):
+        owned: set[int] = set()
+        for _ in range(self.grad_accum):
             batch = self._next_batch()
             items += self.train_data.count(batch)
             s.reset()
@@ -528,8 +536,8 @@ class Trainer:
             elif self.parallel is not None:
                 grads = self.parallel.backward(s, loss, self.optimizer)
                 continue
-            new = self.optimizer.canonical_gradients(s.backward(loss))
-            grads = new if grads is None else _accumulate(grads, new, k == 1)
+            new = self.optimizer.canonical_gradients(s.backward(loss), allow_missing=True)
+            grads = new if grads is None else _accumulate(grads, new, owned)
         if self.parallel is not None and self.grad_accum > 1:
             grads = self.parallel.average(grads)
         norm = None
