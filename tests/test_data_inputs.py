@@ -119,6 +119,8 @@ def test_vocab_build_needs_a_str(text):
         ConfigError, match=f"Vocab.build: text must be a str, got {type(text).__name__}"
     ):
         Vocab.build(text)
+    if isinstance(text, bytes):  # what read_text(path, "byte") gives
+        assert Vocab.build(text, "byte").size == 256
 
 
 # -- read_text and TextDataset ---------------------------------------------------------
@@ -155,14 +157,16 @@ def test_text_dataset_sample_and_window_loader_need_a_generator():
 
 
 # -- ArrayDataset ---------------------------------------------------------------------
-def test_array_dataset_refuses_ragged_lists_and_non_real_arrays():
+def test_array_dataset_refuses_ragged_lists_and_arrays_of_objects():
     with pytest.raises(DTypeError, match="array 1 is ragged"):
         ArrayDataset(np.zeros(2), [[1, 2], [3]])
-    for bad in (np.array([{}, {}]), np.array(["a", "b"]), np.ones(2, complex), [1, None]):
-        with pytest.raises(DTypeError, match="array 0 must hold real numbers.*got dtype"):
+    for bad in (np.array([{}, {}]), [1, None]):
+        with pytest.raises(DTypeError, match="array 0 holds Python objects"):
             ArrayDataset(bad)
     ds = ArrayDataset(np.array([True, False]), np.arange(2), np.ones(2, np.float16))
     assert len(ds) == 2
+    labels = ArrayDataset(np.zeros((2, 3)), np.array(["cat", "dog"]))  # for a loss_fn
+    assert labels[np.array([1])][1].tolist() == ["dog"]
 
 
 def test_array_dataset_split_checks_fraction_and_rng_before_drawing():
@@ -213,6 +217,10 @@ def test_loader_takes_any_dataset_of_array_tuples_and_checks_each_batch():
     bare = DataLoader(Pairs(10, tuple_items=False), 4)
     with pytest.raises(ConfigError, match="must be a tuple of NumPy arrays, got ndarray"):
         next(iter(bare))
+    listed = type(
+        "Listed", (Pairs,), {"__getitem__": lambda self, i: list(Pairs.__getitem__(self, i))}
+    )
+    assert isinstance(next(iter(DataLoader(listed(10), 4))), tuple)
 
 
 @pytest.mark.parametrize("seed", [-1, "a", 1.5, True, None])
@@ -234,9 +242,15 @@ def test_loader_seed_takes_numpy_integers_and_flags_take_bools():
 
 def test_loader_epoch_checks_its_generator_at_the_call_and_draws_lazily():
     loader = DataLoader(ArrayDataset(np.arange(10)), 3)
-    for bad in (None, 5, np.random.RandomState(0)):
+    for bad in (None, 5):
         with pytest.raises(ConfigError, match="DataLoader.epoch: rng must be a numpy.random"):
             loader.epoch(bad)
+    legacy = [b[0].tolist() for b in loader.epoch(np.random.RandomState(0))]  # permutation
+    assert sorted(sum(legacy, [])) == list(range(10))
+    assert [len(d) for d in ArrayDataset(np.arange(10)).split(0.5, np.random.RandomState(0))] == [
+        5,
+        5,
+    ]
     rng = np.random.default_rng(1)
     before = rng_state(rng)
     epoch = loader.epoch(rng)

@@ -74,7 +74,7 @@ def test_pow_needs_a_number(s):
         s, ShapeError, "pow: the exponent must be a Python number", lambda: x ** np.ones(2)
     )
     raises_and_records_nothing(
-        s, DTypeError, "pow: the exponent must be a Python number, got a TensorRef", lambda: x**x
+        s, DTypeError, "pow: the exponent must be a Python number, got TensorRef", lambda: x**x
     )
 
 

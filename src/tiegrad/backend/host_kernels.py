@@ -387,7 +387,7 @@ def layer_norm(
 ) -> None:
     """Rows ``lo .. hi`` of ``(rows, d)`` ``x``: ``xhat``, ``rstd`` (rows, 1) and ``out``.
 
-    ``xhat = (x - mean) * rstd``, ``rstd = 1 / sqrt(var + eps)`` (biased variance, two
+    ``xhat = (x - mean) * rstd``, ``rstd = 1 / sqrt(var + eps)`` (biased variance, three
     passes over the row), ``out = xhat * w + b``; ``out`` may be ``xhat`` itself. The
     mean is taken of the row shifted by its first element, so a constant row has
     ``x - mean`` exactly 0 (``xhat`` 0, as in PyTorch) rather than its rounding error

@@ -51,10 +51,12 @@ def check_positive(what: str, value: Any) -> int:
     return int(value)
 
 
-def check_rng(owner: str, rng: Any) -> np.random.Generator:
-    """``rng`` itself when it is a ``numpy.random.Generator``, else a ``ConfigError``
-    naming ``owner`` (a seed or None is not turned into a generator)."""
-    if not isinstance(rng, np.random.Generator):
+def check_rng(owner: str, rng: Any, legacy: bool = False) -> Any:
+    """``rng`` itself when it is a ``numpy.random.Generator`` (or, with ``legacy``, where
+    only ``permutation`` is drawn, a ``RandomState``), else a ``ConfigError`` naming
+    ``owner`` (a seed or None is not turned into a generator)."""
+    kinds = (np.random.Generator, np.random.RandomState) if legacy else np.random.Generator
+    if not isinstance(rng, kinds):
         raise ConfigError(
             f"{owner}: rng must be a numpy.random.Generator (np.random.default_rng(seed)), "
             f"got {type(rng).__name__}"
@@ -112,8 +114,8 @@ class Shard:
 class ArrayDataset:
     """Samples stored as arrays that share their first dimension (features, labels, ...).
 
-    Each array holds real numbers (bool, integer, floating); a ragged list or an array of
-    objects, strings or complex numbers is a ``DTypeError`` naming the array.
+    Each array has one NumPy dtype (numbers, or strings for a ``loss_fn`` that reads
+    them); a ragged list or an array of Python objects is a ``DTypeError`` naming it.
     """
 
     def __init__(self, *arrays: Any) -> None:
@@ -127,10 +129,10 @@ class ArrayDataset:
                 raise DTypeError(
                     f"ArrayDataset: array {i} is ragged (its rows differ in length)"
                 ) from None
-            if arr.dtype.kind not in "biuf":
+            if arr.dtype.kind == "O":
                 raise DTypeError(
-                    f"ArrayDataset: array {i} must hold real numbers (bool, integer, floating), "
-                    f"got dtype {arr.dtype}"
+                    f"ArrayDataset: array {i} holds Python objects; give an array of one "
+                    "NumPy dtype (numbers, or strings for a loss_fn that reads them)"
                 )
             arrs.append(arr)
         for i, a in enumerate(arrs):
@@ -158,7 +160,7 @@ class ArrayDataset:
             raise ConfigError(
                 f"ArrayDataset.split: fraction must be a real number, got {fraction!r:.80}"
             )
-        check_rng("ArrayDataset.split", rng)
+        check_rng("ArrayDataset.split", rng, legacy=True)
         if not 0.0 < fraction < 1.0:
             raise ConfigError(f"ArrayDataset.split: fraction must lie in (0, 1), got {fraction}")
         order = rng.permutation(len(self))
@@ -188,13 +190,16 @@ def check_dataset(owner: str, dataset: Any) -> None:
 
 
 def check_batch(owner: str, batch: Any) -> Batch:
-    """``batch`` when it is a non-empty tuple of NumPy arrays, else a ``ConfigError``."""
-    if not (isinstance(batch, tuple) and batch and all(isinstance(a, np.ndarray) for a in batch)):
+    """``batch`` (a non-empty tuple or list of NumPy arrays) as a tuple, else a
+    ``ConfigError``."""
+    if not (
+        isinstance(batch, (tuple, list)) and batch and all(isinstance(a, np.ndarray) for a in batch)
+    ):
         raise ConfigError(
             f"{owner}: dataset[index array] must be a tuple of NumPy arrays, "
             f"got {type(batch).__name__}"
         )
-    return batch
+    return tuple(batch)
 
 
 class DataLoader:
@@ -253,7 +258,7 @@ class DataLoader:
     def epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
         """One pass over the dataset; the order is drawn from ``rng`` (a
         ``numpy.random.Generator``, checked at this call) when shuffling."""
-        return self._epoch(check_rng("DataLoader.epoch", rng))
+        return self._epoch(check_rng("DataLoader.epoch", rng, legacy=True))
 
     def _epoch(self, rng: np.random.Generator) -> Iterator[Batch]:
         rank, world = self.shard.resolve(self.batch_size, self.partial)

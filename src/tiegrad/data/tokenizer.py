@@ -105,10 +105,10 @@ class HFTokenizer:
         vocabulary without an unknown token meeting an unseen word) are ``ConfigError``.
         """
         check_text("tokenizer.encode", "text", text)
-        utf8("tokenizer", text)
         try:
             ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         except Exception as e:  # tokenizers raises bare Exception
+            utf8("tokenizer", text)  # names a lone surrogate (which tokenizers refuses)
             raise ConfigError(
                 f"tokenizer: tokenizers cannot encode the text ({len(text)} characters): {e}"
             ) from None

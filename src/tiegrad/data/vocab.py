@@ -79,9 +79,10 @@ class Vocab:
 
     @classmethod
     def build(cls, text: str, kind: str = "char") -> Vocab:
-        """The vocabulary of ``text`` (a ``str``): its sorted distinct characters, or the
-        256 bytes."""
-        check_text("Vocab.build", "text", text)
+        """The vocabulary of ``text``: its sorted distinct characters (a ``str``), or the
+        256 bytes (``kind="byte"``: a ``str`` or the ``bytes`` ``read_text`` gives)."""
+        if not (kind == "byte" and isinstance(text, bytes)):
+            check_text("Vocab.build", "text", text)
         return cls(kind, "".join(sorted(set(text))) if kind == "char" else "")
 
     @classmethod

@@ -168,8 +168,8 @@ class DataParallel:
 
     def backward(self, session: Any, loss: Any, optimizer: Any) -> list[Any]:
         """The averaged canonical gradients of ``loss``: bit for bit
-        ``average(optimizer.canonical_gradients(session.backward(loss)))``, which is what
-        runs without ``overlap``. With it, each bucket is packed and its all-reduce
+        ``average(optimizer.canonical_gradients(session.backward(loss), allow_missing=True))``,
+        which is what runs without ``overlap``. With it, each bucket is packed and its all-reduce
         launched during the sweep; the gradients are validated as ``optimizer`` does. A
         storage this rank did not use contributes zeros (another rank may have used it)."""
         if not self.overlap:

@@ -181,7 +181,7 @@ def _sample(
     if top_k is not None:
         kth = np.sort(z, axis=-1)[:, -top_k][:, None]
         z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p = np.exp(z)  # the largest is 0 (above), and top-k keeps it
     cdf = np.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)
     u = rng.random((z.shape[0], 1))
     return np.minimum((cdf < u).sum(axis=-1), z.shape[1] - 1)[:, None]

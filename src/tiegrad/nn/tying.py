@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 def tie(module: Module, path: str, source: str, requires_grad: bool | None = None) -> Param:
     """Make ``path`` name the storage of ``source``; returns the handle at ``path``.
 
-    The handle at ``path`` stays and now holds ``source``'s storage, with its own flag:
+    The handle at ``path`` stays and now holds ``source``'s storage (wherever else that
+    handle is registered, it follows), with its own flag:
     ``requires_grad=None`` copies ``source``'s flag; ``False`` makes the use through
     ``path`` contribute no gradient while ``source`` still trains the storage. An
     optimizer built before the tie therefore trains the one storage from its next step

@@ -204,14 +204,11 @@ def pow(a: TensorRef, exponent: float) -> TensorRef:
     """
     s = session_of(a)
     c = scalar_value(exponent)
-    if isinstance(exponent, TensorRef):
-        raise DTypeError(
-            "pow: the exponent must be a Python number, got a TensorRef (a tensor exponent "
-            "is not supported: write ops.exp(b * ops.log(a)))"
-        )
     if c is None:
-        raise ShapeError(
+        shaped = hasattr(exponent, "shape") and not isinstance(exponent, TensorRef)
+        raise (ShapeError if shaped else DTypeError)(
             f"pow: the exponent must be a Python number, got {type(exponent).__name__}"
+            + ("" if shaped else " (for a tensor exponent write ops.exp(b * ops.log(a)))")
         )
     av = a.value
     if c < 0 and isinstance(c, int) and s.backend.is_integer(av.dtype):

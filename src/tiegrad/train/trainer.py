@@ -150,7 +150,7 @@ def _jumped(bit_generator: Any, jumps: int) -> Any:
     """
     out = bit_generator.jumped(jumps)
     state = bit_generator.state
-    if state.get("has_uint32") and "uinteger" in state and hasattr(out, "advance"):
+    if state.get("has_uint32") and state.get("bit_generator") in ("PCG64", "PCG64DXSM"):
         out.advance(-1)
         raw = int(out.random_raw())
         new = out.state
@@ -368,10 +368,10 @@ class Trainer:
             )
         if isinstance(val_data, (list, tuple)):
             _check_batches(val_data)
-        for name, method in (("optimizer", "step"), ("optimizer", "canonical_gradients")):
+        for method in ("step", "canonical_gradients"):
             if not callable(getattr(optimizer, method, None)):
                 raise ConfigError(
-                    f"Trainer: the {name} must be a tiegrad optimizer (with {method}()), got "
+                    f"Trainer: the optimizer must be a tiegrad optimizer (with {method}()), got "
                     f"{type(optimizer).__name__}"
                 )
         if (max_steps is None) == (epochs is None):
@@ -536,7 +536,9 @@ class Trainer:
             elif self.parallel is not None:
                 grads = self.parallel.backward(s, loss, self.optimizer)
                 continue
-            new = self.optimizer.canonical_gradients(s.backward(loss), allow_missing=True)
+            new = self.optimizer.canonical_gradients(
+                s.backward(loss), allow_missing=self.grad_accum > 1
+            )
             grads = new if grads is None else _accumulate(grads, new, owned)
         if self.parallel is not None and self.grad_accum > 1:
             grads = self.parallel.average(grads)
