@@ -169,3 +169,17 @@ def test_a_storage_some_micro_batches_do_not_use_gets_the_others_gradient():
     with pytest.raises(MissingGradientError, match="slot 1 .* is trainable but has no gradient"):
         trainer.fit()
     assert never.a.value == 1.0 and never.b.value == 2.0
+
+
+def test_without_accumulation_a_missing_gradient_keeps_the_optimizers_hint():
+    model = Partly()
+    trainer = Trainer(
+        model,
+        SGD(model.parameters(), lr=0.1),
+        train_data=DataLoader(ArrayDataset(-np.ones((2, 1))), 1, shuffle=False),
+        max_steps=1,
+        progress=False,
+        plot=False,
+    )
+    with pytest.raises(MissingGradientError, match="no trainable use of its storage was recorded"):
+        trainer.fit()
