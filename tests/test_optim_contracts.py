@@ -353,6 +353,24 @@ def test_session_route_missing_gradient_names_the_slot_and_changes_nothing():  #
     assert snapshot(opt) == before
 
 
+def test_allow_missing_leaves_none_but_still_checks_what_is_given():  # C4, C6
+    p, q = Param(np.ones(2), name="p"), Param(np.ones(3), name="q")
+    opt = Adam(ParamList([p, q, p]), lr=0.1)
+    s = EagerSession()
+    grads = s.backward(T.sum(s.use(p) * 2.0))  # q is trainable but unused
+    parts = opt.canonical_gradients(grads, allow_missing=True)
+    assert parts[1] is None and parts[2] is None  # q missing; slot 2 is p's alias
+    np.testing.assert_array_equal(parts[0], np.full(2, 2.0))
+    with pytest.raises(MissingGradientError, match=r"slot 1 \('q'\) is trainable"):
+        opt.canonical_gradients(grads)
+    with pytest.raises(ShapeError, match="gradient of slot 0"):
+        opt.canonical_gradients([np.ones(3), None, None], allow_missing=True)
+    before = snapshot(opt)
+    with pytest.raises(MissingGradientError, match=r"slot 1 \('q'\) is trainable"):
+        opt.step(parts)  # the step checks the sum it is given
+    assert snapshot(opt) == before
+
+
 def test_nonfinite_skip_counts_and_changes_nothing_else():  # C6
     opt, g = tied_setup(AdamW, {"lr": 0.05, "nonfinite": "skip"})
     before = snapshot(opt)
