@@ -1,0 +1,180 @@
+"""Checks of the ``Trainer``'s arguments and of what its ``loss_fn`` returns.
+
+A bad argument is a ``ConfigError`` naming it and what was expected, raised by the
+constructor before anything runs or is written (C6); a ``loss_fn`` result that has no
+gradient or is not one number is refused at the step that records it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..data.loader import Batch, BatchSource, check_positive
+from ..errors import ConfigError
+from ..session import EagerSession, TensorRef
+from .callbacks import Callback
+
+LossFn = Callable[[EagerSession, Batch], TensorRef]
+
+
+def check_data(train_data: Any, val_data: Any) -> None:
+    """``train_data`` a batch source with a batch at least; ``val_data`` None, a batch
+    source or a non-empty list of batches."""
+    if train_data is None or not isinstance(train_data, BatchSource):
+        raise ConfigError(
+            "Trainer: train_data must be a batch source with epoch(rng), len() and "
+            f"count(batch) (e.g. TextDataset.loader), got {type(train_data).__name__}"
+        )
+    if len(train_data) < 1:
+        raise ConfigError("Trainer: train_data yields no batch")
+    if val_data is not None and not isinstance(val_data, (BatchSource, list, tuple)):
+        raise ConfigError(
+            "Trainer: val_data must be None, a batch source or a list of batches, got "
+            f"{type(val_data).__name__}"
+        )
+    if isinstance(val_data, (list, tuple)):
+        _check_batches(val_data)
+
+
+def _check_batches(batches: Sequence[Any]) -> None:
+    """A list of validation batches: at least one, each a tuple (or list) of arrays."""
+    if not batches:
+        raise ConfigError("Trainer: val_data is an empty list; give None or at least one batch")
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, (tuple, list)):
+            raise ConfigError(
+                f"Trainer: val_data[{i}] is a {type(batch).__name__}, expected a batch (a tuple "
+                "of arrays); for one batch (x, y) pass [(x, y)]"
+            )
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """A tiegrad optimizer: the trainer calls its ``canonical_gradients`` and ``step``."""
+    for method in ("step", "canonical_gradients"):
+        if not callable(getattr(optimizer, method, None)):
+            raise ConfigError(
+                f"Trainer: the optimizer must be a tiegrad optimizer (with {method}()), got "
+                f"{type(optimizer).__name__}"
+            )
+
+
+def checked_length(
+    max_steps: int | None, epochs: int | None, grad_accum: int, batches: int
+) -> tuple[int, int]:
+    """``(grad_accum, max_steps)`` of a run given ``max_steps`` or ``epochs`` (exactly one),
+    ``batches`` being the batches of an epoch."""
+    if (max_steps is None) == (epochs is None):
+        raise ConfigError("Trainer: give exactly one of max_steps and epochs")
+    grad_accum = check_positive("Trainer: grad_accum", grad_accum)
+    if max_steps is not None:
+        return grad_accum, check_positive("Trainer: max_steps", max_steps)
+    epochs = check_positive("Trainer: epochs", epochs)
+    return grad_accum, max(1, epochs * batches // grad_accum)
+
+
+def optional_positive(what: str, value: Any) -> int | None:
+    """``None``, or ``value`` checked as a positive int."""
+    return None if value is None else check_positive(what, value)
+
+
+def checked_clip_norm(clip_norm: Any) -> float | None:
+    """``None`` (no clipping) or a finite number > 0, as a float."""
+    if clip_norm is not None and (
+        isinstance(clip_norm, bool)
+        or not isinstance(clip_norm, (int, float))
+        or not 0 < clip_norm < math.inf
+    ):
+        raise ConfigError(
+            f"Trainer: clip_norm must be a finite number > 0 or None, got {clip_norm!r}"
+        )
+    return None if clip_norm is None else float(clip_norm)
+
+
+def check_min_delta(min_delta: Any) -> None:
+    """A number >= 0."""
+    if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
+        raise ConfigError(f"Trainer: min_delta must be a number >= 0, got {min_delta!r}")
+
+
+def check_seed(seed: Any) -> None:
+    """An integer >= 0 (not a bool)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"Trainer: seed must be an integer >= 0, got {seed!r}")
+
+
+def callback_list(callbacks: Any) -> list[Any]:
+    """``callbacks`` (a list or tuple) as a new list; its entries are checked by
+    ``check_callbacks``."""
+    if not isinstance(callbacks, (list, tuple)):
+        raise ConfigError(
+            f"Trainer: callbacks must be a list of Callbacks, got {type(callbacks).__name__}"
+        )
+    return list(callbacks)
+
+
+def check_callbacks(callbacks: list[Any]) -> None:
+    """Every entry a ``tiegrad.train.Callback``."""
+    for i, cb in enumerate(callbacks):
+        if not isinstance(cb, Callback):
+            raise ConfigError(
+                f"Trainer: callbacks[{i}] is a {type(cb).__name__}, expected a "
+                "tiegrad.train.Callback (override on_step_end, on_eval, on_checkpoint "
+                "or on_train_end)"
+            )
+
+
+def check_run_dir(run_dir: Any) -> None:
+    """``None``, a ``str`` or an ``os.PathLike``."""
+    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+        raise ConfigError(
+            f"Trainer: run_dir must be a str, os.PathLike or None, got {type(run_dir).__name__}"
+        )
+
+
+def checked_extra(extra: Any) -> dict[str, Any]:
+    """``extra`` as a dict that a checkpoint can store (JSON), without the key
+    ``"trainer"`` that the trainer's own state takes."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"Trainer: extra must be a dict or None, got {type(extra).__name__}")
+    if "trainer" in extra:
+        raise ConfigError("Trainer: extra['trainer'] is reserved for the trainer's own state")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"Trainer: extra is not JSON-serializable: {e}") from None
+    return dict(extra)
+
+
+def loss_fn_of(model: Any, loss_fn: LossFn | None) -> LossFn:
+    """``loss_fn``, or by default ``model.loss(session, *batch)``."""
+    if loss_fn is not None:
+        return loss_fn
+    if not callable(getattr(model, "loss", None)):
+        raise ConfigError("Trainer: the model has no loss(); pass loss_fn")
+
+    def model_loss(session: EagerSession, batch: Batch) -> TensorRef:
+        return model.loss(session, *batch)
+
+    return model_loss
+
+
+def scalar_loss(loss: Any) -> TensorRef:
+    """``loss`` when it is one number recorded on the tape; else a ``ConfigError`` naming
+    ``loss_fn`` (a float has no gradient, a per-sample loss needs a reduction)."""
+    if not isinstance(loss, TensorRef):
+        raise ConfigError(
+            f"Trainer: loss_fn must return the loss as a TensorRef of the session, got "
+            f"{type(loss).__name__}"
+        )
+    if loss.size != 1:
+        raise ConfigError(
+            f"Trainer: loss_fn must return one number, got shape {tuple(loss.shape)} (reduce "
+            "it, e.g. with ops.mean)"
+        )
+    return loss
