@@ -1,0 +1,102 @@
+"""``tiegrad resume``: continue a run from its latest periodic checkpoint.
+
+The run keeps its configuration (``config.json``), vocabulary and schedule; ``--steps``
+(a new total) and ``--patience`` extend a run that finished or stopped early. A run
+with nothing left to do takes no step and says how to extend it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import ConfigError
+from .checkpoints import checkpoint_schema
+from .exits import main_process
+from .job import join_group, run_job
+from .options import add_no_progress, add_nproc
+from .report import quote
+from .runs import LATEST, RUNS, best_only, newest_run
+
+
+def add_parser(sub: Any) -> None:
+    """The ``resume`` subcommand: the run folder, and what may change."""
+    resume = sub.add_parser("resume", help="continue a run from its latest checkpoint")
+    resume.set_defaults(handler=run)
+    resume.add_argument(
+        "run", metavar="DIR", nargs="?", default=None, help=f"run folder (default: {RUNS}/{LATEST})"
+    )
+    resume.add_argument(
+        "--steps", type=int, default=None, help="new total step count (default: the run's)"
+    )
+    resume.add_argument(
+        "--patience",
+        type=int,
+        default=None,
+        metavar="N",
+        help="new early-stopping patience, to continue a run that stopped early; 0 never "
+        "stops early (default: the run's)",
+    )
+    add_no_progress(resume)
+    add_nproc(resume)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Continue a run from its latest checkpoint. A finished run (its step count reached)
+    and one that stopped early (its patience used up, ``Trainer``) take no step: the
+    command says so and how to extend it (``--steps``, ``--patience``) and changes
+    nothing, as it changes nothing when the checkpoint is refused."""
+    from ..train.config import DEFAULTS, check_config, check_value
+    from ..train.rundir import RunDir
+    from ..train.trainer import patience_exhausted
+
+    if args.patience is not None:
+        check_value("patience", args.patience, label="--patience")
+    folder = args.run if args.run is not None else newest_run()
+    run_dir = RunDir(folder)
+    config = run_dir.read_config()
+    if "steps" in config:  # compared below, before check_config sees it
+        check_value("steps", config["steps"], where=str(run_dir.config_path))
+    found = run_dir.step_checkpoints()
+    if not found and run_dir.best_path.is_file():
+        raise ConfigError(best_only(run_dir))
+    if not found:
+        raise ConfigError(f"run folder {folder!r} has no checkpoint to resume from")
+    reached = found[-1][0]
+    if args.steps is not None and args.steps < reached:
+        raise ConfigError(
+            f"--steps {args.steps} is below the step run {folder!r} already reached "
+            f"({reached}); give a total above {reached} to extend it"
+        )
+    steps = args.steps if args.steps is not None else config.get("steps", reached)
+    if steps <= reached:
+        if main_process():
+            print(
+                f"run {folder} is finished: it reached step {reached} of {steps}; extend it "
+                f"with 'tiegrad resume {quote(folder)} --steps {2 * reached}' (a new total)"
+            )
+        return 0
+    config = {**DEFAULTS, **config, "run": folder, "steps": steps}
+    if args.progress is not None:
+        config["progress"] = args.progress
+    if args.patience is not None:
+        config["patience"] = args.patience
+    config.pop("text_sha256", None)
+    vocab = config.pop("vocab_table", None)
+    config = check_config(config)
+    schema = checkpoint_schema(found[-1][1])
+    extra = schema.extra
+    state = extra.get("trainer") if isinstance(extra, dict) else None
+    bad = state.get("bad_evals") if isinstance(state, dict) else None
+    patience = config["patience"]
+    if isinstance(bad, int) and patience_exhausted(bad, patience or None):
+        if main_process():
+            print(
+                f"run {folder} stopped early at step {reached}: no improvement in {bad} "
+                f"evaluations (patience {patience}); continue it with 'tiegrad resume "
+                f"{quote(folder)} --patience {bad + patience}' (a larger patience; 0 never "
+                "stops early)"
+            )
+        return 0
+    join_group(config)
+    return run_job(config, resume=True, vocab=vocab, stored_schedule=schema.schedule)

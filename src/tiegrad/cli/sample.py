@@ -1,0 +1,143 @@
+"""``tiegrad sample``: generate text from a run's best checkpoint (or a checkpoint file).
+
+The model is rebuilt from the configuration the checkpoint stores, which is checked
+against the file's own slots and sizes before anything is built (C6), so a damaged or
+hostile file cannot make the command allocate more than it holds; loading never runs
+code from the file (C9).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, ConfigError, TiegradError
+from .checkpoints import checkpoint_schema, model_config
+from .runs import LATEST, RUNS, newest_run
+
+
+def add_parser(sub: Any) -> None:
+    """The ``sample`` subcommand: where the checkpoint is, the prompt and the sampling."""
+    sample = sub.add_parser("sample", help="generate text from a run's best checkpoint")
+    sample.set_defaults(handler=run)
+    sample.add_argument(
+        "--run", metavar="DIR", help=f"run folder, its best checkpoint (default: {RUNS}/{LATEST})"
+    )
+    sample.add_argument("--checkpoint", metavar="FILE", help="a checkpoint file instead")
+    sample.add_argument("--prompt", default="", help="text to continue (default: none)")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    sample.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 is greedy (default: 0.8)",
+    )
+    sample.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely (default: all)"
+    )
+    sample.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ..checkpoint import load
+    from ..data import tokenizer_from_dict
+    from ..train.config import check_value
+    from ..train.job import build_model
+    from ..train.rundir import RunDir
+
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {args.top_k}")
+    check_value("seed", args.seed, label="--seed")
+    if args.run is not None and args.checkpoint is not None:
+        raise ConfigError("sample: give one of --run DIR and --checkpoint FILE, not both")
+    if args.checkpoint is not None:
+        path = Path(args.checkpoint)
+        if not path.is_file():
+            raise ConfigError(f"checkpoint {args.checkpoint!r} does not exist or is not a file")
+    else:
+        folder = args.run if args.run is not None else newest_run()
+        found = RunDir(folder).best_or_latest()
+        if found is None:
+            raise ConfigError(f"run folder {folder!r} holds no checkpoint")
+        path = found
+    schema = checkpoint_schema(path)
+    extra = schema.extra
+    kwargs = model_config(extra)
+    if kwargs is None or not isinstance(extra.get("vocab"), dict):
+        raise ConfigError(f"{path}: not a checkpoint of 'tiegrad train' (no model or vocab)")
+    vocab = tokenizer_from_dict(extra["vocab"])
+    prompt = args.prompt or default_prompt(vocab)
+    try:
+        ids = vocab.encode(prompt)[None, :]
+    except ConfigError as e:
+        raise ConfigError(f"--prompt {args.prompt!r}: {e}") from None
+    model_class = extra["model"].get("class", "TiedLM")
+    model = build_model(
+        sample_model_config(path, schema, kwargs, vocab.size, model_class), model_class
+    )
+    load(path, model)
+    model.eval()
+    rng = np.random.default_rng(args.seed)
+    out = model.generate(ids, args.tokens, temperature=args.temperature, rng=rng, top_k=args.top_k)
+    text = vocab.decode(np.asarray(out)[0])
+    print(text if args.prompt else text[1:])
+    return 0
+
+
+def sample_model_config(
+    path: Path, schema: Any, kwargs: Any, vocab_size: int, model_class: str
+) -> dict[str, Any]:
+    """The file's model configuration, checked completely before anything is built (C6).
+
+    The model class's ``check_config`` checks its keys, types and ranges; then the slot count,
+    parameter count and bytes it implies must be the file's own (so a configuration
+    cannot make ``tiegrad sample`` allocate more than the file holds), and its
+    ``vocab_size`` the stored vocabulary's. Any mismatch is a ``CheckpointError``.
+    """
+    import math
+
+    import numpy as np
+
+    from .. import models
+    from ..checkpoint.schema import nbytes
+
+    where = f"checkpoint {path}"
+    if model_class not in ("TiedLM", "GPT2"):
+        raise CheckpointError(f"{where}: unknown model class {model_class!r:.80}")
+    cls = getattr(models, model_class)
+    try:
+        config = cls.check_config(kwargs)
+    except TiegradError as e:
+        raise CheckpointError(f"{where}: invalid model configuration: {e}") from None
+    slots, elements = cls.layout_size(config)
+    implied = (slots, elements, elements * np.dtype(config["dtype"]).itemsize)
+    stored = [s for i, s in enumerate(schema.slots) if s.storage == i]
+    held = (len(schema.slots), sum(math.prod(s.shape) for s in stored), sum(map(nbytes, stored)))
+    if implied != held:
+        raise CheckpointError(
+            f"{where}: the model configuration implies {implied[0]} slots and {implied[1]:,} "
+            f"parameters ({implied[2]:,} bytes); the file holds {held[0]} slots and "
+            f"{held[1]:,} parameters ({held[2]:,} bytes)"
+        )
+    if config["vocab_size"] < vocab_size or (
+        model_class == "TiedLM" and config["vocab_size"] != vocab_size
+    ):
+        raise CheckpointError(
+            f"{where}: the model's vocab_size is {config['vocab_size']}, the stored "
+            f"vocabulary has {vocab_size} symbols"
+        )
+    return config
+
+
+def default_prompt(vocab: Any) -> str:
+    """The prompt of a sample without ``--prompt``: a newline when the vocabulary holds
+    one, else its first character (a character vocabulary of a text without newlines)."""
+    chars = getattr(vocab, "chars", "")
+    return "\n" if not chars or "\n" in chars else chars[0]
