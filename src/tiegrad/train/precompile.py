@@ -1,27 +1,24 @@
 """Compiling a ``tiegrad train`` run's kernels in a child process while the run starts.
 
-With an empty numba cache (a first run after install) the first training step used to
+With an empty numba cache (a first run after install) the first training step would
 compile every kernel it calls, one after the other, in the training process. The
-``tiegrad`` command (``_tiegrad_launcher``, its own process; importing tiegrad starts
-no process) instead starts, before it imports tiegrad and where a CPU is idle for it, a
-child process (``python -m tiegrad.train.precompile``) that runs a training step of the
-default model of ``tiegrad train`` part by part (``PARTS``: GELU and softmax alone, the
-rest of the forward, the backward, the update), which compiles the kernels they call
-into numba's cache, marks each part done there and says so on its standard output.
-The run does not wait for it.
-``Precompiling`` reads those lines from a thread of the command, which first sets up
-numba's compiler while the run takes its first step; a child whose parts an earlier
-run's child marked done is stopped (nothing is left for it to compile).
+``tiegrad`` command (``_tiegrad_launcher``) instead starts, before it imports tiegrad
+and where a CPU is idle for it, a child process (``python -m tiegrad.train.precompile``)
+that runs a training step of the default model part by part (``PARTS``), which compiles
+the kernels they call into numba's cache, marks each part done there and says so on
+its standard output. The run does not wait for it: ``Precompiling`` reads those lines
+from a thread of the command, and a child whose parts an earlier run's child marked
+done is stopped (nothing is left for it to compile). Importing tiegrad starts no process.
 
 Results never depend on timing. Until a part is done, the run steps on NumPy code that
 gives the bits of that part's kernels (``tiegrad._numba.defer``): the host kernels'
 stand-in ``tiegrad.backend.host_reference`` (the forward and the backward), the
 optimizer's own NumPy code (the update); then it switches to the part's kernels, which
-numba loads from the cache: the kernels the child has compiled so far by their names
-(``tiegrad._numba.ready``), the whole module after its last part. A child that fails, is killed
-or compiles another signature only costs time: the run compiles what the cache lacks
-on first use after the switch. After the run's last step the command waits for the
-child, so that the next run finds every kernel in the cache.
+numba loads from the cache: the kernels compiled so far by their names
+(``tiegrad._numba.ready``), the whole module after its last part. A child that fails,
+is killed or compiles another signature only costs time: the run compiles what the
+cache lacks on first use after the switch. After the run's last step the command waits
+for the child, so that the next run finds every kernel in the cache.
 """
 
 from __future__ import annotations
@@ -37,9 +34,9 @@ from typing import Any, NamedTuple
 from .. import _numba
 
 WAIT_S = 300  # a child still compiling after this is killed; the command compiles itself
-# The child's niceness once the host kernels are compiled: a default step takes as long
-# on the optimizer's NumPy code as on its kernels (79 ms each, measured), and the child
-# compiling at normal priority beside the run's threads only slows the run's steps.
+# The child's niceness once the host kernels are compiled: the optimizer's NumPy code is
+# as fast as its kernels, so the child compiling them at normal priority beside the
+# run's threads would only slow the run's steps.
 NICENESS = 19
 HOST_KERNELS = "tiegrad.backend.host_kernels"
 HOST_BLOCKS = "tiegrad.backend.host_blocks"
@@ -61,8 +58,7 @@ MODULES: dict[str, Kernels] = {
     OPTIMIZER_KERNELS: Kernels(),
 }
 # The child's parts, in the order it runs them (``_parts``) -> the module compiled.
-# GELU and softmax first: their stand-ins take 0.3 s of the 0.35 s of a default step on
-# the stand-in (layer norm's and the backward's take 0.03 s).
+# GELU and softmax first: their stand-ins are the slowest part of a step on the stand-in.
 PARTS: dict[str, str] = {
     "gelu": HOST_KERNELS,
     "softmax": HOST_KERNELS,
@@ -130,13 +126,11 @@ class Precompiling:
     def _watch(self, deferred: list[str]) -> None:
         """(a thread of the command) Set up numba's compiler (``tiegrad._numba.warm_up``),
         then let each part's kernels in once the child prints that the part is done
-        (``main``). The set-up (about 0.5 s, mostly holding the GIL) runs beside the
-        run's first step, which it slows, so that no switch waits for it: the run needs
-        it to load the kernels, and it is done before the child's first part (measured
-        on a cold 120-step run: the first step 0.3-0.5 s later, the tenth 0.7-1.3 s
-        sooner than with the set-up at the first switch). The child is killed after
-        ``WAIT_S``; every deferred module is let in once the child has ended, however
-        it ended (its output is read to the end)."""
+        (``main``). The set-up (mostly holding the GIL) runs beside the run's first
+        step, so that no switch waits for it: loading the kernels needs it, and it is
+        done before the child's first part. The child is killed after ``WAIT_S``; every
+        deferred module is let in once the child has ended, however it ended (its
+        output is read to the end)."""
         timer = threading.Timer(WAIT_S, _kill, (self.child,))
         timer.daemon = True
         try:
