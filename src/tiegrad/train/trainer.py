@@ -5,10 +5,10 @@ One step draws ``grad_accum`` batches, records each on a fresh tape of one
 (optional), lets the optimizer update each storage once from its current value (C3)
 and advances the schedule. Around the steps the loop evaluates every ``eval_every``
 steps, stops early when validation stops improving, and checkpoints every
-``checkpoint_every`` steps keeping the last ``keep_last`` plus the best. Its parts:
-argument checks (``arguments``), checkpoints and exact resumption (``checkpointing``),
-reporting through callbacks (``reporting``, ``callbacks``), Ctrl-C and SIGTERM
-(``signals``).
+``checkpoint_every`` steps keeping the last ``keep_last`` plus the best, and returns a
+``TrainResult`` (``result``). Its parts: argument checks (``arguments``), checkpoints
+and exact resumption (``checkpointing``), reporting through callbacks (``reporting``,
+``callbacks``), Ctrl-C and SIGTERM (``signals``).
 
 Reproducibility: ``seed`` seeds both generators the trainer owns, the data generator
 (batch order, window offsets) and the session generator (dropout); the model seeds
@@ -28,7 +28,6 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -52,6 +51,7 @@ from .checkpointing import (
 )
 from .progress import Progress
 from .reporting import Reporting
+from .result import STATUSES, TrainResult
 from .rundir import RunDir
 from .signals import SIGNALS, Interrupt
 
@@ -66,35 +66,6 @@ __all__ = [
     "rng_state",
     "set_rng_state",
 ]
-
-
-STATUSES = ("completed", "early_stopped", "interrupted")
-
-
-@dataclass
-class TrainResult:
-    """What ``Trainer.fit`` did: the final step, why it stopped, losses and paths."""
-
-    step: int
-    status: str
-    elapsed: float
-    train_loss: float | None = None
-    val_loss: float | None = None
-    best_val_loss: float | None = None
-    resumed_from: int | None = None
-    #: seconds and steps of this ``fit`` alone (``elapsed`` counts the run's total).
-    process_elapsed: float = 0.0
-    process_steps: int = 0
-    #: the steps ``train_loss`` and ``val_loss`` come from.
-    train_loss_step: int | None = None
-    val_loss_step: int | None = None
-    #: the signal that interrupted the run (``signal.SIGINT`` or ``SIGTERM``), if any.
-    signal: int | None = None
-    checkpoint: Path | None = None
-    best_checkpoint: Path | None = None
-    metrics: Path | None = None
-    metrics_csv: Path | None = None
-    plot: Path | None = None
 
 
 def patience_exhausted(bad_evals: int, patience: int | None) -> bool:
