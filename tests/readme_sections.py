@@ -20,7 +20,8 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
 _FENCE = re.compile(
-    r"(?:^<!-- docs-test: (?P<marker>.+?) -->\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```$", re.S | re.M
+    r"(?:^<!-- docs-test: (?P<marker>[^\n]+?) -->\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```$",
+    re.S | re.M,
 )
 
 
@@ -42,8 +43,13 @@ def page_path(path: str | Path) -> Path:
     return path if path.is_absolute() else ROOT / path
 
 
-def section_text(section: str, path: str | Path = README) -> str:
-    """The section of ``path`` (README.md unless given) that starts at ``section``."""
+def section_text(section: str, path: str | Path | None = None) -> str:
+    """The section of ``path`` that starts at ``section``; without ``path``, of the one
+    page among README.md and the docs pages that holds it."""
+    if path is None:
+        holders = [p for p in [README, *docs_pages()] if section in p.read_text()]
+        assert len(holders) == 1, f"{section!r} is in {[p.name for p in holders]}, not one page"
+        path = holders[0]
     path = page_path(path)
     text = path.read_text()
     assert section in text, f"no {section!r} section in {path.name}"
