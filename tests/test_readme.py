@@ -1,15 +1,31 @@
-"""Every Python example in the README runs as written."""
+"""Every Python example in the README runs as written and prints what the README shows;
+its links lead to files of the repository."""
 
 import re
-from pathlib import Path
 
 import pytest
+from readme_sections import README, ROOT, code_blocks, output_matches, run_block
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+BLOCKS = [b for b in code_blocks(README) if b.lang == "python"]
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_example_runs(code, tmp_path, monkeypatch):
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_readme_example_runs(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
+    printed = run_block(block, {"__name__": "__readme__"}, str(README))
+    if block.output is not None:
+        assert output_matches(printed, block.output), printed
+
+
+def test_the_readme_example_shows_its_output_and_stays_short():
+    (example,) = BLOCKS
+    assert example.output is not None
+    assert len(example.code.splitlines()) <= 30
+    assert len(README.read_text().splitlines()) <= 250
+
+
+def test_the_readme_links_lead_to_files_of_the_repository():
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
+    assert links
+    missing = [link for link in links if not (ROOT / link).is_file()]
+    assert not missing, missing
