@@ -8,7 +8,9 @@ few list appends: no per-op dictionaries on the hot path (DESIGN: performance).
 The tape knows nothing of parameters. ``EagerSession`` (``tiegrad.session``) adds
 them through three hooks: ``_borrow`` records a leaf whose memory another owner may
 write once the tape is reset (a storage's value, C2), ``_clear`` drops what it keeps
-per tape, and ``_result`` makes the object ``backward`` returns.
+per tape, and ``_result`` makes the object ``backward`` returns. It reads the tape's
+trainable leaves (``_grad_leaves``), whether a backward kept the tape
+(``_retained_backward``) and the result of the one that released it (``_released``).
 """
 
 from __future__ import annotations
