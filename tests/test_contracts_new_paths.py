@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tiegrad.backend.numpy_backend as nb
+import tiegrad.backend.host_dispatch as nb
 from tiegrad import DTypeError, EagerSession, IndexRangeError, Param, ParamList, ShapeError, ops
 from tiegrad.optim import Adam
 

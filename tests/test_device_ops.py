@@ -101,7 +101,7 @@ CASES = {
         lambda x: ops.self_attention(x, 3, key_padding_mask=PADDING),
         [_r(2, 4, 18)],
     ),
-    # 64 keys: batched products on torch's CPU (torch_backend._in_cache), flash elsewhere
+    # 64 keys: batched products on torch's CPU (torch_attention.in_cache), flash elsewhere
     "scaled_dot_product_attention:products": (
         lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, scale=0.4),
         [_r(2, 3, 5), _r(2, 64, 5, seed=1), _r(2, 64, 3)],
@@ -426,7 +426,7 @@ def test_attention_on_torch_cpu_runs_products_where_scores_are_small(
     monkeypatch, b, t, h, flash, causal
 ):
     """On torch's CPU, attention over at least 64 keys whose scores fit in 4 MiB runs as
-    batched products (torch_backend._in_cache); otherwise PyTorch's flash kernel. Both
+    batched products (torch_attention.in_cache); otherwise PyTorch's flash kernel. Both
     agree with PyTorch's own float32 attention within float32 rounding."""
     import torch.nn.functional as F
 

@@ -18,7 +18,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-import tiegrad.backend.numpy_backend as nb  # noqa: E402
+import tiegrad.backend.host_dispatch as nb  # noqa: E402
 import tiegrad.ops as T  # noqa: E402
 from tiegrad import EagerSession  # noqa: E402
 from tiegrad.backend import NUMPY  # noqa: E402
@@ -199,7 +199,7 @@ def test_kernel_outputs_lie_apart_from_the_input_and_each_other():
 @pytest.mark.parametrize("value, enabled", [("1", False), ("0", True)])
 def test_the_environment_switch_turns_the_kernels_off(value, enabled):
     code = (
-        "import numpy as np; import tiegrad.backend.numpy_backend as nb; "
+        "import numpy as np; import tiegrad.backend.host_dispatch as nb; "
         "print(nb._fused_kernels(np.ones(2, np.float32)) is not None)"
     )
     env = dict(os.environ, TIEGRAD_NO_NUMBA=value)

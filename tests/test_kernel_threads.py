@@ -1,4 +1,4 @@
-"""The host kernels on several threads (``numpy_backend._rows_parallel``, issue 17).
+"""The host kernels on several threads (``host_dispatch._rows_parallel``, issue 17).
 
 A large float32 kernel call of the NumPy backend runs its blocks on the pool of
 ``tiegrad._threads``, or on numba's threads where those are oneMKL's OpenMP team
@@ -20,7 +20,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-import tiegrad.backend.numpy_backend as nb  # noqa: E402
+import tiegrad.backend.host_dispatch as nb  # noqa: E402
 from tiegrad.backend import NUMPY, blas  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not nb._numba.ENABLED, reason="the kernels are switched off")

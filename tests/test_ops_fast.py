@@ -15,10 +15,11 @@ import threading
 import numpy as np
 import pytest
 
-import tiegrad.backend.numpy_backend as nb
+import tiegrad.backend.host_dispatch as nb
 import tiegrad.ops as T
 from tiegrad import EagerSession
 from tiegrad.backend import NUMPY, Backend, NumpyBackend
+from tiegrad.backend.host_special import _GELU_BLOCK
 from tiegrad.ops import _core
 
 _erfc64 = np.vectorize(math.erfc, otypes=[np.float64])
@@ -77,7 +78,7 @@ def test_gelu_float64_takes_the_exact_path():
 
 @pytest.mark.usefixtures("gelu_path")
 def test_gelu_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
-    x = np.random.default_rng(1).standard_normal((5, nb._GELU_BLOCK + 7)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((5, _GELU_BLOCK + 7)).astype(np.float32)
     monkeypatch.setenv("TIEGRAD_NUM_THREADS", "1")
     one = NUMPY.gelu(x)
     monkeypatch.setenv("TIEGRAD_NUM_THREADS", "3")

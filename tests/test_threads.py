@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tiegrad import _numba, _threads
-from tiegrad.backend import NUMPY, blas, numpy_backend
+from tiegrad.backend import NUMPY, blas, host_dispatch
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -161,7 +161,7 @@ def test_the_host_kernels_share_their_blocks_where_asked_or_on_mkls_team(monkeyp
     monkeypatch.setattr(_threads, "share", lambda run, n, t: (asked.append(t), share(run, n, t)))
     x = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
     NUMPY.gelu(x)  # the team is known after a first large call
-    team = numpy_backend.team()
+    team = host_dispatch.team()
     if team is not None:
         run = team.run
         monkeypatch.setattr(team, "run", lambda t, k, *a: (asked.append(t), run(t, k, *a))[1])

@@ -83,8 +83,8 @@ def ready(module: str, names: Iterable[str] | None = None) -> None:
 @functools.cache
 def warm_up() -> None:
     """Import numba and set up its compiler in this process, once: the first compile or
-    cache load of a process pays about 0.3 s for it (numba's target registries), here
-    for a function of nothing, compiled without the cache. Nothing without numba, or
+    cache load of a process pays for it (numba's target registries), here for a function
+    of nothing, compiled without the cache. Nothing without numba, or
     where it does not import (``kernels`` warns of that)."""
     if importlib.util.find_spec("numba") is None:
         return

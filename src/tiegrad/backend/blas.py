@@ -1,9 +1,9 @@
 """Matrix products through oneMKL when it is installed (the extra ``tiegrad[mkl]``).
 
 NumPy's wheels multiply with OpenBLAS. On x86-64, Intel's oneMKL (the PyPI package
-``mkl``) runs the float32 products of this project's workloads 20-40% faster (README,
-"Benchmarks"), so the host backend's ``matmul`` hands every product that BLAS can read in
-place to ``cblas_?gemm``, and a stack of products to one ``cblas_?gemm_batch_strided``
+``mkl``) runs the float32 products of this project's workloads faster on Intel's CPUs
+(the benchmarks' tables), so the host backend's ``matmul`` hands every product that BLAS
+can read in place to ``cblas_?gemm``, and a stack of products to one ``cblas_?gemm_batch_strided``
 (``cblas_?gemm_batch`` with per-matrix addresses where the batch axes share no stride).
 
 What goes to MKL: plain ``np.ndarray`` operands (no subclass) of one native-order dtype,
@@ -46,8 +46,7 @@ thread (``MKL_Set_Num_Threads(1)``) from its first product on. Loading also has
 ``libmkl_rt`` lies in this Python environment's ``lib`` folder and the CPU is Intel's
 (``/proc/cpuinfo`` says ``GenuineIntel``, or says no vendor), ``numpy`` never uses it,
 and ``mkl`` requires it (the import raises ``ConfigError`` when the file is missing).
-On a 2-core AMD EPYC NumPy's OpenBLAS ran every workload faster than MKL (README,
-"What each dependency buys"), on a 2-core Intel Xeon slower, hence ``auto``'s rule.
+``auto``'s rule follows the benchmarks: on AMD's CPUs NumPy's OpenBLAS is the faster.
 ``LIBRARY`` is the loaded library's file name, or None when products go to NumPy;
 ``INSTALLED`` says whether the file is there, chosen or not.
 """

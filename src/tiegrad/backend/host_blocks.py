@@ -4,19 +4,19 @@
 
 Why numba's threads. oneMKL runs its products on a GNU OpenMP team, and after each
 product that team's workers keep spinning on the other cores for a while. A second pool
-of threads (``tiegrad._threads``) competes with them for those cores; numba's ``omp``
-threading layer runs its parallel loops on the same GNU OpenMP runtime, so the kernels'
-blocks go to the team that just ran the product. Measured on 2 cores: an MKL product of
-1.79 ms followed by a parallel kernel of 1.79 ms, 3.65 ms on the ``omp`` layer, 5.63 ms
-on numba's own ``workqueue`` pool, 5.42 ms with the kernel on one thread.
-``numpy_backend`` therefore uses these drivers only where oneMKL runs on GNU OpenMP
-and numba's threading layer is ``omp`` (``shares_the_team``); everywhere else the kernels
-run as before. A block is computed by the same kernel on the same items whichever thread
-runs it, and the kernels' results do not depend on how the items are cut into blocks
-(``test_kernel_threads``), so the bits are those of the calling thread's route.
+of threads (``tiegrad._threads``, or numba's own ``workqueue`` pool) competes with them
+for those cores, and a kernel shared with it runs no faster than on one thread; numba's
+``omp`` threading layer runs its parallel loops on the same GNU OpenMP runtime, so the
+kernels' blocks go to the team that just ran the product.
+``host_dispatch`` therefore uses these drivers only where oneMKL runs on GNU OpenMP
+and numba's threading layer is ``omp`` (``shares_the_team``); everywhere else the blocks
+run on the caller's thread or ``tiegrad._threads``' pool. A block is computed by the same
+kernel on the same items whichever thread runs it, and the kernels' results do not
+depend on how the items are cut into blocks (``test_kernel_threads``), so the bits are
+those of the calling thread's route.
 
 Imported only through ``tiegrad._numba.kernels``; the drivers are compiled on their first
-use (about half a second each) and cached like the kernels. Each driver is written out:
+use and cached like the kernels. Each driver is written out:
 numba caches only functions defined in a module, and one made by a factory (a closure
 over its kernel) or taking its kernel as an argument would compile in every process.
 numba keys a cached driver on this file alone, although the kernel is compiled into it:

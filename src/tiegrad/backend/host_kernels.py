@@ -1,29 +1,27 @@
 """Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU and its VJP,
 products and sums, a scatter-add of rows, layer norm, softmax.
 
-Imported through ``tiegrad._numba.kernels``, by ``numpy_backend``, which decides when to
+Imported through ``tiegrad._numba.kernels``, by ``host_dispatch``, which decides when to
 use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
 ``host_blocks`` (their drivers on numba's threads) and ``host_reference`` (the kernels'
-constants). numba
-compiles each kernel on its first call, so a kernel a process never calls costs it no
-compile time. Every kernel takes arrays and scalars, and the elementwise
-and row kernels the range ``lo .. hi`` of elements or rows they handle; they release
-the GIL, so ``numpy_backend`` runs the blocks of one call on several threads of
-``tiegrad._threads``' pool. A kernel raises ``ValueError`` before it writes anything
-where its operands' sizes or its range disagree (numba checks no index): a mismatch
-never reads or writes outside an array. Each one reads its inputs once and writes its
-outputs once, where NumPy needs a pass over memory per ufunc; numba turns the loops
-into 8-wide vector loops. ``exp_neg`` is a vectorizable exponential (libm's ``expf``
-is a call per element that stops the vectorizer).
+constants). numba compiles each kernel on its first call, so a kernel a process never
+calls costs it no compile time. Every kernel takes arrays and scalars, and the
+elementwise and row kernels the range ``lo .. hi`` of elements or rows they handle; they
+release the GIL, so ``host_dispatch`` runs the blocks of one call on several threads.
+A kernel raises ``ValueError`` before it writes anything where its operands' sizes or
+its range disagree (numba checks no index): a mismatch never reads or writes outside an
+array. Each one reads its inputs once and writes its outputs once, where NumPy needs a
+pass over memory per ufunc; numba turns the loops into 8-wide vector loops. ``exp_neg``
+is a vectorizable exponential (libm's ``expf`` is a call per element that stops the
+vectorizer).
 
 Every vector loop indexes from 0 (a slice ``x[lo:hi]`` or a row view ``x[r]``): an
 index that may be negative (``range(lo, hi)``) makes numba wrap it around, and LLVM
-then turns each load and store into a gather or scatter; the GELU kernel ran 2.3 times
-slower that way (2.2 against 0.95 ns per element).
+then turns each load and store into a gather or scatter, several times slower.
 
 Accuracy and bits: float32 throughout, compiled without fast-math, so every operation
-rounds as written. The fused multiply-adds are explicit (``_fma``, one rounding each;
-with separate products and sums the GELU kernel ran 35% slower), and a row's sums run
+rounds as written. The fused multiply-adds are explicit (``_fma``: one rounding each,
+and faster than a product and a sum), and a row's sums run
 in the order ``_lanes`` writes out. A kernel's bits thus follow from its source alone:
 they are the same in every process however the kernel was compiled, ``host_reference``
 computes them with NumPy (while a ``tiegrad train`` child compiles the kernels), and
@@ -151,7 +149,7 @@ def _lanes(typingctx: Any, a: Any, b: Any, products: Any) -> Any:
     fast-math: under ``reassoc`` the compiler chooses it, and a kernel compiled in the
     running process summed in another order than the same kernel loaded from numba's
     cache (a resumed run then missed a straight one's bits). The same loop written with
-    eight scalar accumulators gives these bits, three times slower (LLVM keeps it
+    eight scalar accumulators gives these bits, several times slower (LLVM keeps it
     scalar).
     """
     if not (_f32_vector(a) and _f32_vector(b) and isinstance(products, types.Boolean)):

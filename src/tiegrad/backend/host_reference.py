@@ -9,9 +9,8 @@ aside; ``test_host_reference`` compares them). ``tiegrad train`` runs its first 
 on this module while a child process compiles the kernels into numba's cache, and
 switches to the kernels once it has (``tiegrad.train.precompile``,
 ``tiegrad._numba.defer``): a run's results do not depend on when that happens. It is
-10 to 100 times slower than the kernels (a fused multiply-add costs a dozen passes
-here; 0.3 against 0.07 s for a step of ``tiegrad train``'s default model), and imports
-numba only for the kernels' constants, not to compile anything.
+much slower than the kernels (a fused multiply-add costs a dozen passes here), and
+imports numba only for the kernels' constants, not to compile anything.
 
 Like the kernels, the kernel functions do not report overflow or invalid operations
 to ``np.errstate``; unlike them, they leave the checking of sizes to NumPy.

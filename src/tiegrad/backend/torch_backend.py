@@ -1,13 +1,15 @@
 """The device backend: PyTorch tensors on ``cuda``, ``mps`` or torch's CPU (``torch:cpu``).
 
-The only module of tiegrad that imports torch. It implements every method of
-``Backend`` with NumPy's names, broadcasting and dtype rules (products of mixed dtypes,
-conditions, indexes), so each op of ``tiegrad.ops`` runs unchanged on a device (DESIGN:
-layers). The arithmetic operators of the ops act on the tensors themselves and so
-promote mixed dtypes as torch does: a 0-d float64 array leaves a float32 tensor float32,
-and an integer input to a floating op gives float32 (NumPy: float64). Beyond the interface it
-offers ``upload`` / ``download`` (always copies, used by the mirror protocol, C7) and
-a ``TemporaryTracker`` counting owned temporaries (C8).
+Imported only when a device backend is asked for (``device_backend``), so ``import
+tiegrad`` never imports torch. It implements every method of ``Backend`` with NumPy's
+names, broadcasting and dtype rules (products of mixed dtypes, conditions, indexes:
+``torch_index``), so each op of ``tiegrad.ops`` runs unchanged on a device (DESIGN:
+layers); attention runs through ``torch_attention``. The arithmetic operators of the
+ops act on the tensors themselves and so promote mixed dtypes as torch does: a 0-d
+float64 array leaves a float32 tensor float32, and an integer input to a floating op
+gives float32 (NumPy: float64). Beyond the interface it offers ``upload`` /
+``download`` (always copies, used by the mirror protocol, C7) and a
+``TemporaryTracker`` counting owned temporaries (C8).
 
 Create backends through ``tiegrad.backend.device_backend``: it keeps one instance per
 device, so storages and sessions can compare backends by identity.
@@ -21,8 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import DeviceError, DTypeError, IndexRangeError
+from ..errors import DeviceError, DTypeError
 from .base import Array, Backend, DType, Shape
+from .torch_attention import in_cache, products_attention, sdpa_attention
+from .torch_index import add_at, torch_index, wrap_negative
 from .tracker import TemporaryTracker
 
 
@@ -94,36 +98,10 @@ class TorchBackend(Backend):
         return x if isinstance(x, torch.Tensor) else self.asarray(x)
 
     def index(self, index: Any) -> Any:
-        """NumPy's index as torch reads it: every array-like component a tensor on this
-        device, int64 for integers (torch reads a ``uint8`` tensor as a mask, and a nested
-        list as a tuple of indices), bool for masks; other element types, and slices of
-        negative step (torch has no such view), are an ``IndexRangeError``."""
-        if isinstance(index, tuple):
-            return tuple(self.index(i) for i in index)
-        if isinstance(index, slice) and index.step is not None and index.step < 0:
-            raise IndexRangeError(
-                f"{index!r}: a slice of negative step has no view on the torch backend; "
-                "index with an integer array instead (np.arange(n - 1, -1, -1) reverses)"
-            )
-        if isinstance(index, (np.ndarray, list)):
-            arr = np.asarray(index)
-            if not arr.size and isinstance(index, list):
-                arr = arr.astype(np.int64)  # NumPy's reading of x[[]]: no position
-            if arr.dtype.kind not in "biu":
-                raise IndexRangeError(
-                    f"an index array must hold integers or bools, got dtype {arr.dtype}"
-                )
-            return self.asarray(arr if arr.dtype.kind == "b" else arr.astype(np.int64))
-        if isinstance(index, torch.Tensor):
-            if not self._on_device(index):
-                index = index.to(self.torch_device)
-            if index.dtype == torch.uint8:
-                index = index.to(torch.int64)
-        return index
-
-    @staticmethod
-    def _wrap_negative(idx: torch.Tensor, n: int) -> torch.Tensor:
-        return torch.where(idx < 0, idx + n, idx)
+        """NumPy's index as torch reads it (``torch_index``): array-like components become
+        tensors on this device, int64 for integers, bool for masks; other element types,
+        and slices of negative step (torch has no such view), are an ``IndexRangeError``."""
+        return torch_index(self, index)
 
     # -- transfers (C7) --------------------------------------------------------------
     def upload(self, x: Any) -> torch.Tensor:
@@ -361,24 +339,14 @@ class TorchBackend(Backend):
         self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
     ) -> tuple[Array, Any] | None:
         """PyTorch's ``scaled_dot_product_attention``; on torch's CPU, where the scores are
-        small (``_in_cache``), batched products and torch's softmax kernels instead."""
+        small (``in_cache``), batched products and torch's softmax kernels instead."""
         if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or not (
             q.dtype == k.dtype == v.dtype
         ):
             return None
-        if self.torch_device.type == "cpu" and _in_cache(q, k):
-            return _products_attention(q, k, v, causal, scale, want)
-        if not want:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-            return out, None
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():
-            out = F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale)
-
-        def vjp(g: Array) -> tuple[Array, Array, Array]:
-            return torch.autograd.grad(out, leaves, g, retain_graph=True)
-
-        return out.detach(), vjp
+        if self.torch_device.type == "cpu" and in_cache(q, k):
+            return products_attention(q, k, v, causal, scale, want)
+        return sdpa_attention(q, k, v, causal, scale, want)
 
     # -- reductions and shape ----------------------------------------------------------
     def sum(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:
@@ -476,7 +444,7 @@ class TorchBackend(Backend):
     def take(self, x: Array, indices: Array, axis: int = 0) -> Array:
         axis %= x.ndim
         idx = self._tensor(self.index(indices)).to(torch.int64)
-        idx = self._wrap_negative(idx, x.shape[axis])
+        idx = wrap_negative(idx, x.shape[axis])
         out = torch.index_select(x, axis, idx.reshape(-1))
         if idx.ndim == 1:
             return out
@@ -484,29 +452,11 @@ class TorchBackend(Backend):
 
     def take_along_axis(self, x: Array, indices: Array, axis: int) -> Array:
         idx = self._tensor(self.index(indices)).to(torch.int64)
-        return torch.take_along_dim(x, self._wrap_negative(idx, x.shape[axis]), dim=axis)
+        return torch.take_along_dim(x, wrap_negative(idx, x.shape[axis]), dim=axis)
 
     def accumulate_at(self, out: Array, index: Any, values: Array) -> None:
         """``out[index] += values`` with repeated indices accumulated, like ``np.add.at``."""
-        index = self.index(index)
-        values = self._tensor(values).to(out.dtype)
-        parts = index if isinstance(index, tuple) else (index,)
-        arrays = [p for p in parts if isinstance(p, torch.Tensor)]
-        if not arrays:  # basic indexing selects each element at most once
-            out[index] += values
-            return
-        if (
-            len(parts) == 1
-            and not arrays[0].dtype.is_floating_point
-            and arrays[0].dtype != torch.bool
-        ):
-            idx = self._wrap_negative(arrays[0].to(torch.int64), out.shape[0]).reshape(-1)
-            rows = torch.broadcast_to(values, tuple(arrays[0].shape) + tuple(out.shape[1:]))
-            out.index_add_(0, idx, rows.reshape((-1,) + tuple(out.shape[1:])))
-            return
-        positions = torch.arange(out.numel(), device=out.device).reshape(out.shape)[index]
-        flat = torch.broadcast_to(values, tuple(positions.shape)).reshape(-1)
-        out.view(-1).index_add_(0, positions.reshape(-1), flat)
+        add_at(out, self.index(index), self._tensor(values).to(out.dtype))
 
     def index_add(self, out: Array, indices: Array, values: Array) -> None:
         out.index_add_(0, self.index(indices).to(torch.int64), self._tensor(values).to(out.dtype))
@@ -519,62 +469,3 @@ class TorchBackend(Backend):
         """Samples from the session's NumPy generator, uploaded: the same stream as the host."""
         np_dtype = np.dtype(self.dtype_name(self.to_dtype(dtype)))
         return self.asarray(generator.random(tuple(shape), dtype=np_dtype))
-
-
-# Attention on torch's CPU: batched products beat PyTorch's flash kernel where each
-# head's scores span at least _KEYS_MIN keys and all of a call's scores stay within
-# _SCORES_MAX bytes (cache-resident). Forward and backward together, 2-core AMD EPYC,
-# torch 2.13, each in its own process: (B, T, H, D) = (32, 64, 4, 32) 3.6 against
-# 4.7-7.2 ms, (16, 128, 8, 64) 17.9 against 21.5 ms; flash was faster with 32 keys
-# ((64, 32, 4, 32): 6.7 against 3.4-4.5 ms) and with 8 MB of scores at 64 keys.
-_KEYS_MIN = 64
-_SCORES_MAX = 4 << 20
-_PRODUCTS_DTYPES = (torch.float32, torch.float64)
-
-
-def _in_cache(q: Array, k: Array) -> bool:
-    """Whether attention of ``q`` over ``k`` runs as batched products (see above); q and
-    k have the same leading axes (``fused_attention`` checks), so the scores are q's
-    rows times the keys."""
-    tk = k.shape[-2]
-    scores = q.shape[:-1].numel() * tk * q.element_size()
-    return q.dtype in _PRODUCTS_DTYPES and tk >= _KEYS_MIN and scores <= _SCORES_MAX
-
-
-def _products_attention(
-    q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
-) -> tuple[Array, Any]:
-    """``softmax(q k^T * scale + mask) v`` as ``scaled_dot_product_attention``'s math:
-    batched products and torch's softmax kernels, within float rounding of the flash
-    kernel's results (not bit for bit). A query whose scores are all ``-inf`` (every key
-    hidden, or products overflowing) gets zeros and no gradient, as from the flash
-    kernel and the host (without torch's ``_safe_softmax``, 4x the softmax's time, and
-    without a synchronisation); NaN stays NaN, and an infinite or NaN value reaching
-    such a row through v or k makes its gradient NaN, as on the host. The VJP keeps the
-    probabilities (``_in_cache`` bounds them) and q, k and v as batches of matrices
-    (copies of strided views)."""
-    lead, tq, tk = q.shape[:-2], q.shape[-2], k.shape[-2]
-    q3, k3, v3 = (t.reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
-    if causal:  # key j hidden from query i when j > i (top-left aligned, as is_causal)
-        bias = torch.full((tq, tk), -torch.inf, dtype=q.dtype, device=q.device).triu_(1)
-        scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)
-    else:
-        scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)
-    # softmax gives NaN rows for a NaN or +inf score and for -inf scores only; the
-    # last become zeros, the others stay NaN (the rows whose maximum is not below inf)
-    top = scores.amax(-1, keepdim=True)
-    p = torch.softmax(scores, -1).nan_to_num_(0.0)
-    p.mul_(torch.where(top < torch.inf, 1.0, torch.nan))
-    out = torch.bmm(p, v3).reshape(lead + (tq, v.shape[-1]))
-    if not want:
-        return out, None
-
-    def vjp(g: Array) -> tuple[Array, Array, Array]:
-        g3 = g.reshape((-1, tq, g.shape[-1])).to(p.dtype)  # a wider cotangent: p's dtype
-        gv = torch.bmm(p.transpose(1, 2), g3)
-        gs = torch._softmax_backward_data(torch.bmm(g3, v3.transpose(1, 2)), p, -1, p.dtype)
-        gq = torch.bmm(gs, k3).mul_(scale)
-        gk = torch.bmm(gs.transpose(1, 2), q3).mul_(scale)
-        return gq.reshape(q.shape), gk.reshape(k.shape), gv.reshape(v.shape)
-
-    return out, vjp

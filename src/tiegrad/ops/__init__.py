@@ -8,7 +8,7 @@ library directly, so the same op runs on NumPy and on torch devices.
 Importing this package also installs the operators of ``TensorRef``.
 """
 
-from ..session import TensorRef
+from ..tape import TensorRef
 from .arithmetic import add, div, matmul, mul, neg, pow, sub
 from .attention import scaled_dot_product_attention, self_attention
 from .conv import conv2d, max_pool2d

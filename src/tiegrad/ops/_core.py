@@ -16,12 +16,12 @@ import numpy as np
 
 from ..backend import Array, Backend
 from ..errors import DTypeError, HyperparameterError, IndexRangeError, ShapeError, TapeError
-from ..session import EagerSession, TensorRef
+from ..tape import Tape, TensorRef
 
 # -- operands ------------------------------------------------------------------------------
 
 
-def session_of(*xs: Any) -> EagerSession:
+def session_of(*xs: Any) -> Tape:
     """The session of the TensorRefs among ``xs``, checking each is live and local."""
     s = None
     for x in xs:
@@ -35,7 +35,7 @@ def session_of(*xs: Any) -> EagerSession:
     return s
 
 
-def ref_pair(a: Any, b: Any) -> EagerSession | None:
+def ref_pair(a: Any, b: Any) -> Tape | None:
     """The session of ``a`` and ``b`` when both are refs (checked live and local), else None.
 
     The fast path of binary ops: a few attribute compares instead of ``session_of``
@@ -51,7 +51,7 @@ def ref_pair(a: Any, b: Any) -> EagerSession | None:
     return s
 
 
-def value_of(s: EagerSession, x: Any) -> Array:
+def value_of(s: Tape, x: Any) -> Array:
     """The array of operand ``x``: a ref's value, or ``x`` converted; records nothing.
 
     ``x`` must have been checked by ``session_of`` when it is a ref.
@@ -59,7 +59,7 @@ def value_of(s: EagerSession, x: Any) -> Array:
     return x.value if isinstance(x, TensorRef) else s._array(x)
 
 
-def lift(s: EagerSession, x: Any, value: Array | None = None) -> TensorRef:
+def lift(s: Tape, x: Any, value: Array | None = None) -> TensorRef:
     """``x`` as a ref of ``s``: refs are checked, arrays and lists become constants.
 
     ``value`` is ``x`` already converted by ``value_of`` (saves converting twice).
@@ -73,7 +73,7 @@ def lift(s: EagerSession, x: Any, value: Array | None = None) -> TensorRef:
 
 def operands(
     op: str, a: Any, b: Any, check: Callable[[str, Array, Array], None]
-) -> tuple[EagerSession, TensorRef, TensorRef]:
+) -> tuple[Tape, TensorRef, TensorRef]:
     """Session and refs of two operands, at least one a ref.
 
     ``check(op, a_value, b_value)`` runs before an array operand is recorded as a
@@ -85,7 +85,7 @@ def operands(
     return s, lift(s, a, av), lift(s, b, bv)
 
 
-def vector_value(s: EagerSession, op: str, name: str, x: Any, n: int, of: str, shape: Any) -> Array:
+def vector_value(s: Tape, op: str, name: str, x: Any, n: int, of: str, shape: Any) -> Array:
     """The value of operand ``x``, which must have shape ``(n,)`` (fixed by the ``of``
     operand, of shape ``shape``: named in the error only, made only then)."""
     xv = value_of(s, x)
@@ -98,7 +98,7 @@ def vector_value(s: EagerSession, op: str, name: str, x: Any, n: int, of: str, s
 
 
 def affine_operands(
-    s: EagerSession, op: str, x: Any, xv: Array, weight: Any, wv: Array, bias: Any, n_out: int
+    s: Tape, op: str, x: Any, xv: Array, weight: Any, wv: Array, bias: Any, n_out: int
 ) -> tuple[list[TensorRef], Array | None]:
     """Refs of ``x``, ``weight`` and, if given, ``bias`` (in that order), and the bias value.
 
@@ -297,7 +297,7 @@ def swap_last(bk: Backend, x: Array) -> Array:
 # -- gradients, losses, indices ------------------------------------------------------------
 
 
-def needs_grad(s: EagerSession, ref: TensorRef) -> bool:
+def needs_grad(s: Tape, ref: TensorRef) -> bool:
     """Whether the node of ``ref`` takes a cotangent (VJPs skip the others' work).
 
     A VJP runs only for nodes recorded with gradients enabled, so the flag suffices.
@@ -313,7 +313,7 @@ def check_reduction(op: str, reduction: str) -> None:
         )
 
 
-def int_array(s: EagerSession, op: str, x: Any) -> Array:
+def int_array(s: Tape, op: str, x: Any) -> Array:
     """Integer index data (targets, token ids) as a backend array: refs give their value."""
     bk = s.backend
     if isinstance(x, TensorRef):
@@ -362,7 +362,7 @@ def host_targets(op: str, x: Any, ignore_index: int, n: int, extra: str = "") ->
 
 
 def check_index_range(
-    s: EagerSession, op: str, what: str, idx: Array, n: int, extra: str = "", host: Any = None
+    s: Tape, op: str, what: str, idx: Array, n: int, extra: str = "", host: Any = None
 ) -> None:
     """Raise ``IndexRangeError`` unless every integer of ``idx`` lies in ``[0, n)``.
 

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import DTypeError, ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import (
     broadcast_error,
     check_broadcast,

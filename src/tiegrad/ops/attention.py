@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import _checks
 from ..errors import DTypeError, ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import (
     lift,
     needs_grad,

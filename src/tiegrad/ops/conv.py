@@ -7,7 +7,7 @@ from typing import Any
 from .._checks import count
 from ..backend import Array, Backend
 from ..errors import ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import affine_operands, needs_grad, session_of, value_of
 
 

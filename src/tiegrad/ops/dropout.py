@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import _checks
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import session_of
 from .reduce import half_to_float32
 

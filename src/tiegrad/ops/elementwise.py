@@ -10,7 +10,7 @@ import math
 from functools import partial
 
 from ..errors import HyperparameterError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import session_of
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

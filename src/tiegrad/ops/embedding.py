@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import check_index_range, host_indices, int_array, session_of
 
 

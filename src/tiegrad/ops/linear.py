@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import affine_operands, session_of, sum_rows, value_of
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import _checks
 from ..errors import ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import (
     check_index_range,
     check_reduction,

@@ -7,7 +7,7 @@ from typing import Any
 
 from .._checks import positive
 from ..errors import ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import lift, needs_grad, session_of, sum_last, sum_rows, value_of, vector_value
 from .reduce import half_to_float32
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..backend import Array, Backend
 from ..errors import ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import normalize_axes, session_of
 
 

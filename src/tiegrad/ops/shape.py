@@ -7,7 +7,7 @@ from numbers import Integral
 from typing import Any
 
 from ..errors import IndexRangeError, ShapeError
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import check_broadcast, lift, scalar_value, session_of, unbroadcast, value_of
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..session import TensorRef
+from ..tape import TensorRef
 from ._core import one_axis, session_of
 
 
