@@ -9,21 +9,19 @@ accumulate) with torch's ``index_add_``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import IndexRangeError
-
-if TYPE_CHECKING:
-    from .torch_backend import TorchBackend
+from .base import Backend
 
 
-def torch_index(bk: TorchBackend, index: Any) -> Any:
-    """NumPy's index as torch reads it: every array-like component a tensor on ``bk``'s
-    device, int64 for integers, bool for masks; other element types, and slices of
-    negative step, are an ``IndexRangeError``."""
+def torch_index(bk: Backend, index: Any) -> Any:
+    """NumPy's index as torch reads it: every array-like component a tensor on the
+    device of ``bk`` (a ``TorchBackend``), int64 for integers, bool for masks; other
+    element types, and slices of negative step, are an ``IndexRangeError``."""
     if isinstance(index, tuple):
         return tuple(torch_index(bk, i) for i in index)
     if isinstance(index, slice) and index.step is not None and index.step < 0:
