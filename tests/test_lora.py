@@ -443,3 +443,9 @@ def test_a_copy_of_an_adapted_model_is_independent():
     np.testing.assert_array_equal(logits(twin, x), logits(model, x))
     disable(twin)
     assert not np.array_equal(logits(twin, x), logits(model, x))
+
+
+@pytest.mark.parametrize("call", [lambda m: add_lora(m, "c_attn"), merge, disable, unload])
+def test_a_model_that_is_not_a_module_is_named(call):
+    with pytest.raises(TiegradError, match="expected a tiegrad Module, got ParamList"):
+        call(gpt2().parameters())

@@ -23,6 +23,7 @@ peft = pytest.importorskip("peft")
 
 from tiegrad import CheckpointError, EagerSession  # noqa: E402
 from tiegrad.adapters import adapter_names, add_lora, merge, unload  # noqa: E402
+from tiegrad.checkpoint.fileio import read_safetensors, write_safetensors  # noqa: E402
 from tiegrad.interop.peft import load_adapter, save_adapter  # noqa: E402
 from tiegrad.models import GPT2  # noqa: E402
 from tiegrad.optim import AdamW  # noqa: E402
@@ -86,8 +87,6 @@ def peft_factors(pm) -> dict[str, np.ndarray]:
 
 def tiegrad_factors(model, folder) -> dict[str, np.ndarray]:
     """The tiegrad model's adapter tensors by PEFT's names (through save_adapter)."""
-    from tiegrad.checkpoint.fileio import read_safetensors
-
     save_adapter(model, folder)
     file = read_safetensors(os.fspath(folder / "adapter_model.safetensors"))
     return {name: file.array(name) for name in file.tensors}
@@ -145,6 +144,28 @@ def test_tiegrad_loads_what_peft_saves(base, tmp_path, targets, extra):
         assert model.transformer.h[1].attn.c_attn.lora.trained.rank == 2
 
 
+LAYER_1 = "base_model.model.transformer.h.1.attn.c_attn"
+PEFT_HEAD = "base_model.model.lm_head"
+
+
+def _edit_tensors(folder, edit):
+    """Rewrite the adapter file with ``edit`` applied to its ``{name: array}``."""
+    path = os.fspath(folder / "adapter_model.safetensors")
+    file = read_safetensors(path)
+    tensors = {k: file.array(k) for k in file.tensors}
+    edit(tensors)
+    write_safetensors(path, tensors, file.metadata)
+
+
+def test_a_base_weight_in_the_file_equal_to_the_models_is_accepted(base, tmp_path):
+    model = GPT2.from_pretrained(base)
+    add_lora(model, "lm_head")
+    save_adapter(model, tmp_path)
+    head = model.lm_head.weight.value
+    _edit_tensors(tmp_path, lambda t: t.update({f"{PEFT_HEAD}.base_layer.weight": head}))
+    assert load_adapter(GPT2.from_pretrained(base), tmp_path) == [HEAD]
+
+
 def _edit_config(folder, **changes):
     path = folder / "adapter_config.json"
     config = json.loads(path.read_text())
@@ -161,6 +182,8 @@ def _edit_config(folder, **changes):
         ("rank", "needs (3, 32)"),
         ("missing_factor", "lora_B.weight' is missing"),
         ("regex_targets", "target_modules must be a list"),
+        ("changed_base", "differs from the model's lm_head.weight"),
+        ("unexpected", "unexpected tensor 'base_model.model.lm_head.lora_magnitude_vector'"),
     ],
 )
 def test_a_mismatched_adapter_is_refused_before_anything_changes(
@@ -185,16 +208,13 @@ def test_a_mismatched_adapter_is_refused_before_anything_changes(
     elif defect == "regex_targets":
         _edit_config(folder, target_modules=".*c_attn")
     elif defect == "missing_factor":
-        from tiegrad.checkpoint.fileio import read_safetensors, write_safetensors
-
-        path = os.fspath(folder / "adapter_model.safetensors")
-        file = read_safetensors(path)
-        kept = {
-            k: file.array(k)
-            for k in file.tensors
-            if not k.endswith("h.1.attn.c_attn.lora_B.weight")
-        }
-        write_safetensors(path, kept, file.metadata)
+        _edit_tensors(folder, lambda t: t.pop(f"{LAYER_1}.lora_B.weight"))
+    elif defect == "changed_base":
+        changed = source.lm_head.weight.value + 1.0
+        _edit_tensors(folder, lambda t: t.update({f"{PEFT_HEAD}.base_layer.weight": changed}))
+    elif defect == "unexpected":
+        vector = np.ones(100, np.float32)
+        _edit_tensors(folder, lambda t: t.update({f"{PEFT_HEAD}.lora_magnitude_vector": vector}))
     model = GPT2.from_pretrained(base)
     before = [(p, h.storage, h.requires_grad, h.value.tobytes()) for p, h in model.named_slots()]
     with pytest.raises(CheckpointError) as e:

@@ -209,9 +209,16 @@ def tie_groups(model: Module, chosen: Sequence[Layer]) -> list[tuple[Layer, ...]
     return [tuple(by_storage[k]) for k in keys]
 
 
+def check_model(model: Any, op: str) -> None:
+    """``model`` must be a ``Module`` (a ``TiegradError`` otherwise)."""
+    if not isinstance(model, Module):
+        raise TiegradError(f"{op}: expected a tiegrad Module, got {type(model).__name__}")
+
+
 def check_name(model: Module, name: Any, op: str) -> str:
     """``name`` as a new adapter name of ``model``: an identifier that names no attribute
     of an adapter container (ConfigError) and no adapter of ``model`` yet (SlotError)."""
+    check_model(model, op)
     if (
         not isinstance(name, str)
         or not name.isidentifier()
@@ -311,6 +318,7 @@ def _sync_trainable(model: Module) -> None:
 
 
 def _require(model: Module, op: str) -> list[Layer]:
+    check_model(model, op)
     layers = adapted_layers(model)
     if not layers:
         raise TiegradError(f"{op}: {model.label()} has no adapters (add_lora or load_adapter)")

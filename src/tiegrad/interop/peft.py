@@ -43,6 +43,7 @@ from ..adapters.lora import (
     adaptable_layers,
     adapted_layers,
     attach,
+    check_model,
     check_name,
     matches,
 )
@@ -119,6 +120,7 @@ def save_adapter(
     the configuration as given.
     """
     where = f"{Path(directory) / WEIGHTS}"
+    check_model(model, "save_adapter")
     name = active_adapter(model) if name is None else name
     holders = [
         (layer, layer.adapters.get(name))
@@ -126,7 +128,8 @@ def save_adapter(
         if name in layer.adapters.names()
     ]
     if not holders:
-        raise SlotError(f"save_adapter: {model.label()} has no adapter {name!r}")
+        which = "adapters" if name is None else f"adapter {name!r}"
+        raise SlotError(f"save_adapter: {model.label()} has no {which} (add_lora or load_adapter)")
     tensors: dict[str, np.ndarray] = {}
     groups: dict[int, list[str]] = {}
     for layer, adapter in holders:
