@@ -449,3 +449,24 @@ def test_a_copy_of_an_adapted_model_is_independent():
 def test_a_model_that_is_not_a_module_is_named(call):
     with pytest.raises(TiegradError, match="expected a tiegrad Module, got ParamList"):
         call(gpt2().parameters())
+
+
+def test_adapters_train_on_a_device_session_as_on_the_host():  # C7
+    pytest.importorskip("torch")
+    host, device = gpt2(), gpt2()
+    for model in (host, device):
+        add_lora(model, ["c_attn", "lm_head", "wte"], rank=2)
+        randomize_adapters(model)
+    device.to("torch:cpu")
+    opts = {"host": adamw(host), "device": adamw(device)}
+    for step in range(3):
+        batch = ids((2, 10), seed=step)
+        for kind, model in (("host", host), ("device", device)):
+            s = EagerSession(device=None if kind == "host" else "torch:cpu")
+            opts[kind].step(s.backward(model.loss(s, batch[:, :-1], batch[:, 1:])))
+    for (path, a), (_, b) in zip(host.named_slots(), device.named_slots()):
+        np.testing.assert_allclose(b.value_synced(), a.value, rtol=0, atol=1e-5, err_msg=path)
+    merge(host, untie=True)
+    merge(device, untie=True)  # reads the synced values (C7)
+    for (path, a), (_, b) in zip(host.named_slots(), device.named_slots()):
+        np.testing.assert_allclose(b.value_synced(), a.value, rtol=0, atol=1e-5, err_msg=path)
