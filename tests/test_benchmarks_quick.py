@@ -28,6 +28,7 @@ PAIRS = {
     "W4": {("tiegrad", "torch"), ("tiegrad", "torch fused")},
     "W5": {("tiegrad", "torch")},
     "G1": {("tiegrad", "torch")},
+    "G2": {("tiegrad", "torch")},
     "D1": {("tiegrad", "torch DDP")},
 }
 
@@ -39,7 +40,7 @@ def quick_report():
 
 def test_quick_run_produces_every_row(quick_report):
     by_id = {w["id"]: w for w in quick_report["workloads"]}
-    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "D1"]
+    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "G2", "D1"]
     for wid, pairs in PAIRS.items():
         rows = by_id[wid]["rows"]
         got = {(r["tiegrad"], r["torch"]) for r in rows}

@@ -3,12 +3,14 @@
 A workload module has ``ID``, ``TITLE``, ``STEPS`` (warm-up and timed steps of a full
 run), ``make_data()`` (NumPy batches and initial weights, shared by every side) and
 ``build(data, sides=None)`` returning a ``runner.Built``; optionally
-``extras(stats)`` for figures of its own (W5's GEMM bound). G1 (issue 18) needs transformers.
+``extras(stats)`` for figures of its own (W5's GEMM bound, G2's optimizer state). G1
+(issue 18) needs transformers, G2 (issue 41) peft too.
 """
 
 from . import (
     d1_data_parallel,
     g1_gpt2,
+    g2_lora,
     w1_tied_lm,
     w2_small_mlp,
     w3_shared_reuse,
@@ -25,6 +27,7 @@ WORKLOADS = {
         w4_optimizer,
         w5_matmul,
         g1_gpt2,
+        g2_lora,
         d1_data_parallel,
     )
 }

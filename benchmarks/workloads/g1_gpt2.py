@@ -47,7 +47,7 @@ def _tiegrad_loss(model: Any, session: Any, x: Any, y: Any) -> Any:
     return model.loss(session, x, y)
 
 
-def _torch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def torch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(x, use_cache=False).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -69,5 +69,5 @@ def build(data: dict[str, Any], sides: Collection[str] | None = None) -> Built:
 
         hf = transformers.GPT2LMHeadModel.from_pretrained(folder).train()
         optimizer = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        built.sides.append(TorchTrainer(hf, optimizer, _torch_loss, data["batches"]).side())
+        built.sides.append(TorchTrainer(hf, optimizer, torch_loss, data["batches"]).side())
     return built

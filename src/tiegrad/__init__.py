@@ -1,6 +1,6 @@
 """tiegrad: eager autodiff and training with explicit, tieable parameter storage."""
 
-from . import data, models, nn, ops, optim, train
+from . import adapters, data, models, nn, ops, optim, train
 from .checkpoint import LoadResult, inspect, load, save
 from .errors import (
     AliasError,
@@ -59,6 +59,7 @@ __all__ = [
     "TapeError",
     "TensorRef",
     "TiegradError",
+    "adapters",
     "data",
     "models",
     "nn",
