@@ -53,6 +53,8 @@ from ..models.gpt2 import Conv1D
 from ..nn.layers import Embedding
 from ..nn.module import Module
 
+__all__ = ["load_adapter", "save_adapter"]
+
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
