@@ -9,9 +9,9 @@ paths, frozen uses, optimizer slots and checkpoint copies. Layer constructors ta
 from .attention import MultiHeadAttention, TransformerBlock
 from .conv import Conv2d, MaxPool2d
 from .layers import GELU, MLP, Dropout, Embedding, Flatten, LayerNorm, Linear, ReLU, Tanh
-from .module import Module, ModuleList, Sequential
+from .module import Module, ModuleList, Sequential, set_trainable
 from .summary import summary
-from .tying import set_trainable, tie, untie
+from .tying import tie, untie
 
 __all__ = [
     "Conv2d",
