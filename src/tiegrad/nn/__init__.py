@@ -1,4 +1,4 @@
-"""Modules, layers, tying and freezing (issue 5).
+"""Modules, layers, tying and freezing by path (C1, C4, C5).
 
 ``Module`` registers ``Param``s and submodules by attribute; ``tie``/``untie`` and
 ``Module.freeze``/``unfreeze`` work on dotted paths; ``summary`` reports storages,
