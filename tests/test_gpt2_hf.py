@@ -251,9 +251,45 @@ def test_bad_files_change_nothing(saved, tmp_path, defect):
         model.load_pretrained(tmp_path)
     for path, value in values(model).items():
         np.testing.assert_array_equal(value, before[path], err_msg=path)
-    if defect == "missing":  # from_pretrained counts the elements before building
-        expected = r"config.json: describes a model of \d+ elements, but the weights in"
     with pytest.raises(CheckpointError, match=expected):
+        GPT2.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "defect, missing, unexpected",
+    [
+        ("missing", ["transformer.h.1.mlp.c_fc.weight"], []),
+        ("unexpected", [], ["transformer.h.0.attn.c_attn.scale"]),
+        ("renamed", ["transformer.h.0.ln_2.bias"], ["transformer.h.0.ln_2.beta"]),
+    ],
+)
+def test_from_pretrained_names_missing_and_unexpected_tensors_before_counting(
+    saved, tmp_path, defect, missing, unexpected
+):  # C6: the names come first; the element count is for what names cannot explain
+    _, folder = saved
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+
+    def edit(t):
+        for name in missing:
+            value = t.pop(name)
+        for name in unexpected:
+            t[name] = value if missing else np.ones(3, np.float32)
+
+    _rewrite(tmp_path, edit)
+    with pytest.raises(CheckpointError) as err:
+        GPT2.from_pretrained(tmp_path)
+    message = str(err.value)
+    assert f"missing {missing}, unexpected {unexpected}" in message
+    assert "the GPT2 of its config.json" in message and "elements" not in message
+
+
+def test_from_pretrained_counts_elements_where_every_name_is_there(saved, tmp_path):  # C6
+    _, folder = saved
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, n_embd=64)))
+    with pytest.raises(CheckpointError, match=r"describes a model of \d+ elements.*other shapes"):
         GPT2.from_pretrained(tmp_path)
 
 

@@ -40,6 +40,13 @@ def test_a_config_larger_than_its_weights_is_refused_before_building(tmp_path):
         GPT2.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("extra", [{}, {"n_inner": 12, "tie_word_embeddings": False}])
+def test_gpt2_layout_is_the_built_model(extra):  # C5: the paths from_pretrained checks
+    model = GPT2(**TINY, **extra)
+    layout = GPT2.layout(GPT2.check_config(model.config))
+    assert layout == [(path, p.shape) for path, p in model.named_slots()]
+
+
 def test_float16_attention_dropout_keeps_float16():
     model = GPT2(**TINY, attn_pdrop=0.1, dtype="float16")
     model.train()

@@ -59,7 +59,7 @@ class CheckpointError(TiegradError):
 
 
 class ConfigError(TiegradError, ValueError):
-    """A configuration key or value is invalid (trainer and command line)."""
+    """A configuration key or value is invalid (a model's, the trainer's, the command line's)."""
 
 
 class DistributedError(TiegradError):

@@ -1,17 +1,18 @@
 """``DataParallel``: one model replicated on every rank of the group, kept identical.
 
-Wrapping checks that every rank holds the same slot layout (paths, shapes, dtypes,
-trainability, ties: the checkpoint schema's ``SlotRecord``, C5, C9) and shows both
-layouts when one differs; ``start`` broadcasts every storage from rank 0 and checks
-that the ranks agree on the trainer's position and data generator, so all ranks draw
-the same global batches. Each step, ``backward`` (or ``average`` after a plain
-backward) gives the canonical gradients' mean over the ranks (``GradientBuckets``;
-with ``overlap`` each bucket's all-reduce starts during the backward sweep, equal bit
-for bit to averaging afterwards) and ``end_step`` averages the loss,
-sums the items and stops every rank when any was signalled; every
-``check_every`` steps a checksum of every storage (Adler-32 of its bytes) is compared
-across ranks, and a mismatch is a ``DistributedError`` naming the first rank and slot
-that differ from rank 0.
+- Wrapping checks that every rank holds the same slot layout (paths, shapes, dtypes,
+  trainability, ties: the checkpoint schema's ``SlotRecord``, C5, C9) and shows both
+  layouts when one differs.
+- ``start`` broadcasts every storage from rank 0 and checks that the ranks agree on the
+  trainer's position and data generator, so all ranks draw the same global batches.
+- Each step, ``backward`` (or ``average`` after a plain backward) gives the mean over
+  the ranks of the canonical gradients, one per trainable storage (C4, C5;
+  ``GradientBuckets``). With ``overlap`` each bucket's all-reduce starts during the
+  backward sweep, with the same bits as averaging afterwards.
+- ``end_step`` averages the loss, sums the items and stops every rank when any was
+  signalled; every ``check_every`` steps a checksum of every storage (Adler-32 of its
+  bytes) is compared across ranks, and a mismatch is a ``DistributedError`` naming the
+  first rank and slot that differ from rank 0.
 """
 
 from __future__ import annotations
@@ -167,11 +168,14 @@ class DataParallel:
         return self.buckets.average(gradients, self.world_size, self._on_gpu)
 
     def backward(self, session: Any, loss: Any, optimizer: Any) -> list[Any]:
-        """The averaged canonical gradients of ``loss``: bit for bit
-        ``average(optimizer.canonical_gradients(session.backward(loss), allow_missing=True))``,
-        which is what runs without ``overlap``. With it, each bucket is packed and its all-reduce
-        launched during the sweep; the gradients are validated as ``optimizer`` does. A
-        storage this rank did not use contributes zeros (another rank may have used it)."""
+        """The averaged canonical gradients of ``loss``.
+
+        Without ``overlap``: ``average(optimizer.canonical_gradients(session.backward(loss),
+        allow_missing=True))``. With it, each bucket is packed and its all-reduce launched
+        during the sweep, with the same bits; the gradients are validated as ``optimizer``
+        does (C6). A storage this rank did not use contributes zeros (another rank may
+        have used it).
+        """
         if not self.overlap:
             grads = optimizer.canonical_gradients(session.backward(loss), allow_missing=True)
             return self.average(grads)

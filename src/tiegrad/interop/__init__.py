@@ -1,5 +1,5 @@
 """Models in and out: PyTorch modules (``from_torch``/``to_torch``) and Hugging Face GPT-2
-directories (``hf``, used by ``tiegrad.models.GPT2``), ties kept (C1, issue 18).
+directories (``hf``, which ``tiegrad.models.GPT2`` calls), ties kept (C1).
 
 Nothing here imports torch or transformers at import time.
 """

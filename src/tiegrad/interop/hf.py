@@ -14,7 +14,12 @@ hub's files) gets the head tied to ``transformer.wte.weight`` when
 are equal and is refused when they differ, unless ``tie_word_embeddings`` is false, in
 which case the two are loaded untied. Every tensor's presence, shape and dtype is
 checked before any value is written (C6); missing or unexpected names are one
-``CheckpointError`` listing them.
+``CheckpointError`` listing them, and they are checked first, so that the error names
+the tensor rather than a count.
+
+The functions take the model (or, to build one, its class: ``GPT2``) as an argument and
+import nothing from ``tiegrad.models``: ``GPT2``'s ``from_pretrained``/``save_pretrained``
+call in here, so the dependency points one way.
 """
 
 from __future__ import annotations
@@ -22,16 +27,20 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..checkpoint.fileio import SafetensorsFile, read_safetensors, write_safetensors
 from ..errors import CheckpointError, ConfigError, HyperparameterError
+from ..nn.module import Module
 
-if TYPE_CHECKING:
-    from ..models.gpt2 import GPT2
+#: The model class ``load_gpt2`` builds (``GPT2``: ``check_config``, ``layout``).
+ModelT = TypeVar("ModelT", bound=Module)
+#: ``{full name: (file, name in the file)}``, as ``read_tensors`` gives it.
+Tensors = dict[str, tuple[SafetensorsFile, str]]
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -86,33 +95,57 @@ def model_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     return {k: config[k] for k in CONFIG_KEYS if k in config}
 
 
-def load_gpt2(directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2:
-    """A ``GPT2`` built from ``config.json`` with the directory's weights loaded.
+def load_gpt2(
+    cls: type[ModelT], directory: str | os.PathLike[str], dtype: Any = "float32"
+) -> ModelT:
+    """A model of class ``cls`` (``GPT2``) built from ``config.json``, the directory's
+    weights loaded.
 
-    The configuration is checked against the tensors' headers before anything is
-    built: a model with more elements than the files hold is a ``CheckpointError``, so a
-    ``config.json`` from elsewhere cannot make it allocate more than its weights.
+    Before anything is built, the tensors are checked against ``cls.layout`` of the
+    configuration: first the names (missing and unexpected ones listed), then the element
+    count, which catches what names cannot (a configuration of another width), so a
+    ``config.json`` from elsewhere cannot make it allocate more than its weights (C6).
     """
-    from ..models.gpt2 import GPT2
-
     config = read_config(directory)
     try:
-        args = GPT2.check_config(dict(model_kwargs(config), dtype=dtype))
-    except (ConfigError, HyperparameterError) as e:  # GPT2.check_config's verdicts
+        args = cls.check_config(dict(model_kwargs(config), dtype=dtype))
+    except (ConfigError, HyperparameterError) as e:  # check_config's verdicts
         raise ConfigError(f"{Path(directory) / CONFIG}: {e}") from None
     tensors = read_tensors(directory)
+    paths = [path for path, _ in cls.layout(args)]
+    tied_head = bool(args["tie_word_embeddings"])
+    check_names(directory, f"the {cls.__name__} of its {CONFIG}", paths, tensors, tied_head)
     held = sum(math.prod(file.tensors[name].shape) for file, name in tensors.values())
-    needed = GPT2.layout_size(args)[1]
+    needed = cls.layout_size(args)[1]
     if needed > held:
         raise CheckpointError(
             f"{Path(directory) / CONFIG}: describes a model of {needed} elements, but the "
-            f"weights in {directory} hold {held} (tensors missing, or a configuration of "
-            "another model)"
+            f"weights in {directory} hold {held} (every tensor is there: the configuration "
+            "gives them other shapes)"
         )
-    model = GPT2(**args)
+    model = cls(**args)
     model.source_config = config
     load_weights(model, directory, tensors)
     return model
+
+
+def check_names(
+    directory: str | os.PathLike[str],
+    owner: str,
+    paths: Collection[str],
+    tensors: Mapping[str, object],
+    tied_head: bool,
+) -> None:
+    """Refuse tensors that are not exactly ``paths`` (a tied ``lm_head.weight`` may be
+    absent), naming every missing and unexpected one (C6)."""
+    missing = [p for p in paths if p not in tensors and not (tied_head and p == HEAD)]
+    allowed = set(paths)
+    unexpected = [n for n in tensors if n not in allowed]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{directory}: the weights do not match {owner}: "
+            f"missing {missing}, unexpected {unexpected}"
+        )
 
 
 def _tensor_files(directory: Path) -> list[SafetensorsFile]:
@@ -145,10 +178,10 @@ def _tensor_files(directory: Path) -> list[SafetensorsFile]:
     return files
 
 
-def read_tensors(directory: str | os.PathLike[str]) -> dict[str, tuple[SafetensorsFile, str]]:
+def read_tensors(directory: str | os.PathLike[str]) -> Tensors:
     """``{full name: (file, name in the file)}`` of a directory's tensors, names given the
     ``transformer.`` prefix where they lack it; mask buffers left out."""
-    out: dict[str, tuple[SafetensorsFile, str]] = {}
+    out: Tensors = {}
     for file in _tensor_files(Path(directory)):
         for name in file.tensors:
             if name.endswith(_BUFFERS):
@@ -163,9 +196,7 @@ def read_tensors(directory: str | os.PathLike[str]) -> dict[str, tuple[Safetenso
 
 
 def load_weights(
-    model: GPT2,
-    directory: str | os.PathLike[str],
-    tensors: dict[str, tuple[SafetensorsFile, str]] | None = None,
+    model: Module, directory: str | os.PathLike[str], tensors: Tensors | None = None
 ) -> None:
     """Write the directory's tensors (``read_tensors``, unless given) into ``model`` (see
     the module docstring).
@@ -175,20 +206,10 @@ def load_weights(
     (a tied ``lm_head.weight`` may be absent, as transformers writes it). Values are
     cast to the model's dtype. On any error the model is unchanged (C6, C9).
     """
-    where = f"{directory}"
     if tensors is None:
         tensors = read_tensors(directory)
     slots = dict(model.named_slots())
-    is_tied = tied(model)
-    needed = [p for p in slots if not (is_tied and p == HEAD)]
-    allowed = set(slots)
-    missing = [p for p in needed if p not in tensors]
-    unexpected = [n for n in tensors if n not in allowed]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{where}: the weights do not match {model.label()}: "
-            f"missing {missing}, unexpected {unexpected}"
-        )
+    check_names(directory, model.label(), slots.keys(), tensors, tied_head=tied(model))
     values: dict[str, np.ndarray] = {}
     for path, (file, name) in tensors.items():
         entry, param = file.tensors[name], slots[path]
@@ -209,20 +230,20 @@ def load_weights(
                     else ", and one storage cannot hold both (C9)"
                 )
                 raise CheckpointError(
-                    f"{where}: {other!r} differs from {first!r} but the model ties them{hint}"
+                    f"{directory}: {other!r} differs from {first!r} but the model ties them{hint}"
                 )
             values.pop(other, None)
     for path, value in values.items():
         slots[path].storage.commit_host(np.ascontiguousarray(value))
 
 
-def tied(model: GPT2) -> bool:
+def tied(model: Module) -> bool:
     """Whether ``lm_head.weight`` and ``transformer.wte.weight`` name one storage now."""
     slots = dict(model.named_slots())
     return slots[HEAD].storage is slots[EMBEDDING].storage
 
 
-def hf_config(model: GPT2) -> dict[str, Any]:
+def hf_config(model: Module) -> dict[str, Any]:
     """The ``config.json`` of ``model``: the configuration it was loaded from (if any)
     with its architecture keys, dtype and ``architectures`` set from the model."""
     config = dict(getattr(model, "source_config", None) or {})
@@ -237,7 +258,7 @@ def hf_config(model: GPT2) -> dict[str, Any]:
     return config
 
 
-def save_gpt2(model: GPT2, directory: str | os.PathLike[str]) -> None:
+def save_gpt2(model: Module, directory: str | os.PathLike[str]) -> None:
     """Write ``config.json`` and ``model.safetensors`` (``format: pt`` metadata) into
     ``directory`` (created if needed).
 

@@ -1,4 +1,4 @@
-"""Reference models (issue 5), each rebuildable from its ``config``: ``type(m)(**m.config)``."""
+"""Reference models, each rebuildable from its ``config``: ``type(m)(**m.config)``."""
 
 from .gpt2 import GPT2
 from .mlp_classifier import MLPClassifier

@@ -8,8 +8,9 @@ blocks with learned positions; ``Conv1D`` weights are stored as transformers sto
 activation is ``gelu_new`` (tanh GELU) by default; ``lm_head.weight`` is tied to
 ``transformer.wte.weight`` (C1) unless ``tie_word_embeddings`` is false, so per-use
 freezing works as on ``TiedLM`` (C4, C5). ``from_pretrained``/``save_pretrained`` read
-and write the directory format of transformers' ``save_pretrained``
-(``tiegrad.interop.hf``), without torch or transformers.
+and write the directory format of transformers' ``save_pretrained`` without torch or
+transformers; the format lives in ``tiegrad.interop.hf``, which takes the class or model
+as an argument and imports nothing from here, so the dependency points one way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError
+from ..interop import hf
 from ..nn import init
 from ..nn._input import layer_input
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
@@ -190,15 +192,37 @@ class GPT2(TiedCausalLM):
             )
 
     @classmethod
-    def layout_size(cls, config: Any) -> tuple[int, int]:
-        """``(slots, elements)`` of a model of ``config`` (as ``check_config`` returns it),
-        computed without building anything (``TiedCausalLM.layout_size``)."""
-        d, n = config["n_embd"], config["n_layer"]
+    def layout(cls, config: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """``(path, shape)`` of every slot of a model of ``config`` (as ``check_config``
+        returns it), in slot order, computed without building anything: what a weights
+        directory is checked against before a model is allocated (C6)."""
+        d, v, n = config["n_embd"], config["vocab_size"], config["n_layer"]
         inner = config["n_inner"] if config["n_inner"] is not None else 4 * d
-        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (2 * d * inner + inner + d)
-        head = 0 if config["tie_word_embeddings"] else config["vocab_size"] * d
-        embeddings = (config["vocab_size"] + config["n_positions"]) * d
-        return 5 + 12 * n, embeddings + n * block + 2 * d + head
+        block = [
+            ("ln_1.weight", (d,)), ("ln_1.bias", (d,)),
+            ("attn.c_attn.weight", (d, 3 * d)), ("attn.c_attn.bias", (3 * d,)),
+            ("attn.c_proj.weight", (d, d)), ("attn.c_proj.bias", (d,)),
+            ("ln_2.weight", (d,)), ("ln_2.bias", (d,)),
+            ("mlp.c_fc.weight", (d, inner)), ("mlp.c_fc.bias", (inner,)),
+            ("mlp.c_proj.weight", (inner, d)), ("mlp.c_proj.bias", (d,)),
+        ]  # fmt: skip
+        return [
+            ("transformer.wte.weight", (v, d)),
+            ("transformer.wpe.weight", (config["n_positions"], d)),
+            *((f"transformer.h.{i}.{name}", shape) for i in range(n) for name, shape in block),
+            ("transformer.ln_f.weight", (d,)),
+            ("transformer.ln_f.bias", (d,)),
+            ("lm_head.weight", (v, d)),
+        ]
+
+    @classmethod
+    def layout_size(cls, config: Any) -> tuple[int, int]:
+        """``(slots, elements)`` of a model of ``config`` (``TiedCausalLM.layout_size``):
+        the tied ``lm_head.weight`` is one storage with ``transformer.wte.weight``."""
+        slots = cls.layout(config)
+        tied = config["tie_word_embeddings"]
+        elements = sum(math.prod(shape) for path, shape in slots if not (tied and path == hf.HEAD))
+        return len(slots), elements
 
     def __init__(
         self,
@@ -270,25 +294,17 @@ class GPT2(TiedCausalLM):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2:
-        """A model from a transformers ``save_pretrained`` directory (``interop.hf``).
-
-        Reads ``config.json`` and ``model.safetensors`` (or the sharded index) with no
-        torch or transformers import; see ``tiegrad.interop.hf.load_gpt2``.
-        """
-        from ..interop.hf import load_gpt2
-
-        return load_gpt2(directory, dtype)
+        """A model from a transformers ``save_pretrained`` directory, without torch or
+        transformers; the directory is checked against ``layout`` before anything is
+        built (C6, ``tiegrad.interop.hf.load_gpt2``)."""
+        return hf.load_gpt2(cls, directory, dtype)
 
     def load_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """Load the weights of a transformers directory into this model; everything is
         checked before anything is written (C6, ``tiegrad.interop.hf.load_weights``)."""
-        from ..interop.hf import load_weights
-
-        load_weights(self, directory)
+        hf.load_weights(self, directory)
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """Write ``config.json`` and ``model.safetensors`` that transformers'
         ``GPT2LMHeadModel.from_pretrained`` loads (``tiegrad.interop.hf.save_gpt2``)."""
-        from ..interop.hf import save_gpt2
-
-        save_gpt2(self, directory)
+        hf.save_gpt2(self, directory)

@@ -1,4 +1,4 @@
-"""Modules, layers, tying and freezing (issue 5).
+"""Modules, layers, tying and freezing by path (C1, C4, C5).
 
 ``Module`` registers ``Param``s and submodules by attribute; ``tie``/``untie`` and
 ``Module.freeze``/``unfreeze`` work on dotted paths; ``summary`` reports storages,
@@ -9,9 +9,9 @@ paths, frozen uses, optimizer slots and checkpoint copies. Layer constructors ta
 from .attention import MultiHeadAttention, TransformerBlock
 from .conv import Conv2d, MaxPool2d
 from .layers import GELU, MLP, Dropout, Embedding, Flatten, LayerNorm, Linear, ReLU, Tanh
-from .module import Module, ModuleList, Sequential
+from .module import Module, ModuleList, Sequential, set_trainable
 from .summary import summary
-from .tying import set_trainable, tie, untie
+from .tying import tie, untie
 
 __all__ = [
     "Conv2d",

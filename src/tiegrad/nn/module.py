@@ -18,17 +18,22 @@ of an earlier path assigned to a later one (``head.weight = embed.weight``), the
 path gets an alias handle on the same storage (``Param.alias``), so one use of a tied
 storage can be frozen while another trains it (C4, C5). A submodule registered at two
 paths is one object: its handles are shared by both paths.
+
+Freezing is by path (``freeze``, ``unfreeze``, ``set_trainable``) and lives here, with the
+enumeration it matches against; ``tiegrad.nn.tying`` builds on ``Module`` and is not
+imported by it, so the dependency points one way.
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Iterator
+from fnmatch import fnmatchcase
 from numbers import Integral
 from typing import Any
 
 from .._checks import flag
-from ..errors import DTypeError, ShapeError, SlotError, TapeError, TiegradError
+from ..errors import AliasError, DTypeError, ShapeError, SlotError, TapeError, TiegradError
 from ..params import Param, ParamList, dense_group_gradient
 from ..session import EagerSession, Gradients
 
@@ -300,16 +305,12 @@ class Module:
     def freeze(self, pattern: str | Iterable[str]) -> list[str]:
         """Clear ``requires_grad`` on the handles of the paths matching ``pattern``.
 
-        See ``tiegrad.nn.tying.set_trainable``; returns the matched paths.
+        See ``set_trainable``; returns the matched paths.
         """
-        from .tying import set_trainable
-
         return set_trainable(self, pattern, False)
 
     def unfreeze(self, pattern: str | Iterable[str]) -> list[str]:
         """Set ``requires_grad`` on the handles of the paths matching ``pattern``."""
-        from .tying import set_trainable
-
         return set_trainable(self, pattern, True)
 
     # -- display -----------------------------------------------------------------------
@@ -331,6 +332,48 @@ class Module:
             child = repr(m).replace("\n", "\n  ")
             lines.append(f"  ({name}): {child}")
         return "\n".join(lines) + "\n)"
+
+
+def set_trainable(module: Module, pattern: str | Iterable[str], requires_grad: bool) -> list[str]:
+    """Set ``requires_grad`` on the handles at the paths matching ``pattern``.
+
+    ``pattern`` is a glob (``fnmatch``, case-sensitive; ``*`` also crosses dots) or an
+    iterable of globs (list, tuple, set, generator), matched against whole paths. Only
+    the matched paths change: a tied storage frozen at one path stays trainable through
+    its other paths. Every pattern must match some path (SlotError), and a handle shared
+    by a submodule registered at several paths cannot be set at some of them only
+    (AliasError). Everything is checked before any flag is set (C6). Returns the matched
+    paths in slot order.
+    """
+    op = "unfreeze" if requires_grad else "freeze"
+    if isinstance(pattern, str):
+        patterns = [pattern]
+    else:
+        patterns = list(pattern) if isinstance(pattern, Iterable) else []
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise SlotError(
+            f"{op}: expected a glob pattern or a non-empty collection of them, got {pattern!r}"
+        )
+    slots = module.named_slots()
+    for pat in patterns:
+        if not any(fnmatchcase(path, pat) for path, _ in slots):
+            raise SlotError(
+                f"{op}: pattern {pat!r} matches no parameter path of {module.label()} "
+                f"(paths: {', '.join(path for path, _ in slots)})"
+            )
+    matched = [(path, p) for path, p in slots if any(fnmatchcase(path, pat) for pat in patterns)]
+    chosen = {id(p) for _, p in matched}
+    names = {path for path, _ in matched}
+    for path, p in slots:
+        if id(p) in chosen and path not in names:
+            other = next(q for q, h in matched if h is p)
+            raise AliasError(
+                f"{op}: {other!r} and {path!r} are one handle (a submodule registered at "
+                f"both paths); match both paths or neither"
+            )
+    for _, p in matched:
+        p.requires_grad = requires_grad
+    return [path for path, _ in matched]
 
 
 class ModuleList(Module):

@@ -1,4 +1,4 @@
-"""Tying, untying and freezing parameters of a module by path.
+"""Tying and untying parameters of a module by path.
 
 A tie makes two paths hold the same storage (C1); every path keeps its own handle, so
 trainability is per use: a tied storage frozen at one path still trains through the
@@ -8,15 +8,11 @@ and Keras cannot express (``shared/ANCHORS.md``, pain points 10 and 11).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING
-
-from ..errors import AliasError, DTypeError, ShapeError, SlotError
+from ..errors import AliasError, DTypeError, ShapeError
 from ..params import Param, ParameterStorage
+from .module import Module, set_trainable
 
-if TYPE_CHECKING:
-    from .module import Module
+__all__ = ["set_trainable", "tie", "untie"]
 
 
 def tie(module: Module, path: str, source: str, requires_grad: bool | None = None) -> Param:
@@ -72,45 +68,3 @@ def untie(module: Module, path: str) -> Param:
         )
     handle.storage = ParameterStorage(handle.storage.current_host_value())
     return handle
-
-
-def set_trainable(module: Module, pattern: str | Iterable[str], requires_grad: bool) -> list[str]:
-    """Set ``requires_grad`` on the handles at the paths matching ``pattern``.
-
-    ``pattern`` is a glob (``fnmatch``, case-sensitive; ``*`` also crosses dots) or an
-    iterable of globs (list, tuple, set, generator), matched against whole paths. Only
-    the matched paths change: a tied storage frozen at one path stays trainable through
-    its other paths. Every pattern must match some path (SlotError), and a handle shared
-    by a submodule registered at several paths cannot be set at some of them only
-    (AliasError). Everything is checked before any flag is set (C6). Returns the matched
-    paths in slot order.
-    """
-    op = "unfreeze" if requires_grad else "freeze"
-    if isinstance(pattern, str):
-        patterns = [pattern]
-    else:
-        patterns = list(pattern) if isinstance(pattern, Iterable) else []
-    if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise SlotError(
-            f"{op}: expected a glob pattern or a non-empty collection of them, got {pattern!r}"
-        )
-    slots = module.named_slots()
-    for pat in patterns:
-        if not any(fnmatchcase(path, pat) for path, _ in slots):
-            raise SlotError(
-                f"{op}: pattern {pat!r} matches no parameter path of {module.label()} "
-                f"(paths: {', '.join(path for path, _ in slots)})"
-            )
-    matched = [(path, p) for path, p in slots if any(fnmatchcase(path, pat) for pat in patterns)]
-    chosen = {id(p) for _, p in matched}
-    names = {path for path, _ in matched}
-    for path, p in slots:
-        if id(p) in chosen and path not in names:
-            other = next(q for q, h in matched if h is p)
-            raise AliasError(
-                f"{op}: {other!r} and {path!r} are one handle (a submodule registered at "
-                f"both paths); match both paths or neither"
-            )
-    for _, p in matched:
-        p.requires_grad = requires_grad
-    return [path for path, _ in matched]

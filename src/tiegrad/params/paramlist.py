@@ -1,4 +1,4 @@
-"""``ParamList``: an ordered, shape-checked pack of parameter handles (seed ``001``).
+"""``ParamList``: an ordered, shape-checked pack of parameter handles (C1, C5).
 
 The same storage may sit at several slots (a tie). The trainability mask belongs to
 the handles; the alias map (canonical slots, C5) is recomputed from storage identity
@@ -148,7 +148,7 @@ class ParamList:
     def canonical_gradients(
         self, slots: Sequence[int | None], gradients: Sequence[Any]
     ) -> list[Any | None]:
-        """Sum per-slot gradients at their canonical slots, in list order (seed ``001``).
+        """Sum per-slot gradients at their canonical slots, in list order (C4).
 
         Frozen (None) slots contribute nothing. A storage with one trainable slot gets
         the very gradient object it was given. Lengths, index ranges, representatives,
