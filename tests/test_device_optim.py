@@ -123,12 +123,12 @@ def test_device_step_updates_mirrors_and_leaves_the_host_stale():  # C7
 
 def test_device_state_is_keyed_by_canonical_slot_and_synced_by_state_dict():  # C5, C7
     pl, opt = _run("adam", device=True)
-    assert opt._device_state is not None and not opt._device_state.host_current
+    assert opt._state.mirror is not None and not opt._state.mirror.host_current
     sd = opt.state_dict()
     assert sorted(sd["state"]) == [0, 1]  # slot 2 aliases slot 0, slot 3 is frozen
     assert sd["state"][0]["step"] == 6
-    assert opt._device_state.host_current
-    view = opt._device_state.views[0, "exp_avg"]
+    assert opt._state.mirror.host_current
+    view = opt._state.mirror.views[0, "exp_avg"]
     assert BK.is_array(view)
     np.testing.assert_array_equal(BK.to_numpy(view), sd["state"][0]["exp_avg"])
 
@@ -157,7 +157,7 @@ def test_host_step_after_device_steps_syncs_first_and_continues():  # C7
     slots = pl.canonical_slot_indices()
     for k in range(3, 6):
         opt.step(pl.canonical_gradients(slots, _grads(k)))  # host gradients: a host step
-    assert opt._device_state is None
+    assert opt._state.mirror is None
     assert pl[0].storage.mirror is None and pl[0].storage.host_current
     _assert_close_to_host(pl.values(), host_pl.values())
     _assert_state_close_to_host(opt.state_dict()["state"], host_opt.state_dict()["state"])
@@ -168,7 +168,7 @@ def test_load_state_dict_replaces_the_device_state():  # C6, C7
     pl, opt = _run("adamw", device=True, steps=1)
     pl.set_values(host_pl.values())
     opt.load_state_dict(host_opt.state_dict())
-    assert opt._device_state is None
+    assert opt._state.mirror is None
     slots = pl.canonical_slot_indices()
     for k in range(3, 6):
         host_opt.step(host_pl.canonical_gradients(slots, _grads(k)))
@@ -272,7 +272,7 @@ def test_checkpoint_of_device_training_syncs_and_resumes_bitwise(tmp_path):  # C
     pl, opt = _run("adamw", device=True, steps=3)
     path = tmp_path / "device.safetensors"
     tiegrad.save(path, pl, opt)
-    assert pl[0].storage.host_current and opt._device_state.host_current
+    assert pl[0].storage.host_current and opt._state.mirror.host_current
     fresh = _plist()
     fresh_opt = AdamW(fresh, **CONFIGS["adamw"][1])
     tiegrad.load(path, fresh, fresh_opt)

@@ -234,12 +234,12 @@ def test_replaced_state_buffers_are_not_kept_alive_by_the_plan(path):
     opt = Adam(make_list(), lr=0.01)
     for k in range(WARM):
         opt.step(grads_for(opt.params, k))
-    old = weakref.ref(opt._state.layout()[0, "exp_avg"][0])
+    old = weakref.ref(opt._state.flat.layout()[0, "exp_avg"][0])
     opt.load_state_dict(opt.state_dict())  # new buffers; the old ones must go
     gc.collect()
     assert old() is None
     opt.step(grads_for(opt.params, WARM))
-    old = weakref.ref(opt._state.layout()[0, "exp_avg"][0])
+    old = weakref.ref(opt._state.flat.layout()[0, "exp_avg"][0])
     opt.param_groups[0]["amsgrad"] = True  # a device step that arranges a new layout
     opt.step([None if g is None else torch.tensor(g) for g in grads_for(opt.params, WARM + 1)])
     gc.collect()

@@ -32,7 +32,7 @@ from tiegrad.optim import (  # noqa: E402
     clip_grad_value,
     schedules,
 )
-from tiegrad.optim.optimizer import CHUNK  # noqa: E402
+from tiegrad.optim.plan import CHUNK  # noqa: E402
 
 STEPS = 25
 TOL = 1e-10

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 from .foreach import fused_adam
 from .fused import FusedRule
 from .hyperparams import at_least_zero, betas, flag, learning_rate, positive
-from .optimizer import Optimizer, ParamsArg, l2_gradient
+from .optimizer import Optimizer, ParamsArg
+from .rule import l2_gradient
 
 
 class AdamCoefficients(NamedTuple):

@@ -1,8 +1,8 @@
-"""Optimizer steps on a device: mirrors and state updated on the device (C3-C8).
+"""The device executor: mirrors and optimizer state updated on the device (C3-C8).
 
-``Optimizer.step`` dispatches here when its gradients are device tensors (the
-``Gradients`` of a device session, or a per-slot list of tensors). The step keeps
-the host path's contract and arithmetic:
+``Optimizer.step`` hands its ``Update`` here (``optim.update``) when its gradients are
+device tensors (the ``Gradients`` of a device session, or a per-slot list of tensors).
+The step keeps the host executor's contract and arithmetic:
 
 - Validation first (C6): every hyperparameter, every canonical slot's gradient
   (present, shape, dtype, on the session's device), the state layout, then
@@ -17,7 +17,7 @@ the host path's contract and arithmetic:
   ``tiegrad.optim.foreach``) runs it: one call updates every parameter and its state,
   one pass each, within ``OPTIMIZER_ULPS`` of the host's update (other roundings).
   Otherwise, or where the kernel does not take the run (its dtypes, its device), the
-  optimizer's own rule (``adam_rule``, ``sgd_rule``...) runs with ``xp`` the
+  optimizer's own rule (``UpdateRule.rule``: ``adam_rule``, ``sgd_rule``...) runs with ``xp`` the
   ``ForeachOps`` of ``tiegrad.optim.foreach``: each operation is one PyTorch
   ``foreach`` call over the run's parameters, gradients and state (DESIGN:
   optimizers), nothing gathered or scattered, each the host's correctly rounded
@@ -33,28 +33,31 @@ the host path's contract and arithmetic:
 
 Optimizer state mirrors the host ``FlatState`` the way a parameter mirrors its host
 value (C7): ``DeviceState`` holds one device buffer per host buffer, keyed by the same
-canonical slots (C5). A device step starts from it, uploading the host state only
-when there is no mirror (or the layout changed); ``sync_state`` downloads a newer
-device state (``state``, ``state_dict`` and checkpoints call it), and a host step or
-``load_state_dict`` syncs and then releases it. Nothing here imports torch until a
-device step runs.
+canonical slots (C5), and is the ``KeyedState``'s ``mirror``. A device step starts from
+it, uploading the host state only when there is no mirror (or the layout changed);
+``KeyedState.sync`` downloads a newer device state (``state``, ``state_dict`` and
+checkpoints call it), and a host step or ``load_state_dict`` syncs and then releases it.
+Nothing here imports torch until a device step runs.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..backend import NUMPY, Backend, backend_of, dtype_name
-from ..errors import DeviceError, DTypeError, MissingGradientError, ShapeError
-from ..params.device import check_device_gradient_groups, with_checked_device_sums
-from ..session import Gradients, latest_gradients
+from ..errors import DeviceError, DTypeError, ShapeError
+from ..params.device import check_device_gradient_groups, checked_device_sums
+from ..session import Gradients
 from .foreach import ForeachOps
+from .gradients import check_complete, check_recorded, list_gradients
 from .plan import StepPlan
 from .state import FlatState, SlotSpec
+from .update import Owner, Update
 
 _NONE_FRESH: frozenset[str] = frozenset()  # no state entry made this step (all but the first)
 
@@ -72,7 +75,6 @@ class DeviceState:
         self.host_current = True
         self.ops = ForeachOps(backend.xp)
         self.program: DeviceProgram | None = None
-        self.recorded: tuple[Any, ...] | None = None  # (plan, registrations, groups, slots)
         self.views: dict[tuple[int, str], Any] = {}
         pairs: dict[int, tuple[np.ndarray, Any]] = {}
         for (slot, name), (buf, start, stop) in state.layout().items():
@@ -134,230 +136,204 @@ class DeviceProgram:
         self.revision = state.revision
 
 
-def sync_state(opt: Any) -> None:
-    """Make ``opt``'s host state current: download a newer device state (C7)."""
-    if opt._device_state is not None:
-        opt._device_state.sync()
-
-
-def release_state(opt: Any) -> None:
-    """Sync, then drop the device state: the host state is about to be written (C7)."""
-    sync_state(opt)
-    opt._device_state = None
-
-
-def is_device_step(gradients: Any) -> bool:
-    """Whether ``Optimizer.step(gradients)`` takes the device path."""
-    if gradients is None:
-        gradients = latest_gradients()
+def device_backend(gradients: Any) -> Backend | None:
+    """The device backend of ``Optimizer.step``'s gradients (after ``gradients.given``);
+    None where they are host arrays."""
     if isinstance(gradients, Gradients):
-        return gradients.session.backend is not NUMPY
+        bk = gradients.session.backend
+        return None if bk is NUMPY else bk
     if isinstance(gradients, (list, tuple)):
-        kinds = set(map(type, gradients))  # a few types, however many slots
-        return any(not issubclass(t, np.ndarray) and _is_tensor_type(t) for t in kinds)
-    return False
+        return next((backend_of(g) for g in gradients if _is_tensor(g)), None)
+    return None
 
 
 def _is_tensor(x: Any) -> bool:
-    return _is_tensor_type(type(x))
+    return type(x).__module__.partition(".")[0] == "torch"
 
 
-def _is_tensor_type(t: type) -> bool:
-    return t.__module__.partition(".")[0] == "torch"
+class DeviceExecutor:
+    """``Executor`` of the gradients of one device backend (``optim.update``).
 
-
-def device_step(opt: Any, gradients: Any) -> None:
-    """One update of every trainable storage of ``opt`` on the gradients' device."""
-    if gradients is None:
-        gradients = latest_gradients()
-    plan = opt._plan()
-    slots = plan.slots
-    if isinstance(gradients, Gradients):
-        bk = gradients.session.backend
-        groups, order = _recorded_groups(opt, plan, gradients)
-        check_device_gradient_groups(groups, gradients, bk)
-        with_checked_device_sums(
-            groups, gradients, bk, lambda sums: _step(opt, bk, plan, dict(zip(order, sums)))
-        )
-        return
-    raw = opt._list_gradients(gradients, plan)
-    _check_complete(opt, slots, {i for i, c in enumerate(slots) if c == i and raw[i] is not None})
-    grads = {i: raw[i] for i, c in enumerate(slots) if c == i}
-    bk = None
-    for i, g in grads.items():
-        bk = _check_gradient(opt, i, g, bk)
-    _step(opt, bk, plan, grads)
-
-
-def _recorded_groups(opt: Any, plan: StepPlan, gradients: Gradients) -> tuple[list[Any], list[int]]:
-    """The recorded groups ``opt`` steps and the canonical slot of each (C4, C5).
-
-    Grouped and checked afresh, except when the plan and the registrations (leaf ->
-    handle, leaf -> storage, trainable leaves: equal mappings of the same objects) are
-    those of the device state's last step whose groups were all this optimizer's: a
-    training loop records the same uses every step.
+    Remembers the groups of the last recording whose uses repeat (a training loop
+    records the same uses every step), so that they are grouped and checked once.
     """
-    registrations = (gradients._params, gradients._storages, gradients._trainable)
-    ds = opt._device_state
-    hit = None if ds is None else ds.recorded
-    if hit is not None and hit[0] is plan and hit[1] == registrations:
-        return hit[2], hit[3]
-    index = plan.index
-    recorded = gradients.parameter_groups()
-    opt._check_recorded(recorded, plan)
-    groups = [g for g in recorded if g.storage is not None and id(g.storage) in index]
-    order = [index[id(g.storage)] for g in groups]
-    hint = " (no trainable use of its storage on the tape)"
-    _check_complete(opt, plan.slots, set(order), hint)
-    if ds is not None and len(groups) == len(recorded):
-        ds.recorded = (plan, registrations, groups, order)
-    return groups, order
 
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._recorded: tuple[Any, ...] | None = None  # (plan, registrations, groups, slots)
 
-def _check_complete(opt: Any, slots: Sequence[int | None], have: set[int], hint: str = "") -> None:
-    for i, c in enumerate(slots):
-        if c == i and i not in have:
-            raise MissingGradientError(
-                f"{opt.kind}.step: {opt._label(i)} is trainable but has no gradient{hint}"
+    @contextmanager
+    def gradients(self, owner: Owner, plan: StepPlan, given: Any) -> Iterator[list[Any]]:
+        bk = self.backend
+        grads: list[Any] = [None] * len(plan.slots)
+        if isinstance(given, Gradients):
+            groups, order = self._groups(owner, plan, given)
+            check_device_gradient_groups(groups, given, bk)
+            with checked_device_sums(groups, given, bk) as sums:
+                for i, total in zip(order, sums):
+                    grads[i] = total
+                try:
+                    yield grads
+                finally:
+                    grads.clear()
+            return
+        raw = list_gradients(owner, given, plan)
+        check_complete(owner, plan, {i for i in plan.canonical if raw[i] is not None})
+        for i in plan.canonical:
+            grads[i] = self._checked(owner, i, raw[i])
+        yield grads
+
+    def _groups(
+        self, owner: Owner, plan: StepPlan, gradients: Gradients
+    ) -> tuple[list[Any], list[int]]:
+        """The recorded groups of storages ``plan`` trains and the canonical slot of each.
+
+        Grouped and checked afresh, except when the plan and the registrations (leaf ->
+        handle, leaf -> storage, trainable leaves: equal mappings of the same objects) are
+        those of the last step whose groups were all this optimizer's (C4, C5).
+        """
+        registrations = (gradients._params, gradients._storages, gradients._trainable)
+        hit = self._recorded
+        if hit is not None and hit[0] is plan and hit[1] == registrations:
+            return hit[2], hit[3]
+        index = plan.index
+        recorded = gradients.parameter_groups()
+        check_recorded(owner, recorded, plan)
+        groups = [g for g in recorded if g.storage is not None and id(g.storage) in index]
+        order = [index[id(g.storage)] for g in groups]
+        check_complete(owner, plan, set(order), " (no trainable use of its storage on the tape)")
+        self._recorded = (
+            (plan, registrations, groups, order) if len(groups) == len(recorded) else None
+        )
+        return groups, order
+
+    def _checked(self, owner: Owner, slot: int, g: Any) -> Any:
+        what = f"{owner.kind}.step: gradient of {owner.label(slot)}"
+        where = backend_of(g) if _is_tensor(g) or isinstance(g, np.ndarray) else None
+        if where is None or where is NUMPY:
+            raise DeviceError(f"{what} is a {type(g).__name__}, expected a device tensor")
+        if where is not self.backend:
+            raise DeviceError(f"{what} is on {where.device!r}, expected {self.backend.device!r}")
+        p = owner.params[slot]
+        if tuple(g.shape) != p.shape:
+            raise ShapeError(f"{what}: expected shape {p.shape}, got {tuple(g.shape)}")
+        if dtype_name(g) != p.dtype.name:
+            raise DTypeError(f"{what}: expected dtype {p.dtype.name}, got {dtype_name(g)}")
+        return g
+
+    def first_nonfinite(self, update: Update, grads: list[Any]) -> int | None:
+        """Every mirror readable (C7), then one finiteness verdict for the whole step.
+
+        One synchronisation: the sum of the gradients' norms is finite unless some entry
+        is not (or the norms overflow, when each gradient is checked entry by entry, as
+        the host does).
+        """
+        bk, state, plan = self.backend, update.state, update.plan
+        ds = state.mirror
+        program = None if ds is None or ds.backend is not bk else ds.program
+        if program is not None and program.current(plan, update.names, state.flat):
+            order, storages, specs = program.order, program.storages, None
+        else:
+            program = None
+            specs = update.specs()
+            order = sorted(specs)
+            storages = [plan.storages[i] for i in order]
+        for st in storages:
+            st.device_value(bk)  # every mirror readable (C7) before any write
+        update.prepared = program, specs
+        xp = bk.xp
+        norms = xp._foreach_norm([grads[i] for i in order])
+        if not norms or math.isfinite(float(xp.stack(norms).sum())):
+            return None
+        return next((i for i in order if not bool(xp.isfinite(grads[i]).all())), None)
+
+    def apply(self, update: Update, grads: list[Any]) -> None:
+        program, specs = update.prepared
+        update.plan.program = None  # the host program's state buffers may be replaced here
+        if program is None:
+            program = self._program(update, specs)
+        ds = update.state.mirror
+        flat = update.state.flat
+        for run in program.runs:
+            _update(update, ds, run, [grads[i] for i in run.slots])
+            flat.set_steps(run.slots, run.step)
+        if ds.views:
+            ds.host_current = False
+        if ds.program is program:
+            program.advance(flat)
+
+    def _program(self, update: Update, specs: Mapping[int, SlotSpec]) -> DeviceProgram:
+        """A program of this step's runs (slots of one group, step count, state names and
+        new state tensors update together), on a device state laid out as ``specs``. The
+        state keeps it for the next steps unless this step creates state tensors."""
+        ds, created = self._device_state(update, specs)
+        flat, plan = update.state.flat, update.plan
+        keyed: dict[tuple[Any, ...], list[int]] = {}
+        for i in sorted(specs):
+            slot_names = specs[i][2]
+            fresh = (
+                frozenset(n for n in slot_names if (i, n) in created) if created else _NONE_FRESH
             )
+            keyed.setdefault(
+                (update.slot_group[i], flat.step(i) + 1, slot_names, fresh), []
+            ).append(i)
+        runs = [
+            DeviceRun(
+                gi,
+                step,
+                run_names,
+                run,
+                [plan.storages[i] for i in run],
+                {name: [ds.views[i, name] for i in run] for name in run_names},
+                fresh,
+            )
+            for (gi, step, run_names, fresh), run in keyed.items()
+        ]
+        program = DeviceProgram(plan, update.names, runs)
+        ds.program = None if created else program
+        return program
+
+    def _device_state(
+        self, update: Update, specs: Mapping[int, SlotSpec]
+    ) -> tuple[DeviceState, set[tuple[int, str]]]:
+        """The device state for ``specs`` and the ``(slot, name)`` entries created for it.
+
+        The mirror when it is on this backend with this layout; otherwise the host state
+        is synced, re-arranged (new entries start from their initial value) and uploaded.
+        """
+        state = update.state
+        ds = state.mirror
+        if ds is not None and (ds.backend is not self.backend or not state.flat.matches(specs)):
+            state.release()
+            ds = None
+        created = update.arrange(dict(specs))
+        if ds is None:
+            ds = state.mirror = DeviceState(state.flat, self.backend)
+        return ds, created
 
 
-def _check_gradient(opt: Any, slot: int, g: Any, bk: Backend | None) -> Backend:
-    what = f"{opt.kind}.step: gradient of {opt._label(slot)}"
-    where = backend_of(g) if _is_tensor(g) or isinstance(g, np.ndarray) else None
-    if where is None or where is NUMPY:
-        raise DeviceError(f"{what} is a {type(g).__name__}, expected a device tensor")
-    if bk is not None and where is not bk:
-        raise DeviceError(f"{what} is on {where.device!r}, expected {bk.device!r}")
-    p = opt.params[slot]
-    if tuple(g.shape) != p.shape:
-        raise ShapeError(f"{what}: expected shape {p.shape}, got {tuple(g.shape)}")
-    if dtype_name(g) != p.dtype.name:
-        raise DTypeError(f"{what}: expected dtype {p.dtype.name}, got {dtype_name(g)}")
-    return where
-
-
-def _step(opt: Any, bk: Backend, plan: StepPlan, grads: Mapping[int, Any]) -> None:
-    hps = opt._checked_groups(opt.param_groups, plan)
-    names = tuple(opt._state_names(hp) for hp in hps)
-    ds = opt._device_state
-    program = None if ds is None or ds.backend is not bk else ds.program
-    if program is not None and program.current(plan, names, opt._state):
-        order, storages = program.order, program.storages
-    else:
-        program = None
-        specs = opt._state_specs(plan, hps)
-        order = sorted(specs)
-        storages = [opt.params[i].storage for i in order]
-    for st in storages:
-        st.device_value(bk)  # every mirror readable (C7) before any write
-    bad = _first_nonfinite(bk.xp, order, grads)
-    if bad is not None:
-        opt._refuse_nonfinite(bad)
-        return
-    plan.program = None  # the host program's state buffers may be replaced here
-    if program is None:
-        ds, program = _program(opt, bk, plan, names, specs, hps)
-    for run in program.runs:
-        _update(opt, ds, run, [grads[i] for i in run.slots], hps[run.group])
-        opt._state.set_steps(run.slots, run.step)
-    if ds.views:
-        ds.host_current = False
-    opt.step_count += 1
-    if ds.program is program:
-        program.advance(opt._state)
-
-
-def _program(
-    opt: Any,
-    bk: Backend,
-    plan: StepPlan,
-    names: tuple[tuple[str, ...], ...],
-    specs: Mapping[int, SlotSpec],
-    hps: Sequence[Mapping[str, Any]],
-) -> tuple[DeviceState, DeviceProgram]:
-    """The device state for ``specs`` and a program of this step's runs: slots of one group,
-    step count, state names and new state tensors (``fresh``) update together. The
-    state keeps it for the next steps unless this step creates state tensors."""
-    ds, created = _device_state(opt, bk, specs, hps)
-    keyed: dict[tuple[Any, ...], list[int]] = {}
-    for i in sorted(specs):
-        slot_names = specs[i][2]
-        fresh = frozenset(n for n in slot_names if (i, n) in created) if created else _NONE_FRESH
-        keyed.setdefault(
-            (opt._slot_group[i], opt._state.step(i) + 1, slot_names, fresh), []
-        ).append(i)
-    runs = [
-        DeviceRun(
-            gi,
-            step,
-            run_names,
-            run,
-            [plan.storages[i] for i in run],
-            {name: [ds.views[i, name] for i in run] for name in run_names},
-            fresh,
-        )
-        for (gi, step, run_names, fresh), run in keyed.items()
-    ]
-    program = DeviceProgram(plan, names, runs)
-    ds.program = None if created else program
-    return ds, program
-
-
-def _first_nonfinite(xp: Any, order: list[int], grads: Mapping[int, Any]) -> int | None:
-    """The first slot of ``order`` whose gradient holds NaN or infinity, or None (C6).
-
-    One verdict for the whole step, one synchronisation: the sum of the gradients'
-    norms is finite unless some entry is not (or the norms overflow, when each
-    gradient is checked entry by entry, as the host does).
-    """
-    norms = xp._foreach_norm([grads[i] for i in order])
-    if not norms or math.isfinite(float(xp.stack(norms).sum())):
-        return None
-    return next((i for i in order if not bool(xp.isfinite(grads[i]).all())), None)
-
-
-def _update(
-    opt: Any, ds: DeviceState, run: DeviceRun, grads: list[Any], hp: Mapping[str, Any]
-) -> None:
-    """One update of the slots of ``run``: the optimizer's ``device_kernel`` (torch's fused
-    kernel) where it applies, else its rule through foreach kernels (see the module).
+def _update(update: Update, ds: DeviceState, run: DeviceRun, grads: list[Any]) -> None:
+    """One update of the slots of ``run``: the rule's ``device_kernel`` (torch's fused
+    kernel) where it applies, else the rule through foreach kernels (see the module).
 
     Each parameter starts from its current mirror (C3) and is written in place unless a
     live device tape holds it (then a copy, C2); the results become the mirrors (C7). A
     gradient that shares memory with its parameter (a list the caller built) is
     copied first, since the update reads it after writing the parameter.
     """
-    bk, ops = ds.backend, ds.ops
+    bk, ops, rule = ds.backend, ds.ops, update.rule
     storages = run.storages
     params = [st.device_for_update(bk) for st in storages]
     for k, (p, gk) in enumerate(zip(params, grads)):
         if p.untyped_storage().data_ptr() == gk.untyped_storage().data_ptr():
             grads[k] = gk.clone()
     state, step, fresh = run.state, run.step, run.fresh
-    kernel = getattr(type(opt), "device_kernel", None)
+    hp = update.hps[run.group]
+    kernel = rule.device_kernel
     if kernel is None or not kernel(bk.xp, params, grads, state, hp, step, fresh):
-        work = [ops.scratch() for _ in range(opt.work_buffers)]
+        work = [ops.scratch() for _ in range(rule.work_buffers)]
         lists = {name: ops.tensors(views) for name, views in state.items()}
-        c = opt._coefficients(hp, step, fresh)
-        type(opt).rule(ops, ops.tensors(params), ops.tensors(grads), lists, work, c)
+        c = update.coefficients(run.group, step, fresh)
+        rule.rule(ops, ops.tensors(params), ops.tensors(grads), lists, work, c)
     for st, p in zip(storages, params):
         st.commit_device(p)
-
-
-def _device_state(
-    opt: Any, bk: Backend, specs: Mapping[int, SlotSpec], hps: Any
-) -> tuple[DeviceState, set[tuple[int, str]]]:
-    """The device state for ``specs`` and the ``(slot, name)`` entries created for it.
-
-    The mirror when it is on ``bk`` with this layout; otherwise the host state is
-    synced, re-arranged (new entries start from their initial value) and uploaded.
-    """
-    ds = opt._device_state
-    if ds is not None and (ds.backend is not bk or not opt._state.matches(specs)):
-        release_state(opt)
-        ds = None
-    created = opt._arrange_state(specs, hps)
-    if ds is None:
-        ds = opt._device_state = DeviceState(opt._state, bk)
-    return ds, created

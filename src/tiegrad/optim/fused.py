@@ -1,6 +1,6 @@
 """The fused host step: one pass over memory per optimizer step, when numba is installed.
 
-``Optimizer.step`` uses it for every parameter of a dtype in ``DTYPES`` where
+The host executor (``optim.host``) uses it for every parameter of a dtype in ``DTYPES`` where
 ``tiegrad._numba`` has the kernels (its ``ENABLED`` switch, ``TIEGRAD_NO_NUMBA``). Both
 paths compute the same values bit for bit (see ``kernels``); only the speed differs.
 numba is a default dependency where it has wheels; ``kernels`` says why this dependency.

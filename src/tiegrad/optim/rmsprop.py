@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 
 from .fused import FusedRule
 from .hyperparams import at_least_zero, flag, learning_rate, positive, unit_interval
-from .optimizer import Optimizer, ParamsArg, l2_gradient
+from .optimizer import Optimizer, ParamsArg
+from .rule import l2_gradient
 
 
 class RMSpropCoefficients(NamedTuple):

@@ -22,7 +22,8 @@ from ..errors import HyperparameterError
 from .foreach import fused_sgd
 from .fused import FusedRule
 from .hyperparams import at_least_zero, flag, learning_rate, unit_interval
-from .optimizer import Optimizer, ParamsArg, l2_gradient
+from .optimizer import Optimizer, ParamsArg
+from .rule import l2_gradient
 
 
 class SGDCoefficients(NamedTuple):

@@ -8,7 +8,8 @@ action must not keep the temporary it is lent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import numpy as np
@@ -120,17 +121,17 @@ def with_device_group_gradients(
         bk = check_device_gradients(group, gradients, bk)
     if bk is None:
         return action([])
-    return with_checked_device_sums(groups, gradients, bk, action)
+    with checked_device_sums(groups, gradients, bk) as sums:
+        return action(sums)
 
 
-def with_checked_device_sums(
-    groups: Sequence[ParameterGroup],
-    gradients: Mapping[int, Any],
-    bk: Backend,
-    action: Callable[[list[Any]], T],
-) -> T:
-    """The summing part of ``with_device_group_gradients``, for gradients already checked
-    on ``bk`` by ``check_device_gradients``."""
+@contextmanager
+def checked_device_sums(
+    groups: Sequence[ParameterGroup], gradients: Mapping[int, Any], bk: Backend
+) -> Iterator[list[Any]]:
+    """The summing part of ``with_device_group_gradients`` as a context, for gradients
+    already checked on ``bk`` by ``check_device_gradients``: the sums are released when
+    the block ends, whether it returns or raises (C8)."""
     tracker = bk.temporaries
     sums: list[Any] = []
     owned: list[Any] = []
@@ -144,7 +145,7 @@ def with_checked_device_sums(
                 for leaf in leaves[2:]:
                     total += gradients[leaf]
             sums.append(total)
-        return action(sums)
+        yield sums
     finally:
         sums.clear()
         for t in owned:
@@ -167,7 +168,8 @@ def sgd_step_device_groups(session: Any, lr: float, gradients: Mapping[int, Any]
     check_device_gradient_groups(groups, gradients, bk)
     for group in groups:
         group.current_device_value(bk)
-    with_checked_device_sums(groups, gradients, bk, lambda sums: _sgd_update(groups, bk, lr, sums))
+    with checked_device_sums(groups, gradients, bk) as sums:
+        _sgd_update(groups, bk, lr, sums)
 
 
 def _sgd_update(groups: Sequence[ParameterGroup], bk: Backend, lr: float, sums: list[Any]) -> None:

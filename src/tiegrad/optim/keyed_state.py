@@ -1,0 +1,96 @@
+"""``KeyedState``: optimizer state that belongs to storages and is keyed by canonical slot.
+
+The tensors live in a ``FlatState`` (``optim.state``) keyed by canonical slot (C5); the
+slot is only a key. ``owners`` names the storage of every entry, so when the layout
+changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot) each entry moves
+to the canonical slot of its storage: one history per storage however its uses are
+frozen or tied (C1, C5). An entry of a storage no longer trained at any slot stays where
+no canonical slot is until the next write drops it, so a refused step loses nothing (C6).
+
+The state may be mirrored on a device (``mirror``, a ``DeviceState`` of
+``optim.device``), as a parameter is (C7): ``sync`` downloads a newer mirror, ``release``
+syncs and drops it before the host state is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..params.storage import ParameterStorage
+from .plan import StepPlan
+from .state import FlatState, SlotSpec
+
+
+class KeyedState:
+    """A ``FlatState``, the storage owning each of its entries, and an optional mirror."""
+
+    def __init__(self) -> None:
+        self.flat = FlatState()
+        self.owners: dict[int, ParameterStorage] = {}
+        self.keyed_by: StepPlan | None = None  # the plan the entries are keyed by
+        self.mirror: Any = None
+
+    def sync(self) -> None:
+        """Make the host state current: download a newer device mirror (C7)."""
+        if self.mirror is not None:
+            self.mirror.sync()
+
+    def release(self) -> None:
+        """Sync, then drop the mirror: the host state is about to be written (C7)."""
+        self.sync()
+        self.mirror = None
+
+    def rekey(self, plan: StepPlan) -> None:
+        """Key the entries by ``plan``'s canonical slots, each moving with its storage.
+
+        An entry whose storage ``plan`` trains moves to that storage's canonical slot;
+        one of a storage it trains no longer stays at its slot while that slot is not
+        canonical, and is dropped otherwise (see the module).
+        """
+        if self.keyed_by is plan:
+            return
+        moves: dict[int, int] = {}
+        kept: dict[int, ParameterStorage] = {}
+        for slot, storage in self.owners.items():
+            new = plan.index.get(id(storage))
+            if new is not None:
+                moves[slot] = new
+                kept[new] = storage
+        for slot, storage in self.owners.items():
+            if slot not in moves and plan.slots[slot] != slot:
+                moves[slot] = slot
+                kept[slot] = storage
+        if len(moves) < len(self.owners) or any(old != new for old, new in moves.items()):
+            self.release()
+            self.flat.rekey(moves)
+        self.owners = kept
+        self.keyed_by = plan
+
+    def trained_slots(self, plan: StepPlan) -> list[int]:
+        """The slots of the entries of storages ``plan`` trains (its canonical slots)."""
+        self.rekey(plan)
+        return [slot for slot in self.flat.slots() if plan.slots[slot] == slot]
+
+    def arrange(
+        self, plan: StepPlan, specs: Mapping[int, SlotSpec], initial: Callable[[int, str], float]
+    ) -> set[tuple[int, str]]:
+        """``FlatState.arrange`` for ``specs`` (canonical slots of ``plan``); new tensors
+        start at ``initial(slot, name)``. Returns the ``(slot, name)`` pairs created."""
+        created = self.flat.arrange(specs, initial)
+        self.owners = {slot: plan.storages[slot] for slot in specs}
+        return created
+
+    def install(
+        self,
+        plan: StepPlan,
+        specs: Mapping[int, SlotSpec],
+        entries: Mapping[int, Mapping[str, Any]],
+    ) -> None:
+        """Replace every entry by a copy of validated ``entries``; the mirror is dropped
+        unsynced (the installed state wins) and ``plan``'s cached program with it."""
+        self.mirror = None
+        plan.program = None
+        self.flat.install(specs, entries)
+        self.owners = {slot: plan.storages[slot] for slot in specs}
+        self.keyed_by = plan
