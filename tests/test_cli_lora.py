@@ -218,27 +218,26 @@ def test_lora_without_init_is_refused(work, capsys):
     assert files_of(work) == before
 
 
+def gpt2_checkpoint(folder, name: str, lora=None, attach: bool = True) -> None:
+    """``folder/name``: the --init GPT-2 saved as ``train --init`` saves it, ``lora`` (if
+    any) in its ``extra``, attached first where ``attach``."""
+    model = GPT2.from_pretrained(folder / "model")
+    extra = {"model": {"class": "GPT2", "config": model.config}}
+    if lora is not None:
+        extra["lora"] = lora
+        if attach:
+            parse_lora(lora).attach(model, "test")
+    save(folder / name, model, extra=extra)
+
+
 @pytest.fixture
-def plain(work):
-    """A checkpoint of the --init GPT-2 trained without adapters (as ``train --init`` saves)."""
-    model = GPT2.from_pretrained(work / "model")
-    save(
-        work / "plain.safetensors",
-        model,
-        extra={"model": {"class": "GPT2", "config": model.config}},
+def sources(work):
+    """``plain.safetensors``, without adapters, and ``head.safetensors``, whose adapters
+    include the tied head's."""
+    gpt2_checkpoint(work, "plain.safetensors")
+    gpt2_checkpoint(
+        work, "head.safetensors", "rank=2,alpha=16.0,dropout=0.0,targets=c_attn+lm_head"
     )
-    return work / "plain.safetensors"
-
-
-@pytest.fixture
-def tied_head(work):
-    """A LoRA checkpoint whose adapters include the tied head's (``targets=lm_head``)."""
-    model = GPT2.from_pretrained(work / "model")
-    spec = parse_lora("rank=2,targets=c_attn+lm_head")
-    spec.attach(model, "test")
-    extra = {"model": {"class": "GPT2", "config": model.config}, "lora": spec.text()}
-    save(work / "head.safetensors", model, extra=extra)
-    return work / "head.safetensors"
 
 
 @pytest.mark.parametrize(
@@ -251,7 +250,19 @@ def tied_head(work):
         (["head.safetensors", "out", "--merge"], "'lm_head.weight' shares its storage"),
     ],
 )
-def test_an_export_the_source_cannot_give_is_refused(work, plain, tied_head, capsys, args, named):
+def test_an_export_the_source_cannot_give_is_refused(work, sources, capsys, args, named):
     before = files_of(work)
     assert_one_line_error(cli(capsys, "export", *args), named)
     assert files_of(work) == before and not (work / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("lora", "named"),
+    [("rank=0,targets=c_attn", "rank must be >= 1"), (8, "expected a LoRA specification")],
+)
+def test_a_damaged_lora_in_a_checkpoint_is_refused_naming_the_file(work, capsys, lora, named):
+    gpt2_checkpoint(work, "damaged.safetensors", lora, attach=False)
+    before = files_of(work)
+    result = cli(capsys, "export", "damaged.safetensors", "out", "--format", "peft")
+    assert_one_line_error(result, "damaged.safetensors: extra['lora']", named)
+    assert files_of(work) == before
