@@ -25,11 +25,11 @@ adapter instead (a use of the other layout reads it transposed).
 Merging: ``merge`` adds each applied adapter's ``scaling * B A`` into its weight. A
 storage has one value for all its uses, so where a use being merged shares its storage
 with a use that would change differently (one without an adapter, or with another
-adapter), ``merge`` refuses and says so, unless ``untie=True``: then each such group of
-uses gets its own storage, and the group of the storage's first use keeps the original
-(uses without an adapter thus stay bit for bit). ``unmerge`` subtracts what ``merge``
-added (up to rounding; an untie stays). ``unload`` removes every adapter and keeps the
-weights as they are (merged or not).
+adapter), ``merge`` refuses and says so (``MergeRefused``, an ``AliasError``), unless
+``untie=True``: then each such group of uses gets its own storage, and the group of the
+storage's first use keeps the original (uses without an adapter thus stay bit for bit).
+``unmerge`` subtracts what ``merge`` added (up to rounding; an untie stays). ``unload``
+removes every adapter and keeps the weights as they are (merged or not).
 
 Every function checks everything before it changes anything (C6); bad input is a
 ``TiegradError`` naming the path or the adapter and what was expected.
