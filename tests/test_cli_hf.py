@@ -46,10 +46,9 @@ def tiny_gpt2(folder, vocab_size: int) -> None:
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_hf")
-    (root / "text.txt").write_text(TEXT)
+def hf_directory(folder) -> tokenizers.Tokenizer:
+    """A transformers directory at ``folder``: ``tiny_gpt2`` with a byte-level BPE
+    tokenizer trained on ``TEXT``; returns the tokenizer."""
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -60,8 +59,16 @@ def exported(tmp_path_factory):
     )
     tok.train_from_iterator([TEXT], trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    fast.save_pretrained(root / "model")
-    tiny_gpt2(root / "model", tok.get_vocab_size())
+    fast.save_pretrained(folder)
+    tiny_gpt2(folder, tok.get_vocab_size())
+    return tok
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_hf")
+    (root / "text.txt").write_text(TEXT)
+    tok = hf_directory(root / "model")
     train = cli("train", "--init", "model", "--run", "run", *TRAIN, cwd=root)
     assert train.returncode == 0, train.stdout + train.stderr
     export = cli("export", "run", "out", "--format", "hf", cwd=root)

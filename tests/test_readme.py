@@ -17,10 +17,11 @@ def test_readme_example_runs(block, tmp_path, monkeypatch):
         assert output_matches(printed, block.output), printed
 
 
-def test_the_readme_example_shows_its_output_and_stays_short():
-    (example,) = BLOCKS
-    assert example.output is not None
-    assert len(example.code.splitlines()) <= 30
+def test_the_readme_examples_show_their_output_and_stay_short():
+    assert BLOCKS
+    for example in BLOCKS:
+        assert example.output is not None, example.line
+        assert len(example.code.splitlines()) <= 30, example.line
     assert len(README.read_text().splitlines()) <= 250
 
 

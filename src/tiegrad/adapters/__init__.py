@@ -7,6 +7,7 @@ of a model's adapters. PEFT's files are read and written by ``tiegrad.interop.pe
 
 from .layers import LoRA, LoRAAdapters, LoRAConv1D, LoRAEmbedding, LoRALinear
 from .lora import (
+    MergeRefused,
     active_adapter,
     adapter_names,
     add_lora,
@@ -24,6 +25,7 @@ __all__ = [
     "LoRAConv1D",
     "LoRAEmbedding",
     "LoRALinear",
+    "MergeRefused",
     "active_adapter",
     "adapter_names",
     "add_lora",

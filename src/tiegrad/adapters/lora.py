@@ -25,11 +25,11 @@ adapter instead (a use of the other layout reads it transposed).
 Merging: ``merge`` adds each applied adapter's ``scaling * B A`` into its weight. A
 storage has one value for all its uses, so where a use being merged shares its storage
 with a use that would change differently (one without an adapter, or with another
-adapter), ``merge`` refuses and says so, unless ``untie=True``: then each such group of
-uses gets its own storage, and the group of the storage's first use keeps the original
-(uses without an adapter thus stay bit for bit). ``unmerge`` subtracts what ``merge``
-added (up to rounding; an untie stays). ``unload`` removes every adapter and keeps the
-weights as they are (merged or not).
+adapter), ``merge`` refuses and says so (``MergeRefused``, an ``AliasError``), unless
+``untie=True``: then each such group of uses gets its own storage, and the group of the
+storage's first use keeps the original (uses without an adapter thus stay bit for bit).
+``unmerge`` subtracts what ``merge`` added (up to rounding; an untie stays). ``unload``
+removes every adapter and keeps the weights as they are (merged or not).
 
 Every function checks everything before it changes anything (C6); bad input is a
 ``TiegradError`` naming the path or the adapter and what was expected.
@@ -397,7 +397,7 @@ def merge(model: Module, untie: bool = False) -> list[str]:
             adapter = adapter_at.get(path)
             groups.setdefault(None if adapter is None else id(adapter), []).append((path, p))
         if len(groups) > 1 and not untie:
-            raise AliasError(_tie_refusal(groups))
+            raise MergeRefused(groups)
         base = members[0][1].storage
         value = base.current_host_value()
         for k, (key, group) in enumerate(groups.items()):
@@ -416,17 +416,24 @@ def merge(model: Module, untie: bool = False) -> list[str]:
     return [p for p, _ in model.named_slots() if p in adapter_at]
 
 
-def _tie_refusal(groups: dict[int | None, list[tuple[str, Param]]]) -> str:
-    adapted = next(g for k, g in groups.items() if k is not None)[0][0]
-    other_key, other = next((k, g[0][0]) for k, g in groups.items() if g[0][0] != adapted)
-    how = "has no adapter" if other_key is None else "has another adapter"
-    return (
-        f"merge: {adapted!r} shares its storage with {other!r}, which {how}: merging "
-        f"would change {other!r} too. Choose: merge(model, untie=True) gives each "
-        "differently adapted use its own storage (uses without an adapter keep the "
-        "original); add_lora(..., share_tied=True) adapts all the uses with one adapter; "
-        "or keep the adapters unmerged"
-    )
+class MergeRefused(AliasError):
+    """``merge`` without ``untie`` of a storage whose uses would change differently;
+    ``conflict`` names the two uses (the message adds how to choose)."""
+
+    def __init__(self, groups: dict[int | None, list[tuple[str, Param]]]) -> None:
+        adapted = next(g for k, g in groups.items() if k is not None)[0][0]
+        other_key, other = next((k, g[0][0]) for k, g in groups.items() if g[0][0] != adapted)
+        how = "has no adapter" if other_key is None else "has another adapter"
+        self.conflict = (
+            f"{adapted!r} shares its storage with {other!r}, which {how}: merging would "
+            f"change {other!r} too"
+        )
+        super().__init__(
+            f"merge: {self.conflict}. Choose: merge(model, untie=True) gives each "
+            "differently adapted use its own storage (uses without an adapter keep the "
+            "original); add_lora(..., share_tied=True) adapts all the uses with one adapter; "
+            "or keep the adapters unmerged"
+        )
 
 
 def unmerge(model: Module) -> list[str]:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 
 
 def checkpoint_schema(path: Path) -> Any:
@@ -53,9 +53,9 @@ def model_difference(stored: Any, kwargs: dict[str, Any]) -> str:
 
 
 def stored_gpt2(path: Path, what: str) -> tuple[Any, Any]:
-    """The ``GPT2`` a checkpoint describes (its model and transformers configurations),
-    built but not loaded, and the checkpoint's ``extra``; ``what`` names the caller in
-    the error for a checkpoint of another model."""
+    """The ``GPT2`` a checkpoint describes (its model and transformers configurations, its
+    LoRA adapters), built but not loaded, and the checkpoint's ``extra``; ``what`` names
+    the caller in the error for a checkpoint of another model."""
     from ..train.job import build_model
 
     extra = checkpoint_extra(path)
@@ -64,4 +64,24 @@ def stored_gpt2(path: Path, what: str) -> tuple[Any, Any]:
         raise ConfigError(f"{path}: {what} needs a GPT2 checkpoint (from 'tiegrad train --init')")
     model = build_model(dict(kwargs), "GPT2")
     model.source_config = extra.get("hf_config") or {}
+    attach_stored_lora(model, extra, path)
     return model, extra
+
+
+def attach_stored_lora(model: Any, extra: Any, path: Path) -> None:
+    """Attach to ``model`` the LoRA adapters a checkpoint's ``extra`` describes (those of a
+    ``tiegrad train --lora`` run, ``tiegrad.train.lora``; none for another run), so that
+    the checkpoint loads into it. A malformed description is a ``CheckpointError``
+    naming the file."""
+    from ..train.lora import KEY, parse_lora
+
+    text = extra.get(KEY) if isinstance(extra, dict) else None
+    if text is None:
+        return
+    where = f"{path}: extra[{KEY!r}]"
+    if not isinstance(text, str):
+        raise CheckpointError(f"{where}: expected a LoRA specification string, got {text!r:.80}")
+    try:
+        parse_lora(text, where).attach(model, where)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None

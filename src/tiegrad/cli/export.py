@@ -1,8 +1,15 @@
-"""``tiegrad export``: write a GPT-2 run or checkpoint as a Hugging Face model directory.
+"""``tiegrad export``: write a GPT-2 run or checkpoint for transformers or PEFT.
 
 The source is a run folder (its best checkpoint, else its latest) or a checkpoint
-file; ``--format`` picks the output (``hf``: what ``GPT2LMHeadModel.from_pretrained``
-loads, with the tokenizer files where the run has a Hugging Face tokenizer).
+file; ``--format`` picks the output. ``hf``: what ``GPT2LMHeadModel.from_pretrained``
+loads, with the tokenizer files where the run has a Hugging Face tokenizer; a LoRA run
+(``tiegrad train --lora``) needs ``--merge``, which folds the adapters into the
+weights. ``peft``: a LoRA run's adapter, ``adapter_model.safetensors`` and
+``adapter_config.json``, which ``peft.PeftModel.from_pretrained`` loads onto the
+``--init`` model (``tiegrad.interop.peft``). A format the source cannot give (``peft``
+without adapters, ``hf`` of adapters without ``--merge``, ``--merge`` without adapters
+or where merging would change a tied use that has no adapter) is refused before
+anything is written (C6).
 """
 
 from __future__ import annotations
@@ -16,23 +23,40 @@ from .checkpoints import stored_gpt2
 
 
 def add_parser(sub: Any) -> None:
-    """The ``export`` subcommand: the source, the output directory and the format."""
+    """The ``export`` subcommand: the source, the output directory, the format, ``--merge``."""
     export = sub.add_parser(
-        "export", help="write a GPT-2 run or checkpoint as a Hugging Face model directory"
+        "export", help="write a GPT-2 run or checkpoint for transformers (hf) or PEFT (peft)"
     )
     export.set_defaults(handler=run)
     export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint")
     export.add_argument("dir", metavar="DIR", help="output directory")
-    export.add_argument("--format", choices=["hf"], default="hf", help="output format (hf)")
+    export.add_argument(
+        "--format",
+        choices=["hf", "peft"],
+        default="hf",
+        help="hf: a transformers model directory; peft: a LoRA run's adapter (default: hf)",
+    )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --format hf: fold a LoRA run's adapters into the weights",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write a ``GPT2`` run's best (else latest) checkpoint, or a checkpoint file, as a
-    transformers directory: ``config.json``, ``model.safetensors`` and the tokenizer files."""
+    """Write a ``GPT2`` run's best (else latest) checkpoint, or a checkpoint file, as
+    ``--format`` says (see the module docstring)."""
     from ..checkpoint import load
     from ..data import HFTokenizer, tokenizer_from_dict
+    from ..interop.peft import save_adapter
+    from ..train.lora import KEY
     from ..train.rundir import RunDir
 
+    if args.merge and args.format != "hf":
+        raise ConfigError(
+            "export --merge writes full weights: it goes with --format hf (--format peft "
+            "writes the adapter alone)"
+        )
     source = Path(args.source)
     if source.is_dir():
         path = RunDir(source).best_or_latest()
@@ -42,11 +66,50 @@ def run(args: argparse.Namespace) -> int:
         path = source
     else:
         raise ConfigError(f"{args.source!r} is neither a run folder nor a checkpoint file")
-    model, extra = stored_gpt2(path, "export --format hf")
+    model, extra = stored_gpt2(path, f"export --format {args.format}")
+    adapted = KEY in extra
+    if args.format == "peft" and not adapted:
+        raise ConfigError(
+            f"{path}: export --format peft writes LoRA adapters and this run has none (trained "
+            "without --lora); write its weights with --format hf"
+        )
+    if args.format == "hf" and adapted != args.merge:
+        raise ConfigError(
+            f"{path}: export --format hf of a LoRA run needs --merge (the adapters folded into "
+            "the weights), or write the adapter with --format peft"
+            if adapted
+            else f"{path}: export --merge folds LoRA adapters into the weights and this run "
+            "has none (trained without --lora); leave --merge out"
+        )
     load(path, model)
+    if args.format == "peft":
+        targets = save_adapter(model, args.dir)
+        print(
+            f"exported the LoRA adapter of {path} ({len(targets)} modules) to {args.dir} "
+            "(peft.PeftModel.from_pretrained loads it onto the --init model)"
+        )
+        return 0
+    if args.merge:
+        merge_adapters(model)
     tokenizer = tokenizer_from_dict(extra["vocab"]) if "vocab" in extra else None
     model.save_pretrained(args.dir)
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.save(args.dir)
     print(f"exported {path} to {args.dir} (GPT2LMHeadModel.from_pretrained loads it)")
     return 0
+
+
+def merge_adapters(model: Any) -> None:
+    """Fold ``model``'s adapters into its weights and remove them; a merge that would
+    change a tied use without an adapter (``MergeRefused``) is a ``ConfigError``, the
+    model unchanged."""
+    from ..adapters import MergeRefused, merge, unload
+
+    try:
+        merge(model)
+    except MergeRefused as e:
+        raise ConfigError(
+            f"export --merge: {e.conflict}, and a transformers directory holds one value "
+            "per tie; export the adapter with --format peft instead"
+        ) from None
+    unload(model)

@@ -43,6 +43,8 @@ def run_job(
         load_text,
         model_config,
     )
+    from ..train.lora import KEY as LORA
+    from ..train.lora import parse_lora
     from ..train.rundir import RunDir
     from ..train.trainer import Trainer
 
@@ -66,6 +68,8 @@ def run_job(
     }
     if config["init"]:
         extra["hf_config"] = model.source_config
+    if config["lora"]:
+        extra[LORA] = parse_lora(config["lora"]).text()
     speaks = main_process()
     callbacks = []
     if speaks:

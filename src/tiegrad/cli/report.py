@@ -28,6 +28,7 @@ def print_config(
     state, whose warmup and length are printed (the run keeps them, whatever ``steps``
     now is); else they follow from ``config``."""
     from ..train.config import DEFAULTS, warmup_steps
+    from ..train.lora import parse_lora
 
     unique = model.num_parameters()
     c = config
@@ -55,6 +56,10 @@ def print_config(
             f"n_heads={c['n_heads']} seq_len={c['seq_len']} mlp_ratio={c['mlp_ratio']} "
             f"dropout={c['dropout']}; {unique:,} parameters (embedding tied to the output)"
         )
+    if c["lora"]:
+        trainable = sum(p.size for _, p in model.named_parameters() if p.requires_grad)
+        spec = parse_lora(c["lora"]).text()
+        print(f"  lora     {spec}; {trainable:,} parameters train, the rest is frozen")
     print(
         f"  optim    AdamW lr={c['lr']:g} min_lr={c['min_lr']:g} "
         f"warmup={warmup} "

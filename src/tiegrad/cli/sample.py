@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError, TiegradError
-from .checkpoints import checkpoint_schema, model_config
+from .checkpoints import attach_stored_lora, checkpoint_schema, model_config
 from .runs import LATEST, RUNS, newest_run
 
 
@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data import tokenizer_from_dict
     from ..train.config import check_value
     from ..train.job import build_model
+    from ..train.lora import KEY as LORA
     from ..train.rundir import RunDir
 
     if args.tokens < 1:
@@ -79,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise ConfigError(f"--prompt {args.prompt!r}: {e}") from None
     model_class = extra["model"].get("class", "TiedLM")
+    lora = LORA in extra
     model = build_model(
-        sample_model_config(path, schema, kwargs, vocab.size, model_class), model_class
+        sample_model_config(path, schema, kwargs, vocab.size, model_class, lora), model_class
     )
+    attach_stored_lora(model, extra, path)
     load(path, model)
     model.eval()
     rng = np.random.default_rng(args.seed)
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def sample_model_config(
-    path: Path, schema: Any, kwargs: Any, vocab_size: int, model_class: str
+    path: Path, schema: Any, kwargs: Any, vocab_size: int, model_class: str, lora: bool = False
 ) -> dict[str, Any]:
     """The file's model configuration, checked completely before anything is built (C6).
 
@@ -100,6 +103,9 @@ def sample_model_config(
     parameter count and bytes it implies must be the file's own (so a configuration
     cannot make ``tiegrad sample`` allocate more than the file holds), and its
     ``vocab_size`` the stored vocabulary's. Any mismatch is a ``CheckpointError``.
+    ``lora``: the file is a LoRA run's, whose adapter slots (``<layer>.lora.<name>.A``
+    and ``.B``) are left out of the count (``load`` checks them against the adapters
+    built).
     """
     import math
 
@@ -118,8 +124,9 @@ def sample_model_config(
         raise CheckpointError(f"{where}: invalid model configuration: {e}") from None
     slots, elements = cls.layout_size(config)
     implied = (slots, elements, elements * np.dtype(config["dtype"]).itemsize)
-    stored = [s for i, s in enumerate(schema.slots) if s.storage == i]
-    held = (len(schema.slots), sum(math.prod(s.shape) for s in stored), sum(map(nbytes, stored)))
+    base = [(i, s) for i, s in enumerate(schema.slots) if not (lora and ".lora." in s.path)]
+    stored = [s for i, s in base if s.storage == i]
+    held = (len(base), sum(math.prod(s.shape) for s in stored), sum(map(nbytes, stored)))
     if implied != held:
         raise CheckpointError(
             f"{where}: the model configuration implies {implied[0]} slots and {implied[1]:,} "

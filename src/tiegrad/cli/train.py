@@ -23,6 +23,7 @@ FLAGS: dict[str, str] = {
     "--corpus-chars": "corpus_chars",
     "--val-fraction": "val_fraction",
     "--init": "init",
+    "--lora": "lora",
     "--d-model": "d_model",
     "--layers": "n_layers",
     "--heads": "n_heads",
@@ -53,6 +54,7 @@ FLAGS: dict[str, str] = {
 _METAVARS = {
     "text": "FILE",
     "init": "DIR",
+    "lora": "SPEC",
     "run": "DIR",
     "vocab": "{char,byte}",
     "log": "{tensorboard}",

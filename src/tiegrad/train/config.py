@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..optim.hyperparams import INT64_LIMIT
+from .lora import parse_lora
 
 DEFAULTS: dict[str, Any] = {
     # data
@@ -33,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "corpus_chars": 2_000_000,
     "val_fraction": 0.1,
     "init": "",
+    "lora": "",
     # model (TiedLM)
     "d_model": 128,
     "n_layers": 2,
@@ -71,6 +73,8 @@ HELP: dict[str, str] = {
     "corpus_chars": "size cap of the standard-library corpus, in characters",
     "val_fraction": "fraction of the text (its end) held out for validation",
     "init": "Hugging Face GPT-2 directory to fine-tune (empty: a new TiedLM)",
+    "lora": "train LoRA adapters only, the --init model frozen: "
+    "rank=N,alpha=A,dropout=P,targets=NAME[+NAME...]; empty: train every weight",
     "d_model": "model width",
     "n_layers": "transformer blocks",
     "n_heads": "attention heads (must divide d_model)",
@@ -163,6 +167,8 @@ def check_value(key: str, value: Any, where: str = "", label: str | None = None)
         )
     if key in _CHOICES and value not in _CHOICES[key]:
         raise ConfigError(f"{name}: expected one of {_CHOICES[key]}, got {value!r}")
+    if key == "lora" and value:
+        parse_lora(value, name)
     if key in _RANGES:
         low, strict, high = _RANGES[key]
         bad_low = value <= low if strict else value < low
@@ -184,6 +190,10 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if out["d_model"] % out["n_heads"]:
         raise ConfigError(
             f"config: n_heads ({out['n_heads']}) must divide d_model ({out['d_model']})"
+        )
+    if out["lora"] and not out["init"]:
+        raise ConfigError(
+            "config: lora (--lora) adapts the GPT-2 of init: give --init DIR with --lora"
         )
     if out["min_lr"] > out["lr"]:
         raise ConfigError(f"config: min_lr ({out['min_lr']}) exceeds lr ({out['lr']})")

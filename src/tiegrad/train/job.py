@@ -15,6 +15,7 @@ from typing import Any
 from ..data import TextDataset, Vocab, directory_tokenizer, read_text, stdlib_corpus
 from ..errors import ConfigError
 from .config import warmup_steps
+from .lora import parse_lora
 
 MODEL_CLASS = "TiedLM"
 
@@ -82,14 +83,17 @@ def build_model(kwargs: dict[str, Any], model_class: str = MODEL_CLASS) -> Any:
 def build_init(
     config: dict[str, Any], source: TextSource, vocab: Any = None, model: Any = None
 ) -> tuple[Any, TextDataset]:
-    """The ``GPT2`` of ``config["init"]`` (a transformers directory), or ``model`` (the one
-    a resumed run's checkpoint describes), and the dataset of ``source`` tokenised by
+    """The ``GPT2`` of ``config["init"]`` (a transformers directory) with the LoRA adapters
+    of ``config["lora"]`` (``tiegrad.train.lora``), or ``model`` (the one a resumed run's
+    checkpoint describes, adapters included), and the dataset of ``source`` tokenised by
     the directory's tokenizer (``data.directory_tokenizer``) or by ``vocab`` (the one a
     resumed run stored)."""
     from ..models import GPT2
 
     if model is None:
         model = GPT2.from_pretrained(config["init"])
+        if config["lora"]:
+            parse_lora(config["lora"]).attach(model, "--lora")
     vocab = vocab if vocab is not None else directory_tokenizer(config["init"])
     if vocab.size > model.vocab_size:
         raise ConfigError(
