@@ -36,11 +36,19 @@ def run(world, out, **config):
     return np.load(out / "params.npz"), ranks
 
 
+def reference_dir(tmp_root, config):
+    return tmp_root / "ref" / json.dumps(config, sort_keys=True)
+
+
 @cache
+def _reference(tmp_root, key):
+    config = json.loads(key)
+    return run(0, reference_dir(tmp_root, config), **config)[0]
+
+
 def reference(tmp_root, **config):
-    """The 1-process run of ``config`` (cached per test session)."""
-    params, _ = run(0, tmp_root / "ref" / json.dumps(config, sort_keys=True), **config)
-    return params
+    """The final parameters of the 1-process run of ``config`` (run once per session)."""
+    return _reference(tmp_root, json.dumps(config, sort_keys=True))
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +140,66 @@ def test_two_processes_equal_unsharded_data_parallel_bit_for_bit(root, tmp_path,
         assert all(r["gradients"] <= 0.55 * full_grads for r in ranks)
     else:
         assert all(r["gradients"] == full_grads for r in ranks)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_three_processes_with_per_use_freezing_toggled_and_clipping_match_one(
+    root, tmp_path, shard
+):
+    config = {"opt": "adamw", "steps": 8, "toggle": True, "clip": 0.5}
+    sharded, ranks = run(3, tmp_path, shard=shard, **config)
+    assert_close(sharded, reference(root, **config))
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert len(losses) == 8 and all(r["step_count"] == 8 for r in ranks)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam", "rmsprop", "adagrad"])
+def test_every_optimizer_with_state_trains_sharded_as_in_one_process(root, tmp_path, opt):
+    config = {"opt": opt, "steps": 6}
+    assert_close(run(3, tmp_path, shard="gradients", **config)[0], reference(root, **config))
+
+
+def test_gradient_accumulation_on_two_processes_matches_one(root, tmp_path):
+    config = {"opt": "adam", "steps": 4, "accum": 2, "clip": 0.5}
+    assert_close(run(2, tmp_path, shard="gradients", **config)[0], reference(root, **config))
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_one_process_sharded_equals_one_process_bit_for_bit(root, tmp_path, shard):
+    config = {"opt": "adamw", "steps": 4, "toggle": True}
+    params, ranks = run(1, tmp_path, shard=shard, **config)
+    assert_equal(params, reference(root, **config))
+
+
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    config = {"opt": "adamw", "steps": 4, "nan_at": 2}
+    params, ranks = run(3, tmp_path, shard="gradients", **config)
+    assert [r["skipped"] for r in ranks] == [1, 1, 1]
+    assert [r["step_count"] for r in ranks] == [3, 3, 3]
+
+
+def test_a_rank_with_another_shard_mode_is_refused_at_the_start(tmp_path):
+    config = json.dumps({"shard": "optimizer", "rank1_shard": "gradients", "steps": 2})
+    results, _ = launch(WORKER, 2, [config, tmp_path])
+    for rc, _, err in results:
+        assert rc != 0
+        assert "rank 1 starts from another trainer state than rank 0 (differs in shard" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ((3, "gradients"), (0, None)),
+        ((0, None), (2, "optimizer")),
+        ((3, "optimizer"), (2, "gradients")),
+    ],
+)
+def test_a_run_resumes_with_another_process_count_and_sharding(root, tmp_path, first, second):
+    config = {"opt": "adamw", "steps": 8, "checkpoint_every": 4}
+    run(first[0], tmp_path, shard=first[1], **(config | {"steps": 4}))
+    resumed, _ = run(second[0], tmp_path, shard=second[1], **config)
+    assert_close(resumed, reference(root, **config))
+    straight = json.loads((reference_dir(root, config) / "losses.json").read_text())
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    np.testing.assert_allclose(losses, straight[4:], rtol=RTOL)  # the steps after the resume
