@@ -47,6 +47,7 @@ FLAGS: dict[str, str] = {
     "--patience": "patience",
     "--seed": "seed",
     "--device": "device",
+    "--shard": "shard",
     "--run": "run",
 }
 
@@ -56,6 +57,7 @@ _METAVARS = {
     "run": "DIR",
     "vocab": "{char,byte}",
     "log": "{tensorboard}",
+    "shard": "{optimizer,gradients}",
 }
 
 
