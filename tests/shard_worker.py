@@ -8,7 +8,8 @@ else as the 1-process reference. ``CONFIG`` is JSON: ``shard``, ``opt`` (a key o
 ``OPTIMIZERS``), ``steps``, ``accum``, ``clip``, ``toggle`` (the embedding's input use
 frozen after step 2, released after step 5, as per-use freezing), ``checkpoint_every``,
 ``nan_at`` (rank 1, or the only rank, adds NaN to the loss at that step, with
-``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode). A run folder ``OUT/run``
+``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode), ``device`` (the
+session's). A run folder ``OUT/run``
 that holds checkpoints is resumed. Rank 0 writes ``OUT/params.npz`` and
 ``OUT/losses.json``; every rank writes ``OUT/rank_RANK.json`` (the bytes of optimizer
 state and gradients it held, its skipped steps).
@@ -102,6 +103,7 @@ def main(config: dict, out: str) -> None:
         progress=False,
         plot=False,
         parallel=parallel,
+        device=config.get("device"),
         callbacks=[record],
     )
     trainer.fit()

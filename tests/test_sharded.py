@@ -144,7 +144,7 @@ def test_two_processes_equal_unsharded_data_parallel_bit_for_bit(root, tmp_path,
         assert all(r["gradients"] == full_grads for r in ranks)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", [None, "optimizer", "gradients"])
 def test_three_processes_with_per_use_freezing_toggled_and_clipping_match_one(
     root, tmp_path, shard
 ):
@@ -159,6 +159,12 @@ def test_three_processes_with_per_use_freezing_toggled_and_clipping_match_one(
 def test_every_optimizer_with_state_trains_sharded_as_in_one_process(root, tmp_path, opt):
     config = {"opt": opt, "steps": 6}
     assert_close(run(3, tmp_path, shard="gradients", **config)[0], reference(root, **config))
+
+
+def test_a_device_session_trains_sharded_as_in_one_process(root, tmp_path):
+    config = {"opt": "adamw", "steps": 4, "toggle": True}
+    sharded, _ = run(2, tmp_path, shard="optimizer", device="torch:cpu", **config)
+    assert_close(sharded, reference(root, **config))
 
 
 def test_gradient_accumulation_on_two_processes_matches_one(root, tmp_path):
@@ -243,3 +249,16 @@ def test_the_command_refuses_an_unknown_shard_mode_naming_the_choices(tmp_path):
     )
     assert done.returncode == 2
     assert "--shard: expected one of ('', 'optimizer', 'gradients'), got 'params'" in done.stderr
+
+
+def test_a_rank_whose_plan_differs_is_named_with_the_first_differing_piece():
+    from tiegrad.distributed.sharding import check_plans
+
+    rows = ShardPlan(model().param_list(), 2, 0).rows()
+    check_plans([rows, list(rows)])  # the same plan: accepted
+    other = list(rows)
+    other[3] = other[3][:4] + (other[3][4] + 1,)
+    with pytest.raises(DistributedError, match=r"rank 1 partitions .* first at piece 3 "):
+        check_plans([rows, other])
+    with pytest.raises(DistributedError, match=r"rank 2 .* first at piece 3 .*: None on rank 2"):
+        check_plans([rows, rows, rows[:3]])

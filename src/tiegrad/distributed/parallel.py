@@ -38,7 +38,7 @@ from .buckets import DEFAULT_BUCKET_MB, GradientBuckets
 from .group import all_gather_objects, collective, group, is_initialized, report_failure, staged
 from .scatter import GradientScatter
 from .sharded import GatheredOptimizer, ShardedOptimizer
-from .sharding import ShardPlan
+from .sharding import ShardPlan, check_plans
 
 DEFAULT_CHECK_EVERY = 100
 DEFAULT_OVERLAP = True
@@ -188,15 +188,7 @@ class DataParallel:
     def _check_plans(self) -> None:
         """Every rank's partition plan is rank 0's, else a ``DistributedError`` naming the
         first piece that differs."""
-        plans = all_gather_objects(self.plan.rows(), "the partition plan check")
-        for r, other in enumerate(plans):
-            for k, (a, b) in enumerate(zip_longest(plans[0], other)):
-                if a != b:
-                    raise DistributedError(
-                        f"DataParallel: rank {r} partitions the trained storages otherwise "
-                        f"than rank 0, first at piece {k} (dtype, rank, slot, start, stop): "
-                        f"{b} on rank {r}, {a} on rank 0"
-                    )
+        check_plans(all_gather_objects(self.plan.rows(), "the partition plan check"))
 
     def mean(self, value: float, what: str) -> float:
         """The mean of every rank's ``value`` (one float64 all-reduce named ``what``)."""

@@ -17,9 +17,11 @@ import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 
 import numpy as np
 
+from ..errors import DistributedError
 from ..params import ParameterStorage, ParamList
 
 
@@ -112,3 +114,16 @@ class ShardPlan:
             for rank in range(self.world_size)
             for p in r.pieces(*r.bounds(rank))
         ]
+
+
+def check_plans(plans: Sequence[Sequence[tuple[str, int, int, int, int]]]) -> None:
+    """``DistributedError`` naming the first rank and piece whose plan (``ShardPlan.rows``
+    of each rank, rank by rank) differs from rank 0's."""
+    for r, other in enumerate(plans):
+        for k, (a, b) in enumerate(zip_longest(plans[0], other)):
+            if a != b:
+                raise DistributedError(
+                    f"DataParallel: rank {r} partitions the trained storages otherwise than "
+                    f"rank 0, first at piece {k} (dtype, rank, slot, start, stop): {b} on "
+                    f"rank {r}, {a} on rank 0"
+                )
