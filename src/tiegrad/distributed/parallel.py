@@ -269,15 +269,26 @@ class DataParallel:
         return GatheredOptimizer(optimizer, self._sharded.gathered_state())
 
     def memory(self, optimizer: Any) -> dict[str, int]:
-        """The bytes this rank holds of optimizer state and of averaged gradients."""
+        """The bytes this rank holds between steps of optimizer state and of averaged
+        gradients, and the most bytes of scratch a step adds to the gradients (stage 2's
+        packing, ``GradientScatter``; 0 otherwise)."""
         if self.shard is None or self._sharded is None:
             state = sum(
                 a.nbytes for e in optimizer.state.values() for n, a in e.items() if n != "step"
             )
         else:
             state = self._sharded.state_nbytes
-        grads = self.scatter.nbytes if self.scatter is not None else self.buckets.allocated_bytes
-        return {"optimizer_state": state, "gradients": grads}
+        if self.scatter is None:
+            return {
+                "optimizer_state": state,
+                "gradients": self.buckets.allocated_bytes,
+                "scratch": 0,
+            }
+        return {
+            "optimizer_state": state,
+            "gradients": self.scatter.nbytes,
+            "scratch": self.scatter.scratch_bytes,
+        }
 
     def backward(self, session: Any, loss: Any, optimizer: Any) -> list[Any]:
         """The averaged canonical gradients of ``loss``.

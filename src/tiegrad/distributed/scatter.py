@@ -5,15 +5,15 @@ all-reduce buckets do; a storage it did not use as zeros) in ``ShardPlan`` order
 reduce-scatters them, so it receives the mean over the ranks of its own partition
 only and never holds the summed gradient of elements another rank owns. gloo has
 ``reduce_scatter_tensor`` for every floating dtype in torch 2.13, so no all-reduce is
-needed. The packing goes through a scratch buffer in rounds: round ``k`` packs the
-``k``-th block of every rank's range (at most ``bucket_bytes`` in all, and at most a
-32nd of the trained elements), so the scratch adds at most 1/32 of the gradients to
-the partition. Buffers are allocated once and reused.
+needed. The partition buffers are allocated once and reused; the packing goes
+through a scratch buffer that lives for the call only, in rounds: round ``k`` packs
+the ``k``-th block of every rank's range, at most ``bucket_bytes`` in all. Between
+steps a rank holds ``1 / world_size`` of the gradients; during the call, at most
+``bucket_bytes`` more, which hold this rank's own (unsummed) gradients, never a sum.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,9 +21,6 @@ import numpy as np
 
 from .group import reduce_scatter_array
 from .sharding import DTypeRange, ShardPlan
-
-#: the scratch buffer holds at most this fraction of a dtype's trained elements
-SCRATCH_SHARE = 1 / 32
 
 
 class GradientScatter:
@@ -35,31 +32,32 @@ class GradientScatter:
     def __init__(self, plan: ShardPlan, bucket_bytes: int) -> None:
         self.plan = plan
         self.partitions = [np.zeros(r.chunk, r.dtype) for r in plan.ranges]
-        self.blocks = [self._block(r, bucket_bytes) for r in plan.ranges]
-        self.scratch = [
-            np.empty(r.world_size * b, r.dtype) for r, b in zip(plan.ranges, self.blocks)
+        self.blocks = [
+            max(1, min(r.chunk, bucket_bytes // r.dtype.itemsize // r.world_size))
+            for r in plan.ranges
         ]
         self.bytes_reduced = 0
 
-    @staticmethod
-    def _block(r: DTypeRange, bucket_bytes: int) -> int:
-        """The elements per rank of one round."""
-        cap = min(bucket_bytes // r.dtype.itemsize, math.ceil(r.total * SCRATCH_SHARE))
-        return max(1, min(r.chunk, cap // r.world_size))
-
     @property
     def nbytes(self) -> int:
-        """The bytes of gradient this rank holds: its partitions and the scratch."""
-        return sum(a.nbytes for a in (*self.partitions, *self.scratch))
+        """The bytes of gradient this rank holds between steps: its partitions."""
+        return sum(a.nbytes for a in self.partitions)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The most bytes of scratch one call holds at a time."""
+        return max(
+            (r.world_size * b * r.dtype.itemsize for r, b in zip(self.plan.ranges, self.blocks)),
+            default=0,
+        )
 
     def reduce(self, gradients: Sequence[Any]) -> list[np.ndarray]:
         """The mean over the ranks of this rank's pieces (views of the partition buffers,
         valid until the next call), in ``plan.pieces`` order. ``gradients`` is a checked
         per-slot list: an array or None at each canonical slot."""
         scale = 1.0 / self.plan.world_size
-        for r, part, block, scratch in zip(
-            self.plan.ranges, self.partitions, self.blocks, self.scratch
-        ):
+        for r, part, block in zip(self.plan.ranges, self.partitions, self.blocks):
+            scratch = np.empty(r.world_size * block, r.dtype)
             for first in range(0, r.chunk, block):
                 n = min(block, r.chunk - first)
                 for rank in range(r.world_size):
