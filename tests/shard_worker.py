@@ -7,6 +7,7 @@ group when torchrun's variables are set (``DataParallel(shard=CONFIG["shard"])``
 else as the 1-process reference. ``CONFIG`` is JSON: ``shard``, ``opt`` (a key of
 ``OPTIMIZERS``), ``steps``, ``accum``, ``clip``, ``toggle`` (the embedding's input use
 frozen after step 2, released after step 5, as per-use freezing), ``checkpoint_every``,
+``keep_last``,
 ``nan_at`` (rank 1, or the only rank, adds NaN to the loss at that step, with
 ``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode), ``device`` (the
 session's). A run folder ``OUT/run``
@@ -97,6 +98,7 @@ def main(config: dict, out: str) -> None:
         grad_accum=config.get("accum", 1),
         clip_norm=config.get("clip"),
         checkpoint_every=config.get("checkpoint_every"),
+        keep_last=config.get("keep_last", 3),
         run_dir=run,
         resume=os.path.isdir(os.path.join(run, "checkpoints")),
         seed=5,

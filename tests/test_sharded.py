@@ -149,10 +149,20 @@ def test_three_processes_with_per_use_freezing_toggled_and_clipping_match_one(
     root, tmp_path, shard
 ):
     config = {"opt": "adamw", "steps": 8, "toggle": True, "clip": 0.5}
+    config |= {"checkpoint_every": 2, "keep_last": 4}
     sharded, ranks = run(3, tmp_path, shard=shard, **config)
     assert_close(sharded, reference(root, **config))
     losses = json.loads((tmp_path / "losses.json").read_text())
     assert len(losses) == 8 and all(r["step_count"] == 8 for r in ranks)
+    # step 2's checkpoint follows the freeze of the embedding's input use: the tie's
+    # state is keyed by its new canonical slot, lm_head's (16), as one process keys it
+    name = Path("run", "checkpoints", "step_0000002.safetensors")
+    one = load_file(reference_dir(root, config) / name)
+    mine = load_file(tmp_path / name)
+    assert sorted(mine) == sorted(one)
+    assert [k for k in one if "16" in k and "exp_avg" in k]
+    for k in one:
+        np.testing.assert_allclose(mine[k], one[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam", "rmsprop", "adagrad"])

@@ -250,23 +250,33 @@ class DataParallel:
             return old
         new = ShardedOptimizer(optimizer, self.plan, self.plist)
         if old is not None and old.optimizer is optimizer:
-            by_storage = old.state_by_storage()
-            new.install(
-                {
-                    slot: by_storage[id(st)]
-                    for slot, st in enumerate(self.plan.storages)
-                    if st is not None and id(st) in by_storage and slot in self.plan.shapes
-                }
-            )
+            new.install(self._current_slots(old))
         self._sharded = new
         return new
 
+    def _current_slots(self, sharded: ShardedOptimizer) -> dict[int, Any]:
+        """``sharded``'s state gathered (a collective) and keyed by the current canonical
+        slot of each storage; a storage trained at no slot now has none (C5)."""
+        by_storage = sharded.state_by_storage()
+        storages = self.plan.storages
+        return {
+            s: by_storage[id(storages[s])]
+            for s in self.plan.shapes
+            if id(storages[s]) in by_storage
+        }
+
     def checkpoint_optimizer(self, optimizer: Any) -> Any:
-        """What ``tiegrad.save`` should take as ``optimizer``: itself unsharded, else its
-        state gathered from every rank (a collective: call it on every rank)."""
-        if self.shard is None or self._sharded is None or self._sharded.optimizer is not optimizer:
+        """What ``tiegrad.save`` should take as ``optimizer``: itself unsharded (or holding a
+        state loaded since the last step), else an object whose ``state_dict`` is the
+        unsharded one, the state gathered from every rank and keyed by the current
+        layout (a collective: call it on every rank)."""
+        sharded = self._sharded
+        if self.shard is None or sharded is None or sharded.optimizer is not optimizer:
             return optimizer
-        return GatheredOptimizer(optimizer, self._sharded.gathered_state())
+        if optimizer.state:  # loaded since the last step: not taken over yet
+            return optimizer
+        self._follow_layout()
+        return GatheredOptimizer(optimizer, self._current_slots(sharded))
 
     def memory(self, optimizer: Any) -> dict[str, int]:
         """The bytes this rank holds between steps of optimizer state and of averaged

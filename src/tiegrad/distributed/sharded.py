@@ -213,7 +213,7 @@ class ShardedOptimizer:
         self.inner.load_state_dict(sd)
 
     def state_by_storage(self) -> dict[int, dict[str, Any]]:
-        """``gathered_state`` keyed by ``id`` of each storage, to move it to another
+        """``gathered_state`` keyed by ``id`` of each storage, to key it by another
         layout's canonical slots. Collective."""
         return {id(self.plan.storages[s]): e for s, e in self.gathered_state().items()}
 
