@@ -300,10 +300,12 @@ class DataParallel:
             "scratch": self.scatter.scratch_bytes,
         }
 
-    def backward(self, session: Any, loss: Any, optimizer: Any) -> list[Any]:
-        """The averaged canonical gradients of ``loss``.
+    def backward(self, session: Any, loss: Any, optimizer: Any) -> Any:
+        """The averaged canonical gradients of ``loss`` (sharded: this rank's
+        ``PartitionGradients``, for ``step``).
 
-        Without ``overlap``: ``average(optimizer.canonical_gradients(session.backward(loss),
+        Without ``overlap``, and with ``shard="gradients"``:
+        ``average(optimizer.canonical_gradients(session.backward(loss),
         allow_missing=True))``. With it, each bucket is packed and its all-reduce launched
         during the sweep, with the same bits; the gradients are validated as ``optimizer``
         does (C6). A storage this rank did not use contributes zeros (another rank may

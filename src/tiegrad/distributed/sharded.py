@@ -87,6 +87,7 @@ class ShardedOptimizer:
         optimizer's ``nonfinite="skip"``, a skipped step counted in ``skipped_steps``.
         """
         opt = self.optimizer
+        opt.state_tensor_specs()  # every rank refuses bad hyperparameters alike, first (C6)
         if len(gradients) != len(self.pieces):
             raise DistributedError(
                 f"sharded step: {len(gradients)} piece gradients, this rank's partition has "

@@ -260,7 +260,8 @@ class Trainer(Checkpointing, Reporting):
         gradients are summed per canonical slot (``optimizer.canonical_gradients``:
         the uses of one storage summed, C4), so only one tape is alive at a time. Data
         parallel: one batch is averaged over the ranks by ``DataParallel.backward``
-        (during the sweep), several after the last one. A storage some batches (or
+        (during the sweep), several after the last one, and ``DataParallel.step`` clips
+        and updates (sharded: each rank its partition). A storage some batches (or
         ranks) did not use gets the sum (or mean) of the others; one that no batch of
         the step used is the optimizer's ``MissingGradientError`` in one process.
         """
