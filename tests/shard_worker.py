@@ -7,7 +7,7 @@ group when torchrun's variables are set (``DataParallel(shard=CONFIG["shard"])``
 else as the 1-process reference. ``CONFIG`` is JSON: ``shard``, ``opt`` (a key of
 ``OPTIMIZERS``), ``steps``, ``accum``, ``clip``, ``toggle`` (the embedding's input use
 frozen after step 2, released after step 5, as per-use freezing), ``checkpoint_every``,
-``keep_last``,
+``keep_last``, ``bucket_mb``,
 ``nan_at`` (rank 1, or the only rank, adds NaN to the loss at that step, with
 ``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode), ``device`` (the
 session's). A run folder ``OUT/run``
@@ -79,7 +79,7 @@ def main(config: dict, out: str) -> None:
         shard = config.get("shard")
         if dist.rank() == 1 and "rank1_shard" in config:
             shard = config["rank1_shard"]
-        parallel = dist.DataParallel(net, shard=shard)
+        parallel = dist.DataParallel(net, shard=shard, bucket_mb=config.get("bucket_mb", 25.0))
 
     def loss_fn(session, batch):
         loss = net.loss(session, *batch)

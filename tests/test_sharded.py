@@ -127,19 +127,32 @@ def test_an_unknown_shard_mode_is_refused_naming_the_choices():
 
 
 # -- training ---------------------------------------------------------------------------
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
-def test_two_processes_equal_unsharded_data_parallel_bit_for_bit(root, tmp_path, shard):
+@pytest.fixture(scope="module")
+def plain_two(root):
+    """The unsharded run on 2 processes: its folder, parameters and rank figures."""
+    out = root / "plain_two"
+    return (out, *run(2, out, opt="adamw", steps=6, checkpoint_every=6))
+
+
+@pytest.mark.parametrize(
+    "shard, bucket_mb",
+    [("optimizer", 25.0), ("gradients", 25.0), ("gradients", 5e-4)],  # 5e-4: many rounds
+)
+def test_two_processes_equal_unsharded_data_parallel_bit_for_bit(
+    root, tmp_path, plain_two, shard, bucket_mb
+):
     config = {"opt": "adamw", "steps": 6, "checkpoint_every": 6}
-    plain, plain_ranks = run(2, tmp_path / "plain", **config)
-    sharded, ranks = run(2, tmp_path / "sharded", shard=shard, **config)
+    plain_dir, plain, plain_ranks = plain_two
+    sharded, ranks = run(2, tmp_path, shard=shard, bucket_mb=bucket_mb, **config)
     assert_equal(sharded, plain)
-    assert_equal(final_checkpoint(tmp_path / "sharded"), final_checkpoint(tmp_path / "plain"))
+    assert_equal(final_checkpoint(tmp_path), final_checkpoint(plain_dir))
     assert_close(sharded, reference(root, **config))
     full_state = plain_ranks[0]["optimizer_state"]
     assert [r["optimizer_state"] for r in ranks] == [full_state // 2, full_state // 2]
     full_grads = plain_ranks[0]["gradients"]
-    if shard == "gradients":  # its partition and a scratch of at most 1/32
-        assert all(r["gradients"] <= 0.55 * full_grads for r in ranks)
+    if shard == "gradients":  # its partition; the scratch, at most bucket_mb, apart
+        assert all(r["gradients"] == full_grads // 2 for r in ranks)
+        assert all(0 < r["scratch"] <= bucket_mb * 2**20 for r in ranks)
     else:
         assert all(r["gradients"] == full_grads for r in ranks)
 

@@ -24,10 +24,7 @@ from .sharding import DTypeRange, ShardPlan
 
 
 class GradientScatter:
-    """The partition buffers and scratch of one ``ShardPlan``; see the module docstring.
-
-    ``bytes_reduced`` counts the bytes reduce-scattered so far (padding included).
-    """
+    """The partition buffers of one ``ShardPlan`` and its rounds; see the module docstring."""
 
     def __init__(self, plan: ShardPlan, bucket_bytes: int) -> None:
         self.plan = plan
@@ -36,7 +33,6 @@ class GradientScatter:
             max(1, min(r.chunk, bucket_bytes // r.dtype.itemsize // r.world_size))
             for r in plan.ranges
         ]
-        self.bytes_reduced = 0
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +63,6 @@ class GradientScatter:
                 reduce_scatter_array(
                     part[first : first + n], scratch[: r.world_size * n], "the gradient scatter"
                 )
-                self.bytes_reduced += r.world_size * n * r.dtype.itemsize
         parts = {id(r): part for r, part in zip(self.plan.ranges, self.partitions)}
         out = []
         for r, piece in self.plan.pieces:

@@ -93,6 +93,9 @@ class ShardedOptimizer:
                 f"sharded step: {len(gradients)} piece gradients, this rank's partition has "
                 f"{len(self.pieces)} pieces"
             )
+        if self.inner is not None:
+            for j, gi in enumerate(self.groups):
+                self.inner.param_groups[j].update(self._hyper(gi))
         if opt.state:  # a checkpoint was loaded into the full optimizer: adopt its state
             self.install(opt.state)
             _clear_state(opt)
@@ -119,8 +122,6 @@ class ShardedOptimizer:
             if coef < 1.0:
                 gradients = [g * coef for g in gradients]
         if self.inner is not None:
-            for j, gi in enumerate(self.groups):
-                self.inner.param_groups[j].update(self._hyper(gi))
             self._read_values()
             self.inner.step([gradients[k] for k in self.order])
         self._write_values()
