@@ -7,13 +7,12 @@ group when torchrun's variables are set (``DataParallel(shard=CONFIG["shard"])``
 else as the 1-process reference. ``CONFIG`` is JSON: ``shard``, ``opt`` (a key of
 ``OPTIMIZERS``), ``steps``, ``accum``, ``clip``, ``toggle`` (the embedding's input use
 frozen after step 2, released after step 5, as per-use freezing), ``checkpoint_every``,
-``keep_last``, ``bucket_mb``,
-``nan_at`` (rank 1, or the only rank, adds NaN to the loss at that step, with
-``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode), ``device`` (the
-session's). A run folder ``OUT/run``
-that holds checkpoints is resumed. Rank 0 writes ``OUT/params.npz`` and
-``OUT/losses.json``; every rank writes ``OUT/rank_RANK.json`` (the bytes of optimizer
-state and gradients it held, its skipped steps).
+``keep_last``, ``bucket_mb``, ``nan_at`` (the last rank multiplies its loss by NaN at
+that step, with ``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode),
+``device`` (the session's). A run folder ``OUT/run`` that holds checkpoints is
+resumed. Rank 0 writes ``OUT/params.npz`` and ``OUT/losses.json`` (the losses and the
+gradient norms of the steps); every rank writes ``OUT/rank_RANK.json`` (the bytes of
+optimizer state and gradients it held, its skipped steps and step count).
 """
 
 import json
@@ -52,13 +51,14 @@ def model() -> TiedLM:
 
 
 class Record(Callback):
-    """The training losses; the toggling of the embedding's input use."""
+    """The training losses and gradient norms; the toggling of the embedding's input use."""
 
     def __init__(self, net: TiedLM, toggle: bool) -> None:
-        self.net, self.toggle, self.losses = net, toggle, []
+        self.net, self.toggle, self.losses, self.norms = net, toggle, [], []
 
     def on_step_end(self, trainer, logs) -> None:
         self.losses.append(logs["train_loss"])
+        self.norms.append(logs["grad_norm"])
         if self.toggle and logs["step"] == 2:
             self.net.freeze("embed.weight")  # trained through lm_head alone
         if self.toggle and logs["step"] == 5:
@@ -115,7 +115,7 @@ def main(config: dict, out: str) -> None:
     if dist.is_main():
         np.savez(os.path.join(out, "params.npz"), *net.param_list().values())
         with open(os.path.join(out, "losses.json"), "w") as f:
-            json.dump(record.losses, f)
+            json.dump({"losses": record.losses, "norms": record.norms}, f)
     dist.shutdown()
 
 
