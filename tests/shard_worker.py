@@ -9,7 +9,9 @@ else as the 1-process reference. ``CONFIG`` is JSON: ``shard``, ``opt`` (a key o
 frozen after step 2, released after step 5, as per-use freezing), ``checkpoint_every``,
 ``keep_last``, ``bucket_mb``, ``nan_at`` (the last rank multiplies its loss by NaN at
 that step, with ``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode),
-``device`` (the session's). A run folder ``OUT/run`` that holds checkpoints is
+``device`` (the session's), ``misuse`` (no training: ``DataParallel.step`` given a plain
+list, then another model's optimizer; the errors go to ``OUT/errors.json``, with
+whether the parameters stayed as they were). A run folder ``OUT/run`` that holds checkpoints is
 resumed. Rank 0 writes ``OUT/params.npz`` and ``OUT/losses.json`` (the losses and the
 gradient norms of the steps); every rank writes ``OUT/rank_RANK.json`` (the bytes of
 optimizer state and gradients it held, its skipped steps and step count).
@@ -65,6 +67,32 @@ class Record(Callback):
             self.net.unfreeze("embed.weight")
 
 
+def misuse(net: TiedLM, opt, parallel, out: str) -> None:
+    """Two refused sharded steps; writes their messages and whether anything changed."""
+    from tiegrad import EagerSession
+    from tiegrad.errors import DistributedError
+
+    before = [v.copy() for v in net.param_list().values()]
+    session = EagerSession()
+    ids = np.random.default_rng(7).integers(0, VOCAB, size=(BATCH, SEQ + 1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    grads = parallel.backward(session, net.loss(session, x, y), opt)
+    session.reset()
+    errors = []
+    for optimizer, given in (
+        (opt, [None] * len(net.param_list())),
+        (OPTIMIZERS["adamw"](model().parameters()), grads),
+    ):
+        try:
+            parallel.step(optimizer, given)
+        except DistributedError as e:
+            errors.append(str(e))
+    same = all(np.array_equal(a, b) for a, b in zip(before, net.param_list().values()))
+    with open(os.path.join(out, "errors.json"), "w") as f:
+        json.dump({"errors": errors, "unchanged": same, "state": len(opt.state)}, f)
+    dist.shutdown()
+
+
 def main(config: dict, out: str) -> None:
     launched = dist.in_launcher_environment()
     if launched:
@@ -80,6 +108,9 @@ def main(config: dict, out: str) -> None:
         if dist.rank() == 1 and "rank1_shard" in config:
             shard = config["rank1_shard"]
         parallel = dist.DataParallel(net, shard=shard, bucket_mb=config.get("bucket_mb", 25.0))
+    if config.get("misuse"):
+        misuse(net, opt, parallel, out)
+        return
 
     def loss_fn(session, batch):
         loss = net.loss(session, *batch)

@@ -215,6 +215,19 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path)
     assert [r["step_count"] for r in ranks] == [3, 3, 3]
 
 
+def test_a_sharded_step_refuses_a_plain_list_and_another_models_optimizer(tmp_path):
+    results, _ = launch(WORKER, 1, [json.dumps({"shard": "gradients", "misuse": True}), tmp_path])
+    assert results[0][0] == 0, results[0][2][-3000:]
+    found = json.loads((tmp_path / "errors.json").read_text())
+    assert found["errors"] == [
+        "DataParallel.step: a sharded step takes the PartitionGradients that backward or "
+        "average returned for the current layout, got list",
+        "sharded step: slot 0 ('embed.weight') of the optimizer's parameter list is not the "
+        "model's (other storage or trainability)",
+    ]
+    assert found["unchanged"] and found["state"] == 0
+
+
 def test_a_rank_with_another_shard_mode_is_refused_at_the_start(tmp_path):
     config = json.dumps({"shard": "optimizer", "rank1_shard": "gradients", "steps": 2})
     results, _ = launch(WORKER, 2, [config, tmp_path])
