@@ -226,7 +226,6 @@ class GatheredOptimizer:
 
     def __init__(self, optimizer: Any, state: State) -> None:
         self.params = optimizer.params
-        self.kind = optimizer.kind
         self._state_dict = optimizer.state_dict() | {"state": dict(state)}
 
     def state_dict(self) -> dict[str, Any]:

@@ -48,7 +48,6 @@ class DTypeRange:
     ) -> None:
         self.dtype = dtype
         self.slots = slots
-        self.sizes = sizes
         self.offsets = [0, *np.cumsum(sizes, dtype=np.int64).tolist()]
         self.total = self.offsets[-1]
         self.chunk = max(1, math.ceil(self.total / world_size))
