@@ -298,10 +298,11 @@ def all_gather_array(out: Any, mine: Any, what: str) -> None:
     import torch
     import torch.distributed as dist
 
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
     host = torch.from_numpy(out)
     target = staged(host)
     with collective(what):
-        dist.all_gather_into_tensor(target, staged(torch.from_numpy(mine)))
+        gather(target, staged(torch.from_numpy(mine)))
     if target is not host:
         host.copy_(target)
 
@@ -312,10 +313,11 @@ def reduce_scatter_array(out: Any, parts: Any, what: str) -> None:
     import torch
     import torch.distributed as dist
 
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     host = torch.from_numpy(out)
     target = staged(host)
     with collective(what):
-        dist.reduce_scatter_tensor(target, staged(torch.from_numpy(parts)))
+        scatter(target, staged(torch.from_numpy(parts)))
     if target is not host:
         host.copy_(target)
 
