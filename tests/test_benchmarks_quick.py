@@ -30,6 +30,11 @@ PAIRS = {
     "G1": {("tiegrad", "torch")},
     "G2": {("tiegrad", "torch")},
     "D1": {("tiegrad", "torch DDP")},
+    "D2": {
+        (tiegrad, torch)
+        for tiegrad in ("tiegrad stage 1", "tiegrad stage 2", "tiegrad unsharded")
+        for torch in ("torch DDP + ZeRO", "torch DDP")
+    },
 }
 
 
@@ -40,7 +45,7 @@ def quick_report():
 
 def test_quick_run_produces_every_row(quick_report):
     by_id = {w["id"]: w for w in quick_report["workloads"]}
-    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "G2", "D1"]
+    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "G2", "D1", "D2"]
     for wid, pairs in PAIRS.items():
         rows = by_id[wid]["rows"]
         got = {(r["tiegrad"], r["torch"]) for r in rows}
@@ -227,3 +232,19 @@ def test_d1_reports_the_communication_share_of_both_sides(quick_report):
     assert any("communication share of the step (torch)" in n for n in d1["notes"])
     assert set(d1["extras"]["cpu_ms"]["tiegrad"]) == {"step", "after", "local"}
     assert any("tiegrad after backward (no overlap)" in n for n in d1["notes"])
+
+
+def test_d2_reports_the_bytes_each_rank_holds_and_the_stages_shares(quick_report):
+    (d2,) = [w for w in quick_report["workloads"] if w["id"] == "D2"]
+    shares = d2["extras"]["share_of_unsharded"]
+    assert shares["tiegrad stage 1"]["optimizer_state"] <= 0.55
+    assert shares["tiegrad stage 2"]["optimizer_state"] <= 0.55
+    assert shares["tiegrad stage 2"]["gradients"] <= 0.55
+    zero = d2["extras"]["held"]["torch DDP + ZeRO"]
+    unsharded = d2["extras"]["held"]["tiegrad unsharded"]
+    assert len(zero) == len(unsharded) == 2 and all(m["peak_rss_mb"] > 0 for m in zero)
+    assert set(d2["extras"]["ratio_to_zero"]) == {
+        "tiegrad stage 1",
+        "tiegrad stage 2",
+        "tiegrad unsharded",
+    }

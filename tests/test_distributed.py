@@ -7,7 +7,6 @@ free on 127.0.0.1 and every process has a bounded wait.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,72 +17,16 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
+from dist_launch import WAIT_S, base_env, launch  # noqa: E402
+
 from tiegrad.errors import DistributedError  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
-ROOT = Path(__file__).resolve().parent.parent
-WAIT_S = 240
 RTOL = 1e-5
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def base_env(timeout: float = 60.0) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    env["TIEGRAD_DIST_TIMEOUT"] = str(timeout)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
-def launch(world, args, timeout=60.0):
-    """Start ``world`` ranks of the worker (0: one plain process, no group); wait for all.
-
-    Returns ``[(returncode, stdout, stderr)]`` per rank and the time (``time.time()``)
-    rank 0 exited.
-    """
-    port = free_port()
-    procs = []
-    for rank in range(max(world, 1)):
-        env = base_env(timeout)
-        if world:
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, *map(str, args)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = []
-    ended = None
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=WAIT_S)
-            results.append((p.returncode, out, err))
-            if ended is None:
-                ended = time.time()  # rank 0's exit: it is waited for first
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return results, ended
-
-
 def run_ok(world, scenario, out, steps=20):
-    results, _ = launch(world, [scenario, out, steps])
+    results, _ = launch(WORKER, world, [scenario, out, steps])
     for rank, (rc, _, err) in enumerate(results):
         assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
     return np.load(os.path.join(out, "params.npz"))
@@ -119,7 +62,7 @@ def test_two_processes_match_one_and_reduce_each_trainable_storage_once(straight
 
 
 def test_overlapped_all_reduces_equal_the_ones_after_backward_bit_for_bit(tmp_path):
-    results, _ = launch(2, ["overlap", tmp_path, 4])
+    results, _ = launch(WORKER, 2, ["overlap", tmp_path, 4])
     for rank, (rc, _, err) in enumerate(results):
         assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
     found = json.loads((tmp_path / "overlap.json").read_text())
@@ -147,7 +90,7 @@ def seconds_after_the_failure(ended, out):
 
 
 def test_a_rank_that_raises_stops_every_rank_naming_it(tmp_path):
-    results, ended = launch(2, ["raise", tmp_path], timeout=30.0)
+    results, ended = launch(WORKER, 2, ["raise", tmp_path], timeout=30.0)
     assert seconds_after_the_failure(ended, tmp_path) < 30.0
     assert all(rc != 0 for rc, _, _ in results)
     assert "injected failure" in results[1][2]
@@ -156,7 +99,7 @@ def test_a_rank_that_raises_stops_every_rank_naming_it(tmp_path):
 
 
 def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
-    results, ended = launch(2, ["die", tmp_path], timeout=30.0)
+    results, ended = launch(WORKER, 2, ["die", tmp_path], timeout=30.0)
     assert seconds_after_the_failure(ended, tmp_path) < 30.0
     assert results[1][0] == 3 and results[0][0] != 0
     last = results[0][2].strip().splitlines()[-1]
@@ -164,14 +107,14 @@ def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
 
 
 def test_a_signal_after_the_step_agreement_stops_every_rank_at_the_next_step(tmp_path):
-    results, _ = launch(2, ["late_signal", tmp_path])
+    results, _ = launch(WORKER, 2, ["late_signal", tmp_path])
     for rank, (rc, _, err) in enumerate(results):
         assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
         assert (tmp_path / f"status_{rank}").read_text() == "interrupted 4"
 
 
 def test_the_checksum_catches_a_perturbed_parameter(tmp_path):
-    results, _ = launch(2, ["perturb", tmp_path])
+    results, _ = launch(WORKER, 2, ["perturb", tmp_path])
     for rc, _, err in results:
         assert rc != 0
         assert "diverged at step 4: rank 1 differs from rank 0 first at slot 2" in err
@@ -199,7 +142,7 @@ def test_a_sharded_validation_loader_gives_every_rank_one_processs_losses(tmp_pa
     ],
 )
 def test_ranks_with_other_data_or_settings_are_refused_at_the_start(tmp_path, scenario, differs):
-    results, _ = launch(2, [scenario, tmp_path])
+    results, _ = launch(WORKER, 2, [scenario, tmp_path])
     for rc, _, err in results:
         assert rc != 0
         assert f"rank 1 starts from another trainer state than rank 0 (differs in {differs}" in err
@@ -261,21 +204,21 @@ def test_a_storage_one_rank_does_not_use_trains_as_in_one_process(tmp_path):
 
 
 def test_a_callbacks_failure_names_the_step_it_followed(tmp_path):
-    results, _ = launch(2, ["raise_cb", tmp_path], timeout=30.0)
+    results, _ = launch(WORKER, 2, ["raise_cb", tmp_path], timeout=30.0)
     assert all(rc != 0 for rc, _, _ in results)
     last = results[0][2].strip().splitlines()[-1]
     assert "rank 1 failed at step 3: RuntimeError: injected callback failure" in last
 
 
 def test_the_ranks_are_compared_at_the_end_of_fit(tmp_path):
-    results, _ = launch(2, ["perturb_last", tmp_path, 4])  # checksums every 100 steps
+    results, _ = launch(WORKER, 2, ["perturb_last", tmp_path, 4])  # checksums every 100 steps
     for rc, _, err in results:
         assert rc != 0
         assert "diverged at step 4: rank 1 differs from rank 0 first at slot 2" in err
 
 
 def test_another_tie_layout_fails_at_wrap_time_showing_both(tmp_path):
-    results, _ = launch(2, ["layout", tmp_path])
+    results, _ = launch(WORKER, 2, ["layout", tmp_path])
     for rc, _, err in results:
         assert rc != 0
         assert "rank 1 holds another parameter layout than rank 0" in err

@@ -9,6 +9,7 @@ run), ``make_data()`` (NumPy batches and initial weights, shared by every side) 
 
 from . import (
     d1_data_parallel,
+    d2_sharded,
     g1_gpt2,
     g2_lora,
     w1_tied_lm,
@@ -29,6 +30,7 @@ WORKLOADS = {
         g1_gpt2,
         g2_lora,
         d1_data_parallel,
+        d2_sharded,
     )
 }
 

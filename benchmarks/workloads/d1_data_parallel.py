@@ -21,6 +21,7 @@ The peak RSS columns measure the controlling process only, not the workers.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -55,7 +56,7 @@ def make_data() -> dict[str, Any]:
 class _Pool:
     """The worker processes of one side; ``step(kind)`` is one step on every rank."""
 
-    def __init__(self, framework: str) -> None:
+    def __init__(self, framework: str, *variant: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -66,7 +67,7 @@ class _Pool:
             env.update({var: "1" for var in THREAD_VARIABLES})
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", f"{__package__}.d1_worker", framework],
+                    [sys.executable, "-m", f"{__package__}.d1_worker", framework, *variant],
                     cwd=ROOT,
                     env=env,
                     stdin=subprocess.PIPE,
@@ -92,6 +93,12 @@ class _Pool:
         self.loss = figures[0][0]
         self.comm_ms.setdefault(command, []).append(max(f[1] for f in figures))
         self.cpu_ms.setdefault(command, []).append(max(f[2] for f in figures))
+
+    def memory(self) -> list[dict[str, float]]:
+        """Every rank's bytes of optimizer state and gradients and its peak RSS (MB)."""
+        for p in self.procs:
+            p.stdin.write("memory\n")
+        return [json.loads(p.stdout.readline()) for p in self.procs]
 
     def side(self, name: str, framework: str, kind: str) -> Side:
         """A side stepping every rank; a reference side (local steps) has no probe: its

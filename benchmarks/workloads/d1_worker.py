@@ -1,19 +1,25 @@
-"""A rank of D1 (``d1_data_parallel``): ``python -m benchmarks.workloads.d1_worker FRAMEWORK``.
+"""A rank of D1 and D2: ``python -m benchmarks.workloads.d1_worker FRAMEWORK [VARIANT]``.
 
 It joins the gloo group from torchrun's variables, builds W1's model, data and AdamW
-(``tiegrad``: ``DataParallel``; ``torch``: ``DistributedDataParallel``) on its 16 of
-each batch's 32 samples and answers each line on stdin (``ready``; ``step``: a
-data-parallel step, all-reduces overlapped with backward on both sides; ``after``:
-tiegrad's step averaging after backward; ``local``: a step without communication)
-with its loss, the milliseconds from the step's first all-reduce launch to its last
-result (the same span on both sides; overlapped with backward, so not all of it
-lengthens the step) and the process's CPU milliseconds of the step.
+(``tiegrad``: ``DataParallel``, with ``shard=VARIANT`` when given; ``torch``:
+``DistributedDataParallel``, with ``ZeroRedundancyOptimizer`` over AdamW for the
+variant ``zero``) on its 16 of each batch's 32 samples and answers each line on stdin
+(``ready``; ``step``: a data-parallel step, all-reduces overlapped with backward on
+both sides; ``after``: tiegrad's step averaging after backward; ``local``: a step
+without communication) with its loss, the milliseconds from the step's first
+all-reduce launch to its last result (the same span on both sides; overlapped with
+backward, so not all of it lengthens the step) and the process's CPU milliseconds of
+the step; ``memory`` with one JSON line: the bytes of optimizer state and of gradients
+the rank holds (the arrays themselves: tiegrad's ``DataParallel.memory``, torch's
+optimizer state tensors and ``.grad``) and its peak RSS in MB.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -23,7 +29,7 @@ from . import w1_tied_lm as w1
 BATCH = w1.BATCH  # global
 
 
-def _tiegrad_worker(rank: int) -> Any:
+def _tiegrad_worker(rank: int, shard: str | None) -> Any:
     import tiegrad.distributed as dist
     from tiegrad import EagerSession
 
@@ -35,7 +41,7 @@ def _tiegrad_worker(rank: int) -> Any:
     set_tiegrad_weights(model, data["weights"])
     optimizer = w1.TIEGRAD.optimizer(model.parameters())
     # no checksum: the local steps let the replicas drift apart on purpose
-    parallel = dist.DataParallel(model, check_every=2**62)
+    parallel = dist.DataParallel(model, check_every=2**62, shard=shard)
     session = EagerSession()
     batches = itertools.cycle(_shards(data["batches"], rank))
     first = _first_all_reduce()
@@ -53,10 +59,13 @@ def _tiegrad_worker(rank: int) -> Any:
         comm = time.perf_counter() - first[0] if first else 0.0
         value = float(loss.item())
         session.reset()
-        optimizer.step(grads)
+        if kind == "local":
+            optimizer.step(grads)
+        else:
+            parallel.step(optimizer, grads)
         return value, comm * 1e3
 
-    return step
+    return step, lambda: parallel.memory(optimizer)
 
 
 def _first_all_reduce() -> list[float]:
@@ -76,7 +85,7 @@ def _first_all_reduce() -> list[float]:
     return calls
 
 
-def _torch_worker(rank: int) -> Any:
+def _torch_worker(rank: int, variant: str | None) -> Any:
     import contextlib
 
     import torch
@@ -106,7 +115,18 @@ def _torch_worker(rank: int) -> Any:
         return default_hooks.allreduce_hook(state, bucket).then(done)
 
     ddp.register_comm_hook(dist.group.WORLD, timed_allreduce)
-    optimizer = w1.TORCH.optimizer(ddp.parameters())
+    if variant == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            ddp.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            lr=w1.LR,
+            weight_decay=w1.WEIGHT_DECAY,
+        )
+        local = optimizer.optim  # this rank's AdamW over its partition
+    else:
+        optimizer = local = w1.TORCH.optimizer(ddp.parameters())
     batches = itertools.cycle(torch_batches(_shards(data["batches"], rank)))
 
     def step(kind: str) -> tuple[float, float]:
@@ -120,7 +140,17 @@ def _torch_worker(rank: int) -> Any:
         optimizer.step()
         return float(loss.item()), comm * 1e3
 
-    return step
+    def memory() -> dict[str, int]:
+        state = sum(
+            t.nbytes
+            for s in local.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim()
+        )
+        grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        return {"optimizer_state": state, "gradients": grads}
+
+    return step, memory
 
 
 def _shards(batches: list[Any], rank: int) -> list[Any]:
@@ -129,7 +159,7 @@ def _shards(batches: list[Any], rank: int) -> list[Any]:
     return [(x[part].copy(), y[part].copy()) for x, y in batches]
 
 
-def _serve(framework: str) -> None:
+def _serve(framework: str, variant: str | None) -> None:
     """Answer ``ready``, ``step``, ``after`` and ``local`` on stdin with the loss, the
     communication milliseconds and the CPU milliseconds, until ``quit``.
 
@@ -141,12 +171,17 @@ def _serve(framework: str) -> None:
 
     tune_process()
     rank = int(os.environ["RANK"])
-    step = (_tiegrad_worker if framework == "tiegrad" else _torch_worker)(rank)
+    step, memory = (_tiegrad_worker if framework == "tiegrad" else _torch_worker)(rank, variant)
     out = sys.stdout
     for line in sys.stdin:
         command = line.strip()
         if command == "quit":
             break
+        if command == "memory":
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            out.write(json.dumps(memory() | {"peak_rss_mb": peak_mb}) + "\n")
+            out.flush()
+            continue
         cpu = time.process_time()
         loss, comm = (0.0, 0.0) if command == "ready" else step(command)
         out.write(f"{loss!r} {comm!r} {(time.process_time() - cpu) * 1e3!r}\n")
@@ -154,4 +189,4 @@ def _serve(framework: str) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

@@ -105,6 +105,7 @@ def run_job(
         extra=extra,
         resume_hint=f"tiegrad resume {quote(str(run.path))}",
         callbacks=callbacks,
+        parallel=data_parallel(model, config["shard"]),
     )
     if speaks:
         command = "resume" if resume else "train"
@@ -117,6 +118,14 @@ def run_job(
     if result.status != "interrupted":
         return 0
     return EXIT_TERMINATED if result.signal == signal.SIGTERM else EXIT_INTERRUPTED
+
+
+def data_parallel(model: Any, shard: str) -> Any:
+    """The run's ``DataParallel`` (``shard``: empty, ``optimizer`` or ``gradients``) when
+    this process is a rank of a group, else None."""
+    from ..distributed import DataParallel, is_initialized
+
+    return DataParallel(model, shard=shard or None) if is_initialized() else None
 
 
 def config_writer(run: Any, config: dict[str, Any]) -> Any:

@@ -37,6 +37,13 @@ def add_parser(sub: Any) -> None:
         help="new early-stopping patience, to continue a run that stopped early; 0 never "
         "stops early (default: the run's)",
     )
+    resume.add_argument(
+        "--shard",
+        choices=("optimizer", "gradients", "none"),
+        default=None,
+        help="data parallel: shard the optimizer state, or also the gradients, or neither "
+        "(default: the run's)",
+    )
     add_no_progress(resume)
     add_nproc(resume)
 
@@ -81,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         config["progress"] = args.progress
     if args.patience is not None:
         config["patience"] = args.patience
+    if args.shard is not None:
+        config["shard"] = "" if args.shard == "none" else args.shard
     config.pop("text_sha256", None)
     vocab = config.pop("vocab_table", None)
     config = check_config(config)

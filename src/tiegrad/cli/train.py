@@ -48,6 +48,7 @@ FLAGS: dict[str, str] = {
     "--patience": "patience",
     "--seed": "seed",
     "--device": "device",
+    "--shard": "shard",
     "--run": "run",
 }
 
@@ -58,6 +59,7 @@ _METAVARS = {
     "run": "DIR",
     "vocab": "{char,byte}",
     "log": "{tensorboard}",
+    "shard": "{optimizer,gradients}",
 }
 
 

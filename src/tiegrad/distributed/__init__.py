@@ -2,8 +2,10 @@
 
 Start the processes with ``torchrun --nproc-per-node N`` (or ``tiegrad train --nproc
 N``), call ``init()`` in each, and wrap the model: ``DataParallel(model)``. The
-``Trainer`` does the wrapping itself when a group is initialised. torch is imported
-only when a group starts.
+``Trainer`` does the wrapping itself when a group is initialised.
+``DataParallel(model, shard="optimizer" | "gradients")`` shards the optimizer state (and
+the gradients) over the ranks by storage (ZeRO stages 1 and 2). torch is imported only
+when a group starts.
 """
 
 from .group import (

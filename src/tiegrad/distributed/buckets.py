@@ -112,14 +112,14 @@ class GradientBuckets:
         """The bytes one step all-reduces: the trainable storages', each once."""
         return sum(b.nbytes for b in self.buckets)
 
-    def average(self, gradients: Sequence[Any], world_size: int, on_gpu: bool = False) -> list[Any]:
-        """The mean over the ranks of every canonical gradient; None at the other slots.
+    @property
+    def allocated_bytes(self) -> int:
+        """The bytes of the host buffers allocated so far (none before the first step)."""
+        return sum(b.nbytes for b in self.buckets if b.buffers is not None)
 
-        ``gradients`` is the list form of ``Optimizer.canonical_gradients``: an array at
-        each canonical slot; ``on_gpu`` reduces on the buckets' GPU twins (NCCL). A
-        canonical slot without a gradient (a storage this rank did not use) contributes
-        zeros. Shapes are checked before anything is sent (C6).
-        """
+    def check(self, gradients: Sequence[Any]) -> None:
+        """``ShapeError`` unless ``gradients`` has one entry per slot and each trainable
+        storage's gradient (or None) its shape: checked before anything is sent (C6)."""
         if len(gradients) != self.n_slots:
             raise ShapeError(
                 f"gradient averaging: expected {self.n_slots} slots, got {len(gradients)}"
@@ -132,6 +132,16 @@ class GradientBuckets:
                         f"gradient averaging: slot {i} has a gradient of shape "
                         f"{tuple(g.shape)}, expected {shape}"
                     )
+
+    def average(self, gradients: Sequence[Any], world_size: int, on_gpu: bool = False) -> list[Any]:
+        """The mean over the ranks of every canonical gradient; None at the other slots.
+
+        ``gradients`` is the list form of ``Optimizer.canonical_gradients``: an array at
+        each canonical slot; ``on_gpu`` reduces on the buckets' GPU twins (NCCL). A
+        canonical slot without a gradient (a storage this rank did not use) contributes
+        zeros. Shapes are checked before anything is sent (C6).
+        """
+        self.check(gradients)
         for b in self.buckets:
             self._pack(b, [gradients[i] for i in b.slots], world_size, on_gpu)
             self._launch(b, on_gpu)

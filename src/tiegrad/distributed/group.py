@@ -286,3 +286,47 @@ def agree(value: Any) -> Any:
     with collective("agreeing on a value"):
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def staged(tensor: Any) -> Any:
+    """``tensor`` where the group's backend reduces: itself for gloo, a GPU copy for NCCL."""
+    return tensor.cuda() if group().backend == "nccl" else tensor
+
+
+def all_gather_array(out: Any, mine: Any, what: str) -> None:
+    """Every rank's ``mine`` (NumPy arrays of one size) end to end into ``out``, rank by rank."""
+    import torch
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    host = torch.from_numpy(out)
+    target = staged(host)
+    with collective(what):
+        gather(target, staged(torch.from_numpy(mine)))
+    if target is not host:
+        host.copy_(target)
+
+
+def reduce_scatter_array(out: Any, parts: Any, what: str) -> None:
+    """The sum over the ranks of ``parts`` (NumPy, ``world_size`` equal blocks end to end):
+    block ``rank`` of that sum into ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    host = torch.from_numpy(out)
+    target = staged(host)
+    with collective(what):
+        scatter(target, staged(torch.from_numpy(parts)))
+    if target is not host:
+        host.copy_(target)
+
+
+def all_gather_objects(obj: Any, what: str) -> list[Any]:
+    """Every rank's ``obj`` (picklable), rank by rank."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * group().world_size
+    with collective(what):
+        dist.all_gather_object(out, obj)
+    return out

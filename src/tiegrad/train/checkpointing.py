@@ -8,7 +8,8 @@ before anything is applied (C6); the epoch is then replayed up to the batches al
 consumed, so a resumed run draws the batches (and dropout masks) an uninterrupted one
 would have. Generator states are stored as JSON, their big integers as decimal strings.
 
-Data parallel: rank 0 alone writes checkpoints, the other ranks wait at a barrier;
+Data parallel: rank 0 alone writes checkpoints (a sharded run's optimizer state gathered
+from every rank first), the other ranks wait at a barrier;
 every rank loads rank 0's generator state and then jumps it to its own stream.
 """
 
@@ -124,7 +125,18 @@ class Checkpointing:
         }
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Write model, optimizer, schedule, trainer state and ``extra`` to ``path``."""
+        """Write model, optimizer, schedule, trainer state and ``extra`` to ``path``.
+
+        In a sharded data-parallel run every rank calls it (the optimizer state is
+        gathered from all of them) and rank 0 alone writes the file (C9)."""
+        optimizer = self.optimizer
+        if self.parallel is not None:
+            optimizer = self.parallel.checkpoint_optimizer(optimizer)
+            if not self.main:
+                return Path(path)
+        return self._write_checkpoint(path, optimizer)
+
+    def _write_checkpoint(self, path: str | Path, optimizer: Any) -> Path:
         from ..checkpoint import save
 
         extra = dict(self.extra)
@@ -132,7 +144,7 @@ class Checkpointing:
         save(
             path,
             self.model,
-            optimizer=self.optimizer,
+            optimizer=optimizer,
             schedule=self.schedule,
             extra=extra,
             rng=self.session,
@@ -239,8 +251,8 @@ class Checkpointing:
         ones; returns the step saved (``None`` without a run folder)."""
         if self.run is None:
             return None
+        self.save_checkpoint(self.run.step_path(self.step))  # rank 0 writes
         if self.main:
-            self.save_checkpoint(self.run.step_path(self.step))
             self.run.prune(self.keep_last)
         self._wait_for_main()
         return self.step

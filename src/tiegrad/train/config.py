@@ -62,6 +62,7 @@ DEFAULTS: dict[str, Any] = {
     "patience": 0,
     "seed": 0,
     "device": "cpu",
+    "shard": "",
     "run": "",
     "progress": True,
 }
@@ -99,12 +100,18 @@ HELP: dict[str, str] = {
     "patience": "stop after N evaluations without improvement; 0 never stops early",
     "seed": "seed of initialization, batches and dropout",
     "device": "cpu, or a device backend (cuda, mps, torch:cpu)",
+    "shard": "data parallel: split the optimizer state (optimizer) or also the gradients "
+    "(gradients) over the processes; empty: every process holds all",
     "run": "run folder; empty: runs/<date-time>",
     "progress": "show the progress bar",
 }
 
 _PATH_KEYS = ("text", "init", "run")
-_CHOICES = {"vocab": ("char", "byte"), "log": ("", "tensorboard")}
+_CHOICES = {
+    "vocab": ("char", "byte"),
+    "log": ("", "tensorboard"),
+    "shard": ("", "optimizer", "gradients"),
+}
 #: key -> (lowest allowed, whether the lowest is excluded, highest or None).
 _RANGES: dict[str, tuple[float, bool, float | None]] = {
     "corpus_chars": (1, False, None),

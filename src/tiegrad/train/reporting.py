@@ -82,8 +82,7 @@ class Reporting:
         for cb in self._active:
             cb.on_eval(self, logs)
         if improved and self.run is not None:
-            if self.main:
-                self.save_checkpoint(self.run.best_path)
+            self.save_checkpoint(self.run.best_path)  # rank 0 writes
             self._wait_for_main()
 
     def _report(self, result: Any) -> None:

@@ -16,7 +16,9 @@ its own initialization. A resumed run continues exactly where its checkpoint was
 
 Data parallel: with a ``tiegrad.distributed`` group initialised (or ``parallel`` given)
 every rank runs this loop on its shard of each global batch; the gradients are
-averaged over the ranks before clipping (``DataParallel.average``), a signal on any
+averaged over the ranks before clipping (``DataParallel.average``; a sharded one,
+``DataParallel(shard=...)``, steps each rank's partition and gathers the optimizer
+state for checkpoints), a signal on any
 rank stops all of them after the same step, and rank 0 alone prints, runs the
 built-in callbacks and writes checkpoints. Every rank must be started alike: the start
 check compares positions, generators, data length, run length and optimizer settings,
@@ -258,7 +260,8 @@ class Trainer(Checkpointing, Reporting):
         gradients are summed per canonical slot (``optimizer.canonical_gradients``:
         the uses of one storage summed, C4), so only one tape is alive at a time. Data
         parallel: one batch is averaged over the ranks by ``DataParallel.backward``
-        (during the sweep), several after the last one. A storage some batches (or
+        (during the sweep), several after the last one, and ``DataParallel.step`` clips
+        and updates (sharded: each rank its partition). A storage some batches (or
         ranks) did not use gets the sum (or mean) of the others; one that no batch of
         the step used is the optimizer's ``MissingGradientError`` in one process.
         """
@@ -285,11 +288,12 @@ class Trainer(Checkpointing, Reporting):
             grads = new if grads is None else _accumulate(grads, new, owned)
         if self.parallel is not None and self.grad_accum > 1:
             grads = self.parallel.average(grads)
-        norm = None
-        if self.clip_norm is not None:
-            norm = clip_grad_norm(grads, self.clip_norm)
         s.reset()  # nothing pins the storages any more: the update is written in place
-        self.optimizer.step(grads)
+        if self.parallel is not None:
+            norm = self.parallel.step(self.optimizer, grads, self.clip_norm)
+        else:
+            norm = None if self.clip_norm is None else clip_grad_norm(grads, self.clip_norm)
+            self.optimizer.step(grads)
         if self.schedule is not None:
             self.schedule.step()
         self.step += 1
