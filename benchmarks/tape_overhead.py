@@ -15,7 +15,9 @@ step would. The NumPy column is the bare array
 math: the op itself, and for the chain the same forward plus a hand-written
 backward; the three chains are checked to give the same gradients before timing.
 Everything runs on ``--threads`` threads (default 1: small ops gain nothing from
-more, and the figures stay stable).
+more, and the figures stay stable). ``--device torch:cpu`` (or ``cuda``) records tiegrad
+on that device's session, its operands uploaded once, against PyTorch on the same
+device (issue 42: the device tape's per-op cost); the NumPy column stays the host's.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--block", type=int, default=100, help="calls per timed block")
     p.add_argument("--threads", type=int, default=1, help="BLAS / OpenMP / torch threads")
     p.add_argument("--size", type=int, default=64, help="operands are size x size")
+    p.add_argument("--device", default=None, help="tiegrad's device (torch:cpu, cuda)")
     return p.parse_args()
 
 
@@ -54,6 +57,27 @@ except ImportError:
     torch = None
 
 CHAIN_OPS = 10
+DEVICE = ARGS.device
+
+
+def _session() -> EagerSession:
+    return EagerSession(device=DEVICE)
+
+
+def _torch_device() -> str:
+    """PyTorch's device for the torch side: the one tiegrad records on."""
+    return "cpu" if DEVICE in (None, "torch:cpu") else DEVICE.removeprefix("torch:")
+
+
+def _operand(s: EagerSession, a: np.ndarray):
+    """``a`` as the session's array (uploaded once, outside the timed blocks)."""
+    return s.backend.asarray(a)
+
+
+def _host(g) -> np.ndarray:
+    return g.detach().cpu().numpy() if torch is not None and isinstance(g, torch.Tensor) else g
+
+
 Side = tuple[Callable[[], object], Callable[[], None] | None]  # (call, untimed setup)
 
 
@@ -78,12 +102,13 @@ def bench_single(name: str, a: np.ndarray, b: np.ndarray) -> list[float]:
     """Seconds per call of one binary op: [numpy, tiegrad, torch (if installed)]."""
     np_op = {"add": np.add, "mul": np.multiply, "matmul": np.matmul}[name]
     tg_op = {"add": T.add, "mul": T.mul, "matmul": T.matmul}[name]
-    s = EagerSession()
+    s = _session()
     refs: list = []
+    da, db = _operand(s, a), _operand(s, b)
 
     def tg_setup() -> None:
         s.reset()
-        refs[:] = [s.leaf(a), s.leaf(b)]
+        refs[:] = [s.leaf(da), s.leaf(db)]
 
     sides: list[Side] = [
         (lambda: np_op(a, b), None),
@@ -91,8 +116,8 @@ def bench_single(name: str, a: np.ndarray, b: np.ndarray) -> list[float]:
     ]
     if torch is not None:
         th_op = {"add": torch.add, "mul": torch.mul, "matmul": torch.matmul}[name]
-        ta = torch.tensor(a, requires_grad=True)
-        tb = torch.tensor(b, requires_grad=True)
+        ta = torch.tensor(a, requires_grad=True, device=_torch_device())
+        tb = torch.tensor(b, requires_grad=True, device=_torch_device())
         sides.append((lambda: th_op(ta, tb), None))
     return interleaved_medians(sides, ARGS.block)
 
@@ -159,19 +184,20 @@ def torch_chain(tx, ta, tb, tc) -> list[np.ndarray]:
 
 def bench_chain(x, w1, w2, bias) -> list[float]:
     """Seconds per op of the 10-op chain with backward: [numpy, tiegrad, torch]."""
-    s = EagerSession()
+    s = _session()
     arrays = (x, w1, w2, bias)
+    ours_in = tuple(_operand(s, v) for v in arrays)
     reference = numpy_chain(*arrays)
-    for ours, ref in zip(tiegrad_chain(s, *arrays), reference):
-        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    for ours, ref in zip(tiegrad_chain(s, *ours_in), reference):
+        np.testing.assert_allclose(_host(ours), ref, rtol=1e-4, atol=1e-4)
     sides: list[Side] = [
         (lambda: numpy_chain(*arrays), None),
-        (lambda: tiegrad_chain(s, *arrays), None),
+        (lambda: tiegrad_chain(s, *ours_in), None),
     ]
     if torch is not None:
-        leaves = [torch.tensor(v, requires_grad=True) for v in arrays]
+        leaves = [torch.tensor(v, requires_grad=True, device=_torch_device()) for v in arrays]
         for theirs, ref in zip(torch_chain(*leaves), reference):
-            np.testing.assert_allclose(theirs.numpy(), ref, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(_host(theirs), ref, rtol=1e-4, atol=1e-4)
         sides.append((lambda: torch_chain(*leaves), None))
     return interleaved_medians(sides, ARGS.block * CHAIN_OPS)
 
@@ -189,7 +215,8 @@ def main() -> int:
     torch_name = f"torch {torch.__version__}" if torch is not None else "torch not installed"
     print(
         f"tape overhead: {n}x{n} float32, median of {ARGS.repeats} interleaved blocks of "
-        f"{ARGS.block} calls, {ARGS.threads} thread(s), numpy {np.__version__}, {torch_name}"
+        f"{ARGS.block} calls, {ARGS.threads} thread(s), numpy {np.__version__}, {torch_name}, "
+        f"tiegrad on {DEVICE or 'the host'}"
     )
     header = (
         f"{'case':<14}{'numpy us':>10}{'tiegrad us':>12}{'torch us':>10}"

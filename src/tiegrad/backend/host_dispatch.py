@@ -139,9 +139,10 @@ def _elementwise(kernels: Any, name: str, *inputs: np.ndarray, outputs: int = 1)
     """
     x = inputs[0]
     outs = _outputs_apart(x, outputs)
-    _rows_parallel(kernels, name, x.size, 1, *(a.reshape(-1) for a in inputs), *outs)
-    shaped = tuple(o.reshape(x.shape) for o in outs)
-    return shaped[0] if outputs == 1 else shaped
+    _rows_parallel(kernels, name, x.size, 1, *[a.reshape(-1) for a in inputs], *outs)
+    if outputs == 1:
+        return outs[0].reshape(x.shape)
+    return tuple(o.reshape(x.shape) for o in outs)
 
 
 def _rows_per_block(row_size: int) -> int:
@@ -165,12 +166,16 @@ def _rows_parallel(
 ) -> None:
     """``kernels.<name>(*args, lo, hi)`` over ``range(rows)`` in cache-sized blocks on the threads.
 
-    A call of under ``2 * _SHARE_MIN`` elements runs on the caller. On several threads
-    (``_kernel_threads``: numba's where they are MKL's team, else the pool's) the blocks
-    are also small enough for ``_SHARES`` of them per thread, and never under
-    ``_SHARE_MIN`` elements. A block holds a multiple of ``align`` rows.
+    A call of under ``2 * _SHARE_MIN`` elements runs on the caller, as one kernel call. On
+    several threads (``_kernel_threads``: numba's where they are MKL's team, else the
+    pool's) the blocks are also small enough for ``_SHARES`` of them per thread, and
+    never under ``_SHARE_MIN`` elements. A block holds a multiple of ``align`` rows.
     """
-    team, threads = _kernel_threads() if rows * row_size >= 2 * _SHARE_MIN else (None, 1)
+    if rows * row_size < 2 * _SHARE_MIN:  # one thread: its blocks make one call
+        if rows:
+            getattr(kernels, name)(*args, 0, rows)
+        return
+    team, threads = _kernel_threads()
     per_block = _rows_per_block(row_size)
     if threads > 1:
         least = -(-_SHARE_MIN // max(1, row_size))

@@ -336,6 +336,12 @@ def _written(batch: Batch, params: list[np.ndarray]) -> tuple[list[np.ndarray], 
 
 def _threads_and_team(size: int) -> tuple[int, ModuleType | None]:
     """The threads for a step part of ``size`` elements, and numba's team where the part
-    is worth sharing and that team is oneMKL's (``numpy_backend.team``), else None."""
-    threads = min(_threads.count(CORES), size // CHUNK_MIN)
+    is worth sharing and that team is oneMKL's (``numpy_backend.team``), else None.
+
+    A part under two ``CHUNK_MIN`` runs on the caller without reading the thread count.
+    """
+    most = size // CHUNK_MIN
+    if most <= 1:
+        return most, None
+    threads = min(_threads.count(CORES), most)
     return threads, _team() if threads > 1 else None
