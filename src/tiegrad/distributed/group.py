@@ -295,29 +295,30 @@ def staged(tensor: Any) -> Any:
 
 def all_gather_array(out: Any, mine: Any, what: str) -> None:
     """Every rank's ``mine`` (NumPy arrays of one size) end to end into ``out``, rank by rank."""
-    import torch
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-    host = torch.from_numpy(out)
-    target = staged(host)
-    with collective(what):
-        gather(target, staged(torch.from_numpy(mine)))
-    if target is not host:
-        host.copy_(target)
+    _into(out, mine, gather, what)
 
 
 def reduce_scatter_array(out: Any, parts: Any, what: str) -> None:
     """The sum over the ranks of ``parts`` (NumPy, ``world_size`` equal blocks end to end):
     block ``rank`` of that sum into ``out``."""
-    import torch
     import torch.distributed as dist
 
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    _into(out, parts, scatter, what)
+
+
+def _into(out: Any, source: Any, op: Any, what: str) -> None:
+    """``op(output, input)``, a collective named ``what``, from NumPy ``source`` into NumPy
+    ``out``, both staged where the backend reduces."""
+    import torch
+
     host = torch.from_numpy(out)
     target = staged(host)
     with collective(what):
-        scatter(target, staged(torch.from_numpy(parts)))
+        op(target, staged(torch.from_numpy(source)))
     if target is not host:
         host.copy_(target)
 
