@@ -10,7 +10,7 @@ frozen after step 2, released after step 5, as per-use freezing), ``checkpoint_e
 ``keep_last``, ``bucket_mb``, ``nan_at`` (the last rank multiplies its loss by NaN at
 that step, with ``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode),
 ``device`` (the session's), ``misuse`` (no training: ``DataParallel.step`` given a plain
-list, then another model's optimizer; the errors go to ``OUT/errors.json``, with
+list, then another model's optimizer, then a negative clip_norm; the errors go to ``OUT/errors.json``, with
 whether the parameters stayed as they were). A run folder ``OUT/run`` that holds checkpoints is
 resumed. Rank 0 writes ``OUT/params.npz`` and ``OUT/losses.json`` (the losses and the
 gradient norms of the steps); every rank writes ``OUT/rank_RANK.json`` (the bytes of
@@ -68,9 +68,9 @@ class Record(Callback):
 
 
 def misuse(net: TiedLM, opt, parallel, out: str) -> None:
-    """Two refused sharded steps; writes their messages and whether anything changed."""
+    """Three refused sharded steps; writes their messages and whether anything changed."""
     from tiegrad import EagerSession
-    from tiegrad.errors import DistributedError
+    from tiegrad.errors import DistributedError, HyperparameterError
 
     before = [v.copy() for v in net.param_list().values()]
     session = EagerSession()
@@ -79,13 +79,14 @@ def misuse(net: TiedLM, opt, parallel, out: str) -> None:
     grads = parallel.backward(session, net.loss(session, x, y), opt)
     session.reset()
     errors = []
-    for optimizer, given in (
-        (opt, [None] * len(net.param_list())),
-        (OPTIMIZERS["adamw"](model().parameters()), grads),
+    for optimizer, given, clip in (
+        (opt, [None] * len(net.param_list()), None),
+        (OPTIMIZERS["adamw"](model().parameters()), grads, None),
+        (opt, grads, -1.0),
     ):
         try:
-            parallel.step(optimizer, given)
-        except DistributedError as e:
+            parallel.step(optimizer, given, clip)
+        except (DistributedError, HyperparameterError) as e:
             errors.append(str(e))
     same = all(np.array_equal(a, b) for a, b in zip(before, net.param_list().values()))
     with open(os.path.join(out, "errors.json"), "w") as f:

@@ -258,7 +258,11 @@ def test_an_export_the_source_cannot_give_is_refused(work, sources, capsys, args
 
 @pytest.mark.parametrize(
     ("lora", "named"),
-    [("rank=0,targets=c_attn", "rank must be >= 1"), (8, "expected a LoRA specification")],
+    [
+        ("rank=0,targets=c_attn", "rank must be >= 1"),
+        (8, "expected a LoRA specification"),
+        ("rank=100000000,targets=c_attn", "rank 100000000, but the file's adapter tensors"),
+    ],
 )
 def test_a_damaged_lora_in_a_checkpoint_is_refused_naming_the_file(work, capsys, lora, named):
     gpt2_checkpoint(work, "damaged.safetensors", lora, attach=False)

@@ -14,6 +14,7 @@ from tiegrad import (
     CheckpointError,
     DTypeError,
     HyperparameterError,
+    NonFiniteError,
     Param,
     ParamList,
     ShapeError,
@@ -325,3 +326,37 @@ def test_a_state_dict_of_reordered_parameters_is_refused_not_swapped():  # C6, p
     renamed = Adam(named("xy"), lr=0.1)  # names new here: matched by position
     renamed.load_state_dict(state)
     np.testing.assert_array_equal(renamed.state_dict()["state"][1]["exp_avg"], np.ones(3))
+
+
+def _replaced_storage_then(action: str) -> tuple[dict, dict]:
+    """An Adam slot's state before its storage is replaced and after it is put back, with
+    ``action`` in between: a refused step, a look at the state, or a step that writes."""
+    p = Param(np.ones(3, np.float32), name="a")
+    opt = Adam([p], lr=0.1)
+    opt.step([np.full(3, 0.5, np.float32)])
+    before = {k: dict(v) for k, v in opt.state.items()}
+    trained = p.storage
+    p.storage = Param(np.ones(3, np.float32)).storage  # another storage at slot 0
+    if action == "refused":
+        with pytest.raises(NonFiniteError):
+            opt.step([np.full(3, np.nan, np.float32)])
+    elif action == "looked":
+        assert dict(opt.state) == {}  # the new storage has no history
+    else:
+        opt.step([np.full(3, 0.5, np.float32)])
+    p.storage = trained
+    return before, {k: dict(v) for k, v in opt.state.items()}
+
+
+@pytest.mark.parametrize("action", ["refused", "looked"])
+def test_a_refused_step_or_a_look_keeps_the_state_of_a_replaced_storage(action):  # C5, C6
+    before, after = _replaced_storage_then(action)
+    assert before.keys() == after.keys() == {0}
+    assert after[0]["step"] == before[0]["step"] == 1
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(after[0][name], before[0][name])
+
+
+def test_a_step_that_writes_drops_the_state_of_a_storage_no_longer_trained():  # C5
+    _, after = _replaced_storage_then("stepped")
+    assert after == {}

@@ -215,7 +215,7 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path)
     assert [r["step_count"] for r in ranks] == [3, 3, 3]
 
 
-def test_a_sharded_step_refuses_a_plain_list_and_another_models_optimizer(tmp_path):
+def test_a_sharded_step_refuses_a_plain_list_another_models_optimizer_and_a_bad_clip(tmp_path):
     results, _ = launch(WORKER, 1, [json.dumps({"shard": "gradients", "misuse": True}), tmp_path])
     assert results[0][0] == 0, results[0][2][-3000:]
     found = json.loads((tmp_path / "errors.json").read_text())
@@ -224,6 +224,7 @@ def test_a_sharded_step_refuses_a_plain_list_and_another_models_optimizer(tmp_pa
         "average returned for the current layout, got list",
         "sharded step: slot 0 ('embed.weight') of the optimizer's parameter list is not the "
         "model's (other storage or trainability)",
+        "DataParallel.step: clip_norm must be >= 0, got -1.0",
     ]
     assert found["unchanged"] and found["state"] == 0
 

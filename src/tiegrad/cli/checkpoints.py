@@ -71,8 +71,10 @@ def stored_gpt2(path: Path, what: str) -> tuple[Any, Any]:
 def attach_stored_lora(model: Any, extra: Any, path: Path) -> None:
     """Attach to ``model`` the LoRA adapters a checkpoint's ``extra`` describes (those of a
     ``tiegrad train --lora`` run, ``tiegrad.train.lora``; none for another run), so that
-    the checkpoint loads into it. A malformed description is a ``CheckpointError``
-    naming the file."""
+    the checkpoint loads into it. A malformed description, or a rank other than that of
+    the file's adapter tensors, is a ``CheckpointError`` naming the file, raised before
+    anything is built (a file's description cannot make it allocate adapters it does not
+    hold)."""
     from ..train.lora import KEY, parse_lora
 
     text = extra.get(KEY) if isinstance(extra, dict) else None
@@ -82,6 +84,20 @@ def attach_stored_lora(model: Any, extra: Any, path: Path) -> None:
     if not isinstance(text, str):
         raise CheckpointError(f"{where}: expected a LoRA specification string, got {text!r:.80}")
     try:
-        parse_lora(text, where).attach(model, where)
+        spec = parse_lora(text, where)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    ranks = {
+        s.shape[0]
+        for s in checkpoint_schema(path).slots
+        if ".lora." in s.path and s.path.endswith(".A") and s.shape
+    }
+    if ranks != {spec.rank}:
+        raise CheckpointError(
+            f"{where}: rank {spec.rank}, but the file's adapter tensors have rank "
+            f"{sorted(ranks) or 'none (no adapter tensor)'}"
+        )
+    try:
+        spec.attach(model, where)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None

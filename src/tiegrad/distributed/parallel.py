@@ -13,8 +13,9 @@
   ``"optimizer"`` (stage 1) keeps optimizer state only for this rank's partition of the
   trained elements; ``"gradients"`` (stage 2) also reduce-scatters the gradients, so a
   rank holds the mean gradient of its partition only. ``backward`` and ``average`` then
-  give ``PartitionGradients`` and ``step`` updates from them: same numbers as one
-  process, state gathered for checkpoints (``checkpoint_optimizer``, C9).
+  give ``PartitionGradients`` and ``step`` updates from them: the numbers of one
+  process (to rounding where clipping sums the norm in another order), state gathered
+  for checkpoints (``checkpoint_optimizer``, C9).
 - ``end_step`` averages the loss, sums the items and stops every rank when any was
   signalled; every ``check_every`` steps a checksum of every storage (Adler-32 of its
   bytes) is compared across ranks, and a mismatch is a ``DistributedError`` naming the
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import at_least_zero
 from ..checkpoint.saving import as_param_list
 from ..checkpoint.schema import layout_table, slot_records
 from ..errors import DistributedError
@@ -101,9 +103,6 @@ class DataParallel:
         self.check_every = check_every
         self.overlap = overlap
         self.shard = shard
-        self._storages = list(
-            {id(p.storage): (i, p.storage) for i, p in enumerate(self.plist)}.values()
-        )
         self._sharded: ShardedOptimizer | None = None
         self._follow_layout(force=True)
 
@@ -113,6 +112,9 @@ class DataParallel:
         if not force and self.plan.current(self.plist.optimizer_storage()):
             return
         self.records = slot_records(self.plist)
+        self._storages = list(
+            {id(p.storage): (i, p.storage) for i, p in enumerate(self.plist)}.values()
+        )
         self.plan = ShardPlan(self.plist, self.world_size, self.rank)
         self.buckets = GradientBuckets(self.plist, self.bucket_bytes)
         self.scatter = (
@@ -225,11 +227,15 @@ class DataParallel:
         clipping the global norm to ``clip_norm`` first (each storage counted once, C4);
         returns that norm before clipping, or None without ``clip_norm``.
 
+        ``clip_norm`` is checked first, as ``clip_grad_norm`` checks ``max_norm`` (C6).
         Unsharded: ``clip_grad_norm`` and ``optimizer.step``. Sharded: a collective
-        (``ShardedOptimizer.step``) with the same numbers; ``optimizer`` keeps its
+        (``ShardedOptimizer.step``) with the same numbers (to rounding where clipping
+        sums the norm in another order); ``optimizer`` keeps its
         groups, hyperparameters and counters, and its state is sharded over the ranks
         (a state loaded into it, from a checkpoint, is taken over at the next step).
         """
+        if clip_norm is not None:
+            at_least_zero("DataParallel.step", "clip_norm", clip_norm)
         if self.shard is None:
             norm = None if clip_norm is None else clip_grad_norm(gradients, clip_norm)
             optimizer.step(gradients)

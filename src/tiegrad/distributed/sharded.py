@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.saving import check_optimizer_params
-from ..errors import CheckpointError, DistributedError, NonFiniteError
+from ..errors import CheckpointError, DistributedError
 from ..optim.norms import all_finite, sum_of_squares
 from ..params import Param, ParameterStorage, ParamList
 from .group import all_gather_array, all_gather_objects
@@ -109,14 +109,8 @@ class ShardedOptimizer:
         norm = math.sqrt(math.fsum(every[0::2].tolist())) if clip_norm is not None else None
         first_bad = float(every[1::2].min())
         if first_bad != math.inf:
-            if opt.nonfinite == "skip":
-                opt.skipped_steps += 1
-                return norm
-            slot = int(first_bad)
-            raise NonFiniteError(
-                f"{opt.kind}.step: the gradient of slot {slot} ({self.plist[slot].name!r}) "
-                f"holds NaN or infinity; nothing was updated (nonfinite='skip' skips such steps)"
-            )
+            opt.refuse_nonfinite(int(first_bad))
+            return norm
         if norm is not None and math.isfinite(norm):
             coef = clip_norm / (norm + 1e-6)  # clip_grad_norm's rule
             if coef < 1.0:

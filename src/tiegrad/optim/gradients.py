@@ -78,9 +78,7 @@ def resolve(
         if g is None and allow_missing:
             continue
         if g is None:
-            raise MissingGradientError(
-                f"{owner.kind}.step: {owner.label(i)} is trainable but has no gradient{hint}"
-            )
+            raise _missing(owner, i, hint)
         raw[i] = check_host_array(
             f"{owner.kind}.step: gradient of {owner.label(i)}", g, p.shape, p.dtype
         )
@@ -159,6 +157,10 @@ def check_complete(owner: Owner, plan: StepPlan, have: set[int], hint: str = "")
     """``MissingGradientError`` naming the first canonical slot not in ``have``."""
     for i in plan.canonical:
         if i not in have:
-            raise MissingGradientError(
-                f"{owner.kind}.step: {owner.label(i)} is trainable but has no gradient{hint}"
-            )
+            raise _missing(owner, i, hint)
+
+
+def _missing(owner: Owner, slot: int, hint: str) -> MissingGradientError:
+    return MissingGradientError(
+        f"{owner.kind}.step: {owner.label(slot)} is trainable but has no gradient{hint}"
+    )

@@ -5,7 +5,9 @@ slot is only a key. ``owners`` names the storage of every entry, so when the lay
 changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot) each entry moves
 to the canonical slot of its storage: one history per storage however its uses are
 frozen or tied (C1, C5). An entry of a storage no longer trained at any slot stays where
-no canonical slot is until the next write drops it, so a refused step loses nothing (C6).
+no canonical slot is, or is parked aside when another storage's canonical slot takes its
+key, until the next write drops it: a refused step, or a look at the state, loses
+nothing (C6), and a storage trained again before that write finds its history.
 
 The state may be mirrored on a device (``mirror``, a ``DeviceState`` of
 ``optim.device``), as a parameter is (C7): ``sync`` downloads a newer mirror, ``release``
@@ -30,6 +32,7 @@ class KeyedState:
         self.owners: dict[int, ParameterStorage] = {}
         self.keyed_by: StepPlan | None = None  # the plan the entries are keyed by
         self.mirror: Any = None
+        self.parked: dict[int, tuple[ParameterStorage, SlotSpec, dict[str, Any]]] = {}
 
     def sync(self) -> None:
         """Make the host state current: download a newer device mirror (C7)."""
@@ -44,9 +47,9 @@ class KeyedState:
     def rekey(self, plan: StepPlan) -> None:
         """Key the entries by ``plan``'s canonical slots, each moving with its storage.
 
-        An entry whose storage ``plan`` trains moves to that storage's canonical slot;
-        one of a storage it trains no longer stays at its slot while that slot is not
-        canonical, and is dropped otherwise (see the module).
+        An entry whose storage ``plan`` trains moves to that storage's canonical slot
+        (a parked one comes back); one of a storage it trains no longer stays at its
+        slot while that slot is not canonical, and is parked otherwise (see the module).
         """
         if self.keyed_by is plan:
             return
@@ -61,9 +64,28 @@ class KeyedState:
             if slot not in moves and plan.slots[slot] != slot:
                 moves[slot] = slot
                 kept[slot] = storage
-        if len(moves) < len(self.owners) or any(old != new for old, new in moves.items()):
+        back = {
+            plan.index[key]: key
+            for key in self.parked
+            if key in plan.index and plan.index[key] not in kept
+        }
+        if len(moves) < len(self.owners) or back or any(a != b for a, b in moves.items()):
             self.release()
+            for slot, storage in self.owners.items():
+                if slot not in moves:
+                    self.parked[id(storage)] = (
+                        storage,
+                        self.flat.spec(slot),
+                        self.flat.snapshot([slot])[slot],
+                    )
             self.flat.rekey(moves)
+            if back:
+                parked = {slot: self.parked.pop(key) for slot, key in back.items()}
+                self.flat.add(
+                    {slot: spec for slot, (_, spec, _) in parked.items()},
+                    {slot: entry for slot, (_, _, entry) in parked.items()},
+                )
+                kept |= {slot: storage for slot, (storage, _, _) in parked.items()}
         self.owners = kept
         self.keyed_by = plan
 
@@ -79,6 +101,7 @@ class KeyedState:
         start at ``initial(slot, name)``. Returns the ``(slot, name)`` pairs created."""
         created = self.flat.arrange(specs, initial)
         self.owners = {slot: plan.storages[slot] for slot in specs}
+        self.parked.clear()
         return created
 
     def install(
@@ -90,6 +113,7 @@ class KeyedState:
         """Replace every entry by a copy of validated ``entries``; the mirror is dropped
         unsynced (the installed state wins) and ``plan``'s cached program with it."""
         self.mirror = None
+        self.parked.clear()
         plan.program = None
         self.flat.install(specs, entries)
         self.owners = {slot: plan.storages[slot] for slot in specs}

@@ -172,7 +172,7 @@ class Optimizer:
             )
             bad = executor.first_nonfinite(update, grads)
             if bad is not None:
-                self._refuse_nonfinite(bad)
+                self.refuse_nonfinite(bad)
                 return
             executor.apply(update, grads)
         self.step_count += 1
@@ -383,10 +383,12 @@ class Optimizer:
     ) -> dict[int, SlotSpec]:
         return plan.specs(self._slot_group, [self._state_names(hp) for hp in hps])
 
-    def _refuse_nonfinite(self, bad: int) -> None:
-        """Stop a step at slot ``bad``'s non-finite gradient, before any write (C6).
+    def refuse_nonfinite(self, bad: int) -> None:
+        """Stop a step at canonical slot ``bad``'s non-finite gradient, before any write (C6).
 
-        ``nonfinite="skip"`` counts the step in ``skipped_steps``; ``"raise"`` raises.
+        ``nonfinite="skip"`` counts the step in ``skipped_steps``; ``"raise"`` raises a
+        ``NonFiniteError`` naming the slot. A step that runs its own update (a sharded
+        one, ``tiegrad.distributed``) calls it, so that it refuses as ``step`` does.
         """
         if self.nonfinite == "skip":
             self.skipped_steps += 1

@@ -50,6 +50,10 @@ class FlatState:
         """The number of updates slot ``slot`` has had (0 without state)."""
         return self._steps.get(slot, 0)
 
+    def spec(self, slot: int) -> SlotSpec:
+        """The layout of ``slot``'s state: ``(shape, dtype, tensor names)``."""
+        return self._specs[slot]
+
     def tensors(self, slot: int) -> dict[str, np.ndarray]:
         """The live state tensors of ``slot`` (views into the flat buffers)."""
         return self._tensors[slot]
@@ -143,6 +147,17 @@ class FlatState:
             {new: self._specs[slot] for new, slot in back.items()},
             {new: self._steps[slot] for new, slot in back.items()},
             lambda slot, name: old[back[slot]][name],
+        )
+
+    def add(self, specs: Mapping[int, SlotSpec], entries: Mapping[int, Mapping[str, Any]]) -> None:
+        """Add copies of ``entries`` (``{slot: {"step", names}}``) at slots that hold no
+        state, laid out as ``specs``; the existing state is kept."""
+        old = self._tensors
+        steps = self._steps | {slot: int(entries[slot]["step"]) for slot in specs}
+        self._build(
+            self._specs | dict(specs),
+            steps,
+            lambda slot, name: entries[slot][name] if slot in specs else old[slot][name],
         )
 
     def install(
