@@ -1,20 +1,21 @@
 """One rank of the sharded data-parallel tests (``test_sharded.py`` starts the processes).
 
 ``python tests/shard_worker.py CONFIG OUT`` trains a tiny ``TiedLM`` (vocabulary 67,
-which neither 2 nor 3 divides; the embedding tied to the output, ``pos_embed``
-frozen) with the ``Trainer`` for ``steps`` steps of a global batch of 12, in a process
-group when torchrun's variables are set (``DataParallel(shard=CONFIG["shard"])``),
-else as the 1-process reference. ``CONFIG`` is JSON: ``shard``, ``opt`` (a key of
-``OPTIMIZERS``), ``steps``, ``accum``, ``clip``, ``toggle`` (the embedding's input use
-frozen after step 2, released after step 5, as per-use freezing), ``checkpoint_every``,
-``keep_last``, ``bucket_mb``, ``nan_at`` (the last rank multiplies its loss by NaN at
-that step, with ``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode),
-``device`` (the session's), ``misuse`` (no training: ``DataParallel.step`` given a plain
-list, then another model's optimizer, then a negative clip_norm; the errors go to ``OUT/errors.json``, with
-whether the parameters stayed as they were). A run folder ``OUT/run`` that holds checkpoints is
-resumed. Rank 0 writes ``OUT/params.npz`` and ``OUT/losses.json`` (the losses and the
-gradient norms of the steps); every rank writes ``OUT/rank_RANK.json`` (the bytes of
-optimizer state and gradients it held, its skipped steps and step count).
+which neither 2 nor 3 divides; the embedding tied to the output, ``pos_embed`` frozen)
+with the ``Trainer`` for ``steps`` steps of a global batch of 12, in a process group
+when torchrun's variables are set (``DataParallel(shard=CONFIG["shard"])``), else as the
+1-process reference. ``CONFIG`` is JSON: ``shard``, ``opt`` (a key of ``OPTIMIZERS``),
+``steps``, ``accum``, ``clip``, ``toggle`` (the embedding's input use frozen after step
+2, released after step 5, as per-use freezing), ``checkpoint_every``, ``keep_last``,
+``bucket_mb``, ``nan_at`` (the last rank multiplies its loss by NaN at that step, with
+``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode), ``device`` (the
+session's), ``misuse`` (no training: ``DataParallel.step`` given a plain list, then
+another model's optimizer, then a negative clip_norm; the errors go to
+``OUT/errors.json``, with whether the parameters stayed as they were). A run folder
+``OUT/run`` that holds checkpoints is resumed. Rank 0 writes ``OUT/params.npz`` and
+``OUT/losses.json`` (the losses and the gradient norms of the steps); every rank writes
+``OUT/rank_RANK.json`` (the bytes of optimizer state and gradients it held, its skipped
+steps and step count).
 """
 
 import json
