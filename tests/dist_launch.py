@@ -65,3 +65,32 @@ def launch(worker, world, args, timeout=60.0):
             if p.poll() is None:
                 p.kill()
     return results, ended
+
+
+def run_module(*args, env=None) -> subprocess.CompletedProcess:
+    """``python -m ARGS`` (each made a str) in ``base_env()`` (or ``env``), its output
+    captured as text, for at most ``WAIT_S`` seconds."""
+    return subprocess.run(
+        [sys.executable, "-m", *map(str, args)],
+        env=base_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+
+
+def tiny_train_flags(folder) -> list:
+    """``tiegrad train`` flags for a tiny model on a small Python text written in ``folder``."""
+    text = folder / "t.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i % 7}\n" for i in range(300)))
+    flags = ["--text", text, "--d-model", "16", "--layers", "1", "--heads", "2"]
+    return flags + [
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "10",
+        "--eval-batches",
+        "2",
+    ]

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from dist_launch import WAIT_S, base_env, launch  # noqa: E402
+from dist_launch import WAIT_S, base_env, launch, run_module, tiny_train_flags  # noqa: E402
 
 from tiegrad.errors import DistributedError  # noqa: E402
 
@@ -227,29 +227,17 @@ def test_another_tie_layout_fails_at_wrap_time_showing_both(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_trains_end_to_end_and_one_process_resumes(tmp_path):
-    text = tmp_path / "t.txt"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i % 7}\n" for i in range(300)))
     run = tmp_path / "run"
-    flags = ["--text", text, "--d-model", "16", "--layers", "1", "--heads", "2"]
-    flags += ["--seq-len", "16", "--batch-size", "4", "--eval-every", "10", "--eval-batches", "2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
-    cmd += ["tiegrad", "train", "--steps", "20", *flags, "--run-dir", run, "--no-progress"]
-    done = subprocess.run(
-        list(map(str, cmd)), env=base_env(), capture_output=True, text=True, timeout=WAIT_S
-    )
+    cmd = ["torch.distributed.run", "--nproc-per-node", "2", "-m", "tiegrad", "train"]
+    cmd += ["--steps", "20", *tiny_train_flags(tmp_path), "--run-dir", run, "--no-progress"]
+    done = run_module(*cmd)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("resolved configuration") == 1  # rank 0 alone prints
     assert "done: 20 steps" in done.stdout
     assert (run / "checkpoints" / "step_0000020.safetensors").is_file()
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines if "train_loss" in x] == list(range(1, 21))
-    resumed = subprocess.run(
-        [sys.executable, "-m", "tiegrad", "resume", str(run), "--steps", "22", "--no-progress"],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    resumed = run_module("tiegrad", "resume", run, "--steps", "22", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 20" in resumed.stdout and "done: 22 steps" in resumed.stdout
 
@@ -278,27 +266,15 @@ def test_with_nproc_rank_0_alone_says_it_was_interrupted_or_is_finished(tmp_path
     assert out.count("interrupted at step") == 1, out[-3000:] + err[-3000:]
     reached = max(int(p.stem.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
     again = ["resume", run, "--steps", reached, "--nproc", "2", "--no-progress"]
-    done = subprocess.run(
-        [sys.executable, "-m", "tiegrad", *map(str, again)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    done = run_module("tiegrad", *again, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count(f"is finished: it reached step {reached} of {reached}") == 1
 
 
 def test_with_nproc_an_error_every_rank_meets_is_printed_once_with_its_exit_code(tmp_path):
     missing = tmp_path / "missing.txt"
-    cmd = [sys.executable, "-m", "tiegrad", "train", "--nproc", "2", "--text", str(missing)]
-    done = subprocess.run(
-        [*cmd, "--steps", "2", "--no-progress"],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    cmd = ["tiegrad", "train", "--nproc", "2", "--text", missing, "--steps", "2"]
+    done = run_module(*cmd, "--no-progress")
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.count("tiegrad: error:") == 1, done.stderr[-3000:]
     assert f"text file '{missing}' does not exist" in done.stderr

@@ -471,3 +471,14 @@ def test_the_rule_runs_on_torch_tensors():
     np.testing.assert_allclose(t_p.numpy(), np_p, rtol=1e-15)
     for k in np_state:
         np.testing.assert_allclose(t_state[k].numpy(), np_state[k], rtol=1e-15)
+
+
+def test_a_storage_used_once_gets_the_very_array_backward_produced():  # C4
+    p, q = Param(np.ones(3, np.float32)), Param(np.ones(2, np.float32))
+    opt = SGD(ParamList([p, q]), lr=0.1)
+    s = EagerSession()
+    p_use, q_use = s.use(p), s.use(q)
+    grads = s.backward((p_use * p_use).sum() + (s.use(q) * q_use).sum())
+    resolved = opt.canonical_gradients(grads)
+    assert resolved[0] is grads[p_use]  # one use: no copy, no addition
+    np.testing.assert_array_equal(resolved[1], 2 * np.ones(2, np.float32))  # two uses summed

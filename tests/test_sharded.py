@@ -6,8 +6,6 @@ parameters, losses and checkpoints with the 1-process and the unsharded runs.
 """
 
 import json
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from safetensors.numpy import load_file
 
 pytest.importorskip("torch.distributed")
 
-from dist_launch import WAIT_S, base_env, launch  # noqa: E402
+from dist_launch import launch, run_module, tiny_train_flags  # noqa: E402
 from shard_worker import model  # noqa: E402
 
 from tiegrad import Param, ParamList  # noqa: E402
@@ -257,39 +255,20 @@ def test_a_run_resumes_with_another_process_count_and_sharding(root, tmp_path, f
 
 
 def test_the_command_trains_sharded_and_resumes_unsharded_on_one_process(tmp_path):
-    text = tmp_path / "t.txt"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i % 7}\n" for i in range(300)))
     run_dir = tmp_path / "run"
-    flags = ["--text", text, "--d-model", "16", "--layers", "1", "--heads", "2"]
-    flags += ["--seq-len", "16", "--batch-size", "4", "--eval-every", "10", "--eval-batches", "2"]
-    cmd = [sys.executable, "-m", "tiegrad", "train", "--nproc", "2", "--shard", "gradients"]
-    cmd += ["--steps", "3", *flags, "--run-dir", run_dir, "--no-progress"]
-    done = subprocess.run(
-        list(map(str, cmd)), env=base_env(), capture_output=True, text=True, timeout=WAIT_S
-    )
+    cmd = ["tiegrad", "train", "--nproc", "2", "--shard", "gradients", "--steps", "3"]
+    done = run_module(*cmd, *tiny_train_flags(tmp_path), "--run-dir", run_dir, "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done: 3 steps" in done.stdout
     assert json.loads((run_dir / "config.json").read_text())["shard"] == "gradients"
-    again = [sys.executable, "-m", "tiegrad", "resume", run_dir, "--steps", "4", "--shard"]
-    resumed = subprocess.run(
-        list(map(str, [*again, "none", "--no-progress"])),
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    again = ["tiegrad", "resume", run_dir, "--steps", "4", "--shard", "none", "--no-progress"]
+    resumed = run_module(*again)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 3" in resumed.stdout and "done: 4 steps" in resumed.stdout
 
 
 def test_the_command_refuses_an_unknown_shard_mode_naming_the_choices(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "tiegrad", "train", "--shard", "params", "--steps", "1"],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    done = run_module("tiegrad", "train", "--shard", "params", "--steps", "1")
     assert done.returncode == 2
     assert "--shard: expected one of ('', 'optimizer', 'gradients'), got 'params'" in done.stderr
 

@@ -58,46 +58,43 @@ def stored_gpt2(path: Path, what: str) -> tuple[Any, Any]:
     the caller in the error for a checkpoint of another model."""
     from ..train.job import build_model
 
-    extra = checkpoint_extra(path)
+    schema = checkpoint_schema(path)
+    extra = schema.extra
     kwargs = model_config(extra)
     if kwargs is None or extra["model"].get("class") != "GPT2":
         raise ConfigError(f"{path}: {what} needs a GPT2 checkpoint (from 'tiegrad train --init')")
     model = build_model(dict(kwargs), "GPT2")
     model.source_config = extra.get("hf_config") or {}
-    attach_stored_lora(model, extra, path)
+    attach_stored_lora(model, schema, path)
     return model, extra
 
 
-def attach_stored_lora(model: Any, extra: Any, path: Path) -> None:
-    """Attach to ``model`` the LoRA adapters a checkpoint's ``extra`` describes (those of a
-    ``tiegrad train --lora`` run, ``tiegrad.train.lora``; none for another run), so that
-    the checkpoint loads into it. A malformed description, or a rank other than that of
-    the file's adapter tensors, is a ``CheckpointError`` naming the file, raised before
+def attach_stored_lora(model: Any, schema: Any, path: Path) -> None:
+    """Attach to ``model`` the LoRA adapters the ``extra`` of a checkpoint's ``schema`` describes
+    (those of a ``tiegrad train --lora`` run, ``tiegrad.train.lora``; none for another run),
+    so that the checkpoint loads into it. A malformed description, or a rank other than that
+    of the file's adapter tensors, is a ``CheckpointError`` naming the file, raised before
     anything is built (a file's description cannot make it allocate adapters it does not
     hold)."""
     from ..train.lora import KEY, parse_lora
 
+    extra = schema.extra
     text = extra.get(KEY) if isinstance(extra, dict) else None
     if text is None:
         return
     where = f"{path}: extra[{KEY!r}]"
     if not isinstance(text, str):
         raise CheckpointError(f"{where}: expected a LoRA specification string, got {text!r:.80}")
+    ranks = {
+        s.shape[0] for s in schema.slots if ".lora." in s.path and s.path.endswith(".A") and s.shape
+    }
     try:
         spec = parse_lora(text, where)
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    ranks = {
-        s.shape[0]
-        for s in checkpoint_schema(path).slots
-        if ".lora." in s.path and s.path.endswith(".A") and s.shape
-    }
-    if ranks != {spec.rank}:
-        raise CheckpointError(
-            f"{where}: rank {spec.rank}, but the file's adapter tensors have rank "
-            f"{sorted(ranks) or 'none (no adapter tensor)'}"
-        )
-    try:
+        if ranks != {spec.rank}:
+            raise CheckpointError(
+                f"{where}: rank {spec.rank}, but the file's adapter tensors have rank "
+                f"{sorted(ranks) or 'none (no adapter tensor)'}"
+            )
         spec.attach(model, where)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(
         sample_model_config(path, schema, kwargs, vocab.size, model_class, lora), model_class
     )
-    attach_stored_lora(model, extra, path)
+    attach_stored_lora(model, schema, path)
     load(path, model)
     model.eval()
     rng = np.random.default_rng(args.seed)

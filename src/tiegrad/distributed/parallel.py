@@ -39,7 +39,7 @@ from ..params import ParamList
 from .buckets import DEFAULT_BUCKET_MB, GradientBuckets
 from .group import all_gather_objects, collective, group, is_initialized, report_failure, staged
 from .scatter import GradientScatter
-from .sharded import GatheredOptimizer, ShardedOptimizer
+from .sharded import GatheredOptimizer, ShardedOptimizer, state_nbytes
 from .sharding import ShardPlan, check_plans
 
 DEFAULT_CHECK_EVERY = 100
@@ -289,22 +289,14 @@ class DataParallel:
         gradients, and the most bytes of scratch a step adds to the gradients (stage 2's
         packing, ``GradientScatter``; 0 otherwise)."""
         if self.shard is None or self._sharded is None:
-            state = sum(
-                a.nbytes for e in optimizer.state.values() for n, a in e.items() if n != "step"
-            )
+            state = state_nbytes(optimizer)
         else:
             state = self._sharded.state_nbytes
         if self.scatter is None:
-            return {
-                "optimizer_state": state,
-                "gradients": self.buckets.allocated_bytes,
-                "scratch": 0,
-            }
-        return {
-            "optimizer_state": state,
-            "gradients": self.scatter.nbytes,
-            "scratch": self.scatter.scratch_bytes,
-        }
+            gradients, scratch = self.buckets.allocated_bytes, 0
+        else:
+            gradients, scratch = self.scatter.nbytes, self.scatter.scratch_bytes
+        return {"optimizer_state": state, "gradients": gradients, "scratch": scratch}
 
     def backward(self, session: Any, loss: Any, optimizer: Any) -> Any:
         """The averaged canonical gradients of ``loss`` (sharded: this rank's

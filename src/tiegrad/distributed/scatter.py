@@ -33,6 +33,10 @@ class GradientScatter:
             max(1, min(r.chunk, bucket_bytes // r.dtype.itemsize // r.world_size))
             for r in plan.ranges
         ]
+        parts = {id(r): part for r, part in zip(plan.ranges, self.partitions)}
+        self.views = [  # this rank's pieces in the partition buffers, plan.pieces order
+            parts[id(r)][p.offset - r.bounds(plan.rank)[0] :][: p.size] for r, p in plan.pieces
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -63,12 +67,7 @@ class GradientScatter:
                 reduce_scatter_array(
                     part[first : first + n], scratch[: r.world_size * n], "the gradient scatter"
                 )
-        parts = {id(r): part for r, part in zip(self.plan.ranges, self.partitions)}
-        out = []
-        for r, piece in self.plan.pieces:
-            at = piece.offset - r.bounds(self.plan.rank)[0]
-            out.append(parts[id(r)][at : at + piece.size])
-        return out
+        return list(self.views)
 
 
 def _pack(

@@ -155,9 +155,7 @@ class ShardedOptimizer:
     @property
     def state_nbytes(self) -> int:
         """The bytes of optimizer state this rank holds (its pieces')."""
-        if self.inner is None:
-            return 0
-        return sum(a.nbytes for e in self.inner.state.values() for n, a in e.items() if n != "step")
+        return 0 if self.inner is None else state_nbytes(self.inner)
 
     def gathered_state(self) -> dict[int, dict[str, Any]]:
         """The full state by canonical slot, as the unsharded optimizer would hold it:
@@ -224,6 +222,11 @@ class GatheredOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         return self._state_dict
+
+
+def state_nbytes(optimizer: Any) -> int:
+    """The bytes of ``optimizer``'s state tensors (its step counts aside)."""
+    return sum(a.nbytes for e in optimizer.state.values() for n, a in e.items() if n != "step")
 
 
 def _write(storage: ParameterStorage, value: np.ndarray) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AliasError, MissingGradientError, SlotError
-from ..params import Param, dense_group_gradient
+from ..params import dense_group_gradient
 from ..params.storage import check_host_array
 from ..session import Gradients, latest_gradients
 from .plan import StepPlan
@@ -86,29 +86,16 @@ def resolve(
 
 
 def _session_gradients(owner: Owner, gradients: Gradients, plan: StepPlan) -> list[Any]:
-    """The session's group gradients at the canonical slots of their storages (C1).
-
-    A use of a ``Param`` whose gradient is already an ndarray of its storage's shape and
-    dtype is taken as it is: ``dense_group_gradient``'s checks, which it passes, run only
-    for the other groups (and raise their errors there).
-    """
+    """The session's group gradients at the canonical slots of their storages (C1)."""
     to_numpy = gradients.session.backend.to_numpy
     index = plan.index
     groups = gradients.parameter_groups()
     check_recorded(owner, groups, plan)
     raw: list[Any] = [None] * len(plan.slots)
-    by_id = gradients._grads
     for group in groups:
-        storage = group.storage
-        i = None if storage is None else index.get(id(storage))
-        if i is None:
-            continue
-        if len(group.leaves) == 1 and type(group.parameter) is Param:
-            g = by_id.get(group.id)
-            if type(g) is np.ndarray and g.shape == storage.shape and g.dtype == storage.dtype:
-                raw[i] = g
-                continue
-        raw[i] = to_numpy(dense_group_gradient(group, gradients))
+        i = None if group.storage is None else index.get(id(group.storage))
+        if i is not None:
+            raw[i] = to_numpy(dense_group_gradient(group, gradients))
     return raw
 
 
