@@ -183,9 +183,10 @@ def test_float64_and_strided_operands_take_the_numpy_path(fused):
 
 
 def test_kernel_outputs_lie_apart_from_the_input_and_each_other():
-    base = np.empty(10_000, np.float32)
+    n = nb._PLACE_MIN
+    base = np.empty(n + 1000, np.float32)
     for skip in (0, 1, 16, 1000):
-        x = base[skip : skip + 4096]
+        x = base[skip : skip + n]
         outs = nb._outputs_apart(x, 2)
         addresses = [a.__array_interface__["data"][0] for a in (x, *outs)]
         for i, a in enumerate(addresses):
@@ -194,6 +195,13 @@ def test_kernel_outputs_lie_apart_from_the_input_and_each_other():
                 assert min(gap, 4096 - gap) >= 4096 // 3 - 64
         assert all(o.size == x.size and o.dtype == np.float32 for o in outs)
         assert outs[0].base is not outs[1].base  # each output is freed on its own
+
+
+def test_small_kernel_outputs_are_plain_fresh_arrays():
+    x = np.ones(nb._PLACE_MIN - 1, np.float32)
+    outs = nb._outputs_apart(x, 2)
+    assert [(o.shape, o.dtype, o.base) for o in outs] == [(x.shape, np.float32, None)] * 2
+    assert not np.shares_memory(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("value, enabled", [("1", False), ("0", True)])

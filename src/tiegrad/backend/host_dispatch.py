@@ -69,19 +69,26 @@ def _fused_kernels(*arrays: Any, written: Any = None) -> Any:
 
 
 _PAGE = 4096
+# Elements from which an output is placed apart (``_outputs_apart``): 1 MiB of float32,
+# where the allocator maps arrays of their own and hands them out 2 MiB apart.
+_PLACE_MIN = 1 << 18
 
 
 def _outputs_apart(x: np.ndarray, count: int) -> list[np.ndarray]:
     """``count`` fresh float32 arrays of ``x.size`` elements for one kernel reading ``x``.
 
-    Each is placed in its own allocation (so each is freed on its own) at an offset
-    such that the addresses of ``x`` and of every output differ modulo 4 KiB by at
-    least ``4 KiB / (count + 1)``. Arrays of one size that the allocator hands out back
-    to back tend to lie a multiple of 2 MiB apart, and a loop streaming through several
-    of them at the same index then runs several times slower (their cache lines
-    compete for the same cache sets); the placement rules that out.
+    From ``_PLACE_MIN`` elements on, each is placed in its own allocation (so each is
+    freed on its own) at an offset such that the addresses of ``x`` and of every output
+    differ modulo 4 KiB by at least ``4 KiB / (count + 1)``. Arrays of one size that the
+    allocator maps back to back tend to lie a multiple of 2 MiB apart, and a loop
+    streaming through several of them at the same index then runs several times slower
+    (their cache lines compete for the same cache sets); the placement rules that out.
+    Smaller arrays come from the heap, where that pattern does not arise and the
+    placement (reading two addresses) would cost more than the kernel's pass.
     """
     n = x.size
+    if n < _PLACE_MIN:
+        return [np.empty(n, np.float32) for _ in range(count)]
     home = x.__array_interface__["data"][0]
     outs = []
     for k in range(1, count + 1):

@@ -30,7 +30,6 @@ from .host_dispatch import (
     _rows_parallel,
     _rows_per_block,
     _shared_elementwise,
-    _worth_sharing,
     team,
 )
 from .host_special import _erf, _gelu32
@@ -139,8 +138,8 @@ class NumpyBackend(Backend):
 
     def add_(self, x: Array, b: Array) -> Array:
         n = x.shape[-1] if x.ndim else 0
-        if b.ndim == 1 and b.shape[0] == n and _worth_sharing(x):
-            kernels = _fused_kernels(x, b, written=x)
+        if n and b.ndim == 1 and b.shape[0] == n:  # the kernel at every size: NumPy's
+            kernels = _fused_kernels(x, b, written=x)  # broadcast loop is slower
             if kernels is not None:
                 _rows_parallel(kernels, "add_row_vector", x.size // n, n, x.reshape(-1, n), b)
                 return x
@@ -154,7 +153,8 @@ class NumpyBackend(Backend):
         return _elementwise(kernels, "multiply", g, saved)
 
     def relu(self, x: Array) -> Array:
-        kernels = _shared_elementwise(x, x)
+        # the kernel at every size: ``np.maximum``'s NaN-aware loop is several times slower
+        kernels = _fused_kernels(x)
         return np.maximum(x, 0.0) if kernels is None else _elementwise(kernels, "relu", x)
 
     def relu_vjp(self, g: Array, out: Array) -> Array:

@@ -7,6 +7,7 @@ as constants (``lift``) only after the checks pass.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from numbers import Integral, Real
@@ -191,7 +192,7 @@ def sum_last(bk: Backend, x: Array) -> Array:
     n = shape[-1]
     if not bk.slow_row_reductions or n == 0 or math.prod(shape) == 0:
         return bk.sum(x, axis=-1, keepdims=True)
-    rows = bk.matmul(bk.reshape(x, (-1, n)), bk.ones((n,), x.dtype))
+    rows = bk.matmul(bk.reshape(x, (-1, n)), _ones(n, x.dtype))
     return bk.reshape(rows, shape[:-1] + (1,))
 
 
@@ -201,7 +202,15 @@ def sum_rows(bk: Backend, x2: Array) -> Array:
     n = x2.shape[0]
     if not bk.slow_row_reductions or n == 0:
         return bk.sum(x2, axis=0)
-    return bk.matmul(bk.ones((n,), x2.dtype), x2)
+    return bk.matmul(_ones(n, x2.dtype), x2)
+
+
+@functools.lru_cache(maxsize=64)
+def _ones(n: int, dtype: Any) -> np.ndarray:
+    """A read-only vector of ``n`` ones (the host's row sums), kept for the next step."""
+    ones = np.ones(n, dtype)
+    ones.flags.writeable = False
+    return ones
 
 
 SOFTMAX_MIN_SUM = 1e-20
