@@ -265,7 +265,7 @@ def probe_warnings(workload_id: str, stats: dict[str, SideStats]) -> list[str]:
 
 
 # -- peak RSS in a subprocess ------------------------------------------------------------
-def _status_mb() -> dict[str, float]:
+def status_mb() -> dict[str, float]:
     """This process's memory figures from ``/proc/self/status``, in MB."""
     out = {}
     with open("/proc/self/status") as f:
@@ -320,7 +320,7 @@ def rss_child(workload_id: str, side_name: str, quick: bool) -> dict[str, Any]:
     _warm_frameworks()
     data = module.make_data()
     gc.collect()
-    base = _status_mb()["RssAnon"]
+    base = status_mb()["RssAnon"]
     built = module.build(data, {side_name})
     try:
         side = single_side(workload_id, built, side_name)
@@ -329,12 +329,12 @@ def rss_child(workload_id: str, side_name: str, quick: bool) -> dict[str, Any]:
     for _ in range(warmup):
         side.step()
     gc.collect()
-    steady = _status_mb()["RssAnon"]
+    steady = status_mb()["RssAnon"]
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     for _ in range(steps):
         side.step()
-    end = _status_mb()
+    end = status_mb()
     peak = end["VmHWM"] - end["RssFile"] - end["RssShmem"]
     return {
         "base_mb": base,

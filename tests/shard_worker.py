@@ -6,16 +6,17 @@ with the ``Trainer`` for ``steps`` steps of a global batch of 12, in a process g
 when torchrun's variables are set (``DataParallel(shard=CONFIG["shard"])``), else as the
 1-process reference. ``CONFIG`` is JSON: ``shard``, ``opt`` (a key of ``OPTIMIZERS``),
 ``steps``, ``accum``, ``clip``, ``toggle`` (the embedding's input use frozen after step
-2, released after step 5, as per-use freezing), ``checkpoint_every``, ``keep_last``,
-``bucket_mb``, ``nan_at`` (the last rank multiplies its loss by NaN at that step, with
-``nonfinite="skip"``), ``rank1_shard`` (rank 1's own shard mode), ``device`` (the
-session's), ``misuse`` (no training: ``DataParallel.step`` given a plain list, then
-another model's optimizer, then a negative clip_norm; the errors go to
-``OUT/errors.json``, with whether the parameters stayed as they were). A run folder
-``OUT/run`` that holds checkpoints is resumed. Rank 0 writes ``OUT/params.npz`` and
-``OUT/losses.json`` (the losses and the gradient norms of the steps); every rank writes
-``OUT/rank_RANK.json`` (the bytes of optimizer state and gradients it held, its skipped
-steps and step count).
+2, released after step 5, as per-use freezing), ``reset_at`` (after that step the
+optimizer loads a fresh optimizer's state dict: no state, counters 0),
+``checkpoint_every``, ``keep_last``, ``bucket_mb``, ``nan_at`` (the last rank multiplies
+its loss by NaN at that step, with ``nonfinite="skip"``), ``rank1_shard`` (rank 1's own
+shard mode), ``device`` (the session's), ``misuse`` (no training: ``DataParallel.step``
+given a plain list, then another model's optimizer, then a negative clip_norm; the
+errors go to ``OUT/errors.json``, with whether the parameters stayed as they were). A
+run folder ``OUT/run`` that holds checkpoints is resumed. Rank 0 writes
+``OUT/params.npz`` and ``OUT/losses.json`` (the losses and the gradient norms of the
+steps); every rank writes ``OUT/rank_RANK.json`` (the bytes of optimizer state and
+gradients it held, its skipped steps and step count).
 """
 
 import json
@@ -54,14 +55,19 @@ def model() -> TiedLM:
 
 
 class Record(Callback):
-    """The training losses and gradient norms; the toggling of the embedding's input use."""
+    """The training losses and gradient norms; the toggling of the embedding's input use
+    and the optimizer's reset."""
 
-    def __init__(self, net: TiedLM, toggle: bool) -> None:
-        self.net, self.toggle, self.losses, self.norms = net, toggle, [], []
+    def __init__(self, net: TiedLM, config: dict) -> None:
+        self.net, self.losses, self.norms = net, [], []
+        self.toggle, self.reset_at = config.get("toggle", False), config.get("reset_at")
+        self.fresh = OPTIMIZERS[config.get("opt", "adamw")]
 
     def on_step_end(self, trainer, logs) -> None:
         self.losses.append(logs["train_loss"])
         self.norms.append(logs["grad_norm"])
+        if logs["step"] == self.reset_at:
+            trainer.optimizer.load_state_dict(self.fresh(self.net.parameters()).state_dict())
         if self.toggle and logs["step"] == 2:
             self.net.freeze("embed.weight")  # trained through lm_head alone
         if self.toggle and logs["step"] == 5:
@@ -120,7 +126,7 @@ def main(config: dict, out: str) -> None:
             loss = loss * float("nan")
         return loss
 
-    record = Record(net, config.get("toggle", False))
+    record = Record(net, config)
     run = os.path.join(out, "run")
     trainer = Trainer(
         net,

@@ -143,6 +143,18 @@ def test_loading_an_empty_state_before_any_step():
     assert dict(opt.state) == {} and opt.step_count == 0
 
 
+def test_loads_counts_the_adopted_state_dicts_and_not_the_refused_ones():
+    opt = trained(AdamW, {"lr": 0.05})
+    sd = opt.state_dict()
+    assert opt.loads == 0
+    opt.load_state_dict(sd)
+    bad = copy.deepcopy(sd)
+    bad["step_count"] = -1
+    with pytest.raises(CheckpointError):
+        opt.load_state_dict(bad)
+    assert opt.loads == 1
+
+
 def corrupt(edit):
     def make(sd):
         sd = copy.deepcopy(sd)

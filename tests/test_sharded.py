@@ -206,6 +206,18 @@ def test_one_process_sharded_equals_one_process_bit_for_bit(root, tmp_path, shar
     assert_equal(params, reference(root, **config))
 
 
+@pytest.mark.parametrize("toggle", [False, True])
+def test_an_empty_state_loaded_mid_run_replaces_the_sharded_state(root, tmp_path, toggle):
+    # after step 2 a step-0 state dict (no state) is loaded; with ``toggle`` the layout
+    # changes at that step too, so the old pieces' state must not move to the new plan
+    config = {"opt": "adamw", "steps": 5, "reset_at": 2, "toggle": toggle}
+    params, ranks = run(1, tmp_path, shard="optimizer", **config)
+    assert_equal(params, reference(root, **config))
+    assert [r["step_count"] for r in ranks] == [3]
+    kept = reference(root, **{**config, "reset_at": None})  # the reset changes the run
+    assert any(not np.array_equal(params[k], kept[k]) for k in params.files)
+
+
 def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     config = {"opt": "adamw", "steps": 4, "nan_at": 2}
     params, ranks = run(3, tmp_path, shard="gradients", **config)
@@ -270,7 +282,7 @@ def test_the_command_trains_sharded_and_resumes_unsharded_on_one_process(tmp_pat
 def test_the_command_refuses_an_unknown_shard_mode_naming_the_choices(tmp_path):
     done = run_module("tiegrad", "train", "--shard", "params", "--steps", "1")
     assert done.returncode == 2
-    assert "--shard: expected one of ('', 'optimizer', 'gradients'), got 'params'" in done.stderr
+    assert "--shard: expected one of 'optimizer', 'gradients' or empty, got 'params'" in done.stderr
 
 
 def test_a_rank_whose_plan_differs_is_named_with_the_first_differing_piece():

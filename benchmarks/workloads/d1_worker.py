@@ -11,7 +11,9 @@ all-reduce launch to its last result (the same span on both sides; overlapped wi
 backward, so not all of it lengthens the step) and the process's CPU milliseconds of
 the step; ``memory`` with one JSON line: the bytes of optimizer state and of gradients
 the rank holds (the arrays themselves: tiegrad's ``DataParallel.memory``, torch's
-optimizer state tensors and ``.grad``) and its peak RSS in MB.
+optimizer state tensors and ``.grad``) and its peak RSS in MB: ``VmHWM``, the peak of
+this process's own memory (``ru_maxrss`` would carry over the peak of the process
+that started it, across ``exec``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import resource
 import sys
 import time
 from typing import Any
 
+from ..runner import status_mb
 from . import w1_tied_lm as w1
 
 BATCH = w1.BATCH  # global
@@ -178,7 +180,7 @@ def _serve(framework: str, variant: str | None) -> None:
         if command == "quit":
             break
         if command == "memory":
-            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            peak_mb = status_mb()["VmHWM"]
             out.write(json.dumps(memory() | {"peak_rss_mb": peak_mb}) + "\n")
             out.flush()
             continue

@@ -232,7 +232,8 @@ class DataParallel:
         (``ShardedOptimizer.step``) with the same numbers (to rounding where clipping
         sums the norm in another order); ``optimizer`` keeps its
         groups, hyperparameters and counters, and its state is sharded over the ranks
-        (a state loaded into it, from a checkpoint, is taken over at the next step).
+        (a state dict loaded into it, from a checkpoint, replaces the sharded state at
+        the next step; an empty one too).
         """
         if clip_norm is not None:
             at_least_zero("DataParallel.step", "clip_norm", clip_norm)
@@ -255,7 +256,7 @@ class DataParallel:
         if old is not None and old.optimizer is optimizer and old.plan is self.plan:
             return old
         new = ShardedOptimizer(optimizer, self.plan, self.plist)
-        if old is not None and old.optimizer is optimizer:
+        if old is not None and old.optimizer is optimizer and not old.stale():
             new.install(self._current_slots(old))
         self._sharded = new
         return new
@@ -279,8 +280,8 @@ class DataParallel:
         sharded = self._sharded
         if self.shard is None or sharded is None or sharded.optimizer is not optimizer:
             return optimizer
-        if optimizer.state:  # loaded since the last step: not taken over yet
-            return optimizer
+        if optimizer.state or sharded.stale():  # loaded since the last step: not taken
+            return optimizer  # over yet (an empty state too)
         self._follow_layout()
         return GatheredOptimizer(optimizer, self._current_slots(sharded))
 

@@ -61,6 +61,7 @@ class ShardedOptimizer:
         self.groups = sorted(members)
         self.order = [k for gi in self.groups for k in members[gi]]  # inner slot -> piece
         self._buffers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.loads = optimizer.loads  # the full optimizer's loads that the pieces reflect
         self.inner: Any = None
         if self.order:
             hp = {k: optimizer.defaults[k] for k in optimizer.hyperparameters}
@@ -72,6 +73,11 @@ class ShardedOptimizer:
                 **hp,
                 nonfinite="raise",
             )
+
+    def stale(self) -> bool:
+        """Whether a state dict was loaded into the full optimizer since the pieces took
+        over its state: theirs is then superseded, even by an empty one."""
+        return self.optimizer.loads != self.loads
 
     def _hyper(self, gi: int) -> dict[str, Any]:
         group = self.optimizer.param_groups[gi]
@@ -96,9 +102,10 @@ class ShardedOptimizer:
         if self.inner is not None:
             for j, gi in enumerate(self.groups):
                 self.inner.param_groups[j].update(self._hyper(gi))
-        if opt.state:  # a checkpoint was loaded into the full optimizer: adopt its state
-            self.install(opt.state)
+        if opt.state or self.stale():  # a state was loaded into the full optimizer: adopt
+            self.install(opt.state)  # it, an empty one too (the pieces start afresh)
             _clear_state(opt)
+            self.loads = opt.loads
         sums = np.zeros(2, np.float64)
         bad = [p.slot for (_, p), g in zip(self.plan.pieces, gradients) if not all_finite(g)]
         sums[1] = min(bad, default=math.inf)

@@ -71,6 +71,11 @@ class Optimizer:
     and ``rule`` (``optim.rule``), and implement ``_state_names`` and ``_coefficients``;
     ``fused_rule`` optionally names the compiled kernel of the same rule
     (``optim.fused``) and ``device_kernel`` torch's (``optim.foreach``).
+
+    Counters: ``step_count`` (steps taken), ``skipped_steps`` (steps refused under
+    ``nonfinite="skip"``), both restored by ``load_state_dict``; ``loads``, the state
+    dicts adopted since construction, so that whoever holds this optimizer's state
+    elsewhere (a sharded step, ``tiegrad.distributed``) notices a load, an empty one too.
     """
 
     kind: ClassVar[str] = "Optimizer"
@@ -100,6 +105,7 @@ class Optimizer:
         self._step_plan: StepPlan | None = None  # the cached layout work (optim.plan)
         self.step_count = 0
         self.skipped_steps = 0
+        self.loads = 0
         hps = self._checked_groups(groups, self._plan())
         for group, hp in zip(groups, hps):
             group.update(hp)
@@ -254,6 +260,7 @@ class Optimizer:
         self._state.install(plan, specs, entries)
         self.step_count = step_count
         self.skipped_steps = skipped
+        self.loads += 1
 
     def __repr__(self) -> str:
         lines = [f"{self.kind} ({len(self.params)} slots, nonfinite={self.nonfinite!r})"]

@@ -173,7 +173,9 @@ def check_value(key: str, value: Any, where: str = "", label: str | None = None)
             f"{value.bit_length()} bits"
         )
     if key in _CHOICES and value not in _CHOICES[key]:
-        raise ConfigError(f"{name}: expected one of {_CHOICES[key]}, got {value!r}")
+        listed = ", ".join(repr(c) for c in _CHOICES[key] if c)
+        empty = " or empty" if "" in _CHOICES[key] else ""
+        raise ConfigError(f"{name}: expected one of {listed}{empty}, got {value!r}")
     if key == "lora" and value:
         parse_lora(value, name)
     if key in _RANGES:
