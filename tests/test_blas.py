@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tiegrad.backend import NUMPY, Backend, blas
+from tiegrad.backend import numpy_backend as nb
 from tiegrad.errors import ShapeError
 
 needs_mkl = pytest.mark.skipif(blas.LIBRARY is None, reason="oneMKL is not installed")
@@ -482,6 +483,41 @@ def test_an_out_the_product_would_broadcast_to_is_refused():
     with pytest.raises(ShapeError, match="out has shape"):
         Backend.scaled_matmul(NUMPY, a, b, 1.0, out)  # the generic version
     assert not out.any()
+
+
+def test_an_out_the_product_would_broadcast_to_is_refused_by_numpys_own_version():
+    a, b = np.ones((4, 5), np.float32), np.ones((5, 3), np.float32)
+    out = np.zeros((2, 4, 3), np.float32)
+    with pytest.raises(ShapeError, match="out has shape"):
+        nb._scaled_matmul(a, b, 1.0, out)
+    assert not out.any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scale", [1.0, 0.1767767, 2.0, 0.0, float("inf"), float("nan")])
+def test_numpys_scaled_product_has_the_generic_versions_bits(dtype, scale):
+    # NumPy's own version writes into ``out`` and scales in place (fewer passes); the
+    # generic one scales a new product and assigns it: the same bits, NaN included
+    cases = [
+        (rng.standard_normal((64, 32)), rng.standard_normal((32, 48))),
+        (rng.standard_normal((4, 16, 8)), rng.standard_normal((4, 8, 16))),
+        (rng.standard_normal((2, 3, 9, 5)), rng.standard_normal((2, 3, 5, 7))),
+        (rng.standard_normal((24, 32)).T, rng.standard_normal((24, 8))),  # a transposed view
+    ]
+    for a, b in cases:
+        a, b = a.astype(dtype), b.astype(dtype)
+        if scale == 2.0:
+            a[(0,) * a.ndim] = np.nan
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = Backend.scaled_matmul(NUMPY, a, b, scale)
+            rows = np.zeros((3,) + want.shape, dtype)
+            out = rows[1]
+            got_into = nb._scaled_matmul(a, b, scale, out)
+            got_new = nb._scaled_matmul(a, b, scale)
+        assert got_into is out
+        np.testing.assert_array_equal(got_into, want)
+        np.testing.assert_array_equal(got_new, want)
+        assert got_new.dtype == want.dtype and not rows[0].any() and not rows[2].any()
 
 
 @needs_mkl
