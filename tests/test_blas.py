@@ -496,8 +496,9 @@ def test_an_out_the_product_would_broadcast_to_is_refused_by_numpys_own_version(
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("scale", [1.0, 0.1767767, 2.0, 0.0, float("inf"), float("nan")])
 def test_numpys_scaled_product_has_the_generic_versions_bits(dtype, scale):
-    # NumPy's own version writes into ``out`` and scales in place (fewer passes); the
-    # generic one scales a new product and assigns it: the same bits, NaN included
+    # NumPy's own version writes into ``out`` (contiguous, or rows with a gap between
+    # them) and scales in place; the generic one scales a new product and assigns it:
+    # the same bits, NaN included
     cases = [
         (rng.standard_normal((64, 32)), rng.standard_normal((32, 48))),
         (rng.standard_normal((4, 16, 8)), rng.standard_normal((4, 8, 16))),
@@ -508,16 +509,18 @@ def test_numpys_scaled_product_has_the_generic_versions_bits(dtype, scale):
         a, b = a.astype(dtype), b.astype(dtype)
         if scale == 2.0:
             a[(0,) * a.ndim] = np.nan
+        p = b.shape[-1]
         with np.errstate(invalid="ignore", over="ignore"):
             want = Backend.scaled_matmul(NUMPY, a, b, scale)
-            rows = np.zeros((3,) + want.shape, dtype)
-            out = rows[1]
-            got_into = nb._scaled_matmul(a, b, scale, out)
+            rows = np.zeros((3,) + want.shape, dtype)  # out: one block of a larger array
+            wide = np.zeros(want.shape[:-1] + (3 * p,), dtype)  # out: rows with a gap
             got_new = nb._scaled_matmul(a, b, scale)
-        assert got_into is out
-        np.testing.assert_array_equal(got_into, want)
+            for big, out in ((rows, rows[1]), (wide, wide[..., p : 2 * p])):
+                assert nb._scaled_matmul(a, b, scale, out) is out
+                np.testing.assert_array_equal(out, want)
+                assert np.count_nonzero(big) == np.count_nonzero(out)  # nothing else written
         np.testing.assert_array_equal(got_new, want)
-        assert got_new.dtype == want.dtype and not rows[0].any() and not rows[2].any()
+        assert got_new.dtype == want.dtype
 
 
 @needs_mkl

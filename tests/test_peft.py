@@ -249,7 +249,7 @@ def _train_both(base, folder, targets, steps=20):
         topt.zero_grad()
         tloss.backward()
         topt.step()
-        losses.append((float(loss.numpy()), float(tloss)))
+        losses.append((float(loss.numpy()), float(tloss.detach())))
     return model, pm, losses
 
 

@@ -59,21 +59,26 @@ def _scaled_matmul(a: Array, b: Array, scale: float, out: Array | None = None) -
 
 
 def _into(a: Any, b: Any, out: Any) -> bool:
-    """Whether NumPy's BLAS can write ``a @ b`` into ``out`` as into a new array: plain
-    C-contiguous ``out`` of the operands' dtype and the product's shape (no broadcast
-    batch axes), apart from both operands."""
+    """Whether NumPy's BLAS writes ``a @ b`` into ``out`` as into a new array: plain
+    ``out`` of the operands' dtype and the product's shape (no broadcast batch axes),
+    apart from both operands, each of its matrices with rows of unit stride that do not
+    overlap (NumPy's own test for handing an output to BLAS; any batch strides: a view
+    into a larger array works). NumPy then makes the same BLAS call as for a new array,
+    with only the output's row stride changed, which changes no value."""
+    if not (type(a) is np.ndarray and type(b) is np.ndarray and type(out) is np.ndarray):
+        return False
+    size = out.itemsize
     return (
-        type(a) is np.ndarray
-        and type(b) is np.ndarray
-        and type(out) is np.ndarray
-        and out.flags.c_contiguous
-        and out.flags.writeable
+        out.flags.writeable
         and a.dtype == b.dtype == out.dtype
         and a.dtype.kind == "f"
         and a.ndim == b.ndim == out.ndim >= 2
         and a.shape[:-2] == b.shape[:-2] == out.shape[:-2]
         and a.shape[-1] == b.shape[-2]
         and out.shape[-2:] == (a.shape[-2], b.shape[-1])
+        and out.strides[-1] == size
+        and out.strides[-2] % size == 0
+        and out.strides[-2] >= out.shape[-1] * size
         and not np.may_share_memory(out, a)
         and not np.may_share_memory(out, b)
     )
