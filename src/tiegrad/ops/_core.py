@@ -205,9 +205,17 @@ def sum_rows(bk: Backend, x2: Array) -> Array:
     return bk.matmul(_ones(n, x2.dtype), x2)
 
 
-@functools.lru_cache(maxsize=64)
+_KEPT_ONES = 1 << 16  # the longest vector of ones kept: 64 of them hold at most 32 MiB
+
+
 def _ones(n: int, dtype: Any) -> np.ndarray:
-    """A read-only vector of ``n`` ones (the host's row sums), kept for the next step."""
+    """A read-only NumPy vector of ``n`` ones (the host's row sums), kept for the next
+    step up to ``_KEPT_ONES`` elements: making it costs more than a short sum."""
+    return _kept_ones(n, np.dtype(dtype)) if n <= _KEPT_ONES else np.ones(n, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_ones(n: int, dtype: np.dtype) -> np.ndarray:
     ones = np.ones(n, dtype)
     ones.flags.writeable = False
     return ones
