@@ -12,11 +12,12 @@ optimizer loads a fresh optimizer's state dict: no state, counters 0),
 its loss by NaN at that step, with ``nonfinite="skip"``), ``rank1_shard`` (rank 1's own
 shard mode), ``device`` (the session's), ``misuse`` (no training: ``DataParallel.step``
 given a plain list, then another model's optimizer, then a negative clip_norm; the
-errors go to ``OUT/errors.json``, with whether the parameters stayed as they were). A
-run folder ``OUT/run`` that holds checkpoints is resumed. Rank 0 writes
-``OUT/params.npz`` and ``OUT/losses.json`` (the losses and the gradient norms of the
-steps); every rank writes ``OUT/rank_RANK.json`` (the bytes of optimizer state and
-gradients it held, its skipped steps and step count).
+errors go to ``OUT/errors.json``, with whether the parameters stayed as they were),
+``refusals`` (no training: one sharded step, then a refused negative lr and a refused
+NaN gradient, see ``refusals``). A run folder ``OUT/run`` that holds checkpoints is
+resumed. Rank 0 writes ``OUT/params.npz`` and ``OUT/losses.json`` (the losses and the
+gradient norms of the steps); every rank writes ``OUT/rank_RANK.json`` (the bytes of
+optimizer state and gradients it held, its skipped steps and step count).
 """
 
 import json
@@ -101,6 +102,50 @@ def misuse(net: TiedLM, opt, parallel, out: str) -> None:
     dist.shutdown()
 
 
+def refusals(net: TiedLM, opt, parallel, out: str) -> None:
+    """One sharded step, then two refused ones (a negative lr, a NaN gradient under
+    ``nonfinite="raise"``); writes their messages and whether parameters, counters and
+    the gathered state stayed as the first step left them (C6)."""
+    from tiegrad import EagerSession
+    from tiegrad.errors import HyperparameterError, NonFiniteError
+
+    ids = np.random.default_rng(7).integers(0, VOCAB, size=(BATCH, SEQ + 1))
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def gradients(scale: float):
+        session = EagerSession()
+        grads = parallel.backward(session, net.loss(session, x, y) * scale, opt)
+        session.reset()
+        return grads
+
+    def snapshot():
+        state = parallel.checkpoint_optimizer(opt).state_dict()["state"]
+        arrays = [v.copy() for v in net.param_list().values()]
+        arrays += [a for e in state.values() for n, a in sorted(e.items()) if n != "step"]
+        return arrays, opt.step_count
+
+    parallel.step(opt, gradients(1.0))
+    before = snapshot()
+    errors = []
+    opt.param_groups[0]["lr"] = -1.0
+    try:
+        parallel.step(opt, gradients(1.0))
+    except HyperparameterError as e:
+        errors.append(str(e))
+    opt.param_groups[0]["lr"] = 0.01
+    try:
+        parallel.step(opt, gradients(float("nan")))
+    except NonFiniteError as e:
+        errors.append(str(e))
+    after = snapshot()
+    same = before[1] == after[1] and all(
+        np.array_equal(a, b) for a, b in zip(before[0], after[0], strict=True)
+    )
+    with open(os.path.join(out, "errors.json"), "w") as f:
+        json.dump({"errors": errors, "unchanged": same}, f)
+    dist.shutdown()
+
+
 def main(config: dict, out: str) -> None:
     launched = dist.in_launcher_environment()
     if launched:
@@ -118,6 +163,9 @@ def main(config: dict, out: str) -> None:
         parallel = dist.DataParallel(net, shard=shard, bucket_mb=config.get("bucket_mb", 25.0))
     if config.get("misuse"):
         misuse(net, opt, parallel, out)
+        return
+    if config.get("refusals"):
+        refusals(net, opt, parallel, out)
         return
 
     def loss_fn(session, batch):

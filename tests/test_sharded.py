@@ -239,6 +239,18 @@ def test_a_sharded_step_refuses_a_plain_list_another_models_optimizer_and_a_bad_
     assert found["unchanged"] and found["state"] == 0
 
 
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_refused_sharded_step_changes_nothing(tmp_path, shard):
+    # a bad hyperparameter and a non-finite gradient under nonfinite="raise" (C6)
+    results, _ = launch(WORKER, 1, [json.dumps({"shard": shard, "refusals": True}), tmp_path])
+    assert results[0][0] == 0, results[0][2][-3000:]
+    found = json.loads((tmp_path / "errors.json").read_text())
+    lr, nan = found["errors"]
+    assert "lr" in lr and "-1.0" in lr
+    assert "holds NaN or" in nan and "slot" in nan
+    assert found["unchanged"]
+
+
 def test_a_rank_with_another_shard_mode_is_refused_at_the_start(tmp_path):
     config = json.dumps({"shard": "optimizer", "rank1_shard": "gradients", "steps": 2})
     results, _ = launch(WORKER, 2, [config, tmp_path])

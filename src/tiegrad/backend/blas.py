@@ -350,18 +350,24 @@ def scaled_matmul(
     """
     kernels = _operand_kernels(a, b)
     if kernels is not None and min(a.ndim, b.ndim) >= 2 and scale != 0 and math.isfinite(scale):
-        writable = out is None or (
-            type(out) is np.ndarray
-            and out.dtype == a.dtype
-            and out.flags.aligned
-            and out.flags.writeable
-            and not np.may_share_memory(out, a)
-            and not np.may_share_memory(out, b)
-        )
+        writable = out is None or writable_out(out, a, b)
         done = _matrix_product(kernels, a, b, out, scale) if writable else None
         if done is not None:
             return done
     return scale_into(matmul(a, b), scale, out)
+
+
+def writable_out(out: Any, a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether a product of ``a`` and ``b`` may be written into ``out`` itself: a plain,
+    aligned, writable ndarray of ``a``'s dtype that shares no memory with either."""
+    return (
+        type(out) is np.ndarray
+        and out.dtype == a.dtype
+        and out.flags.aligned
+        and out.flags.writeable
+        and not np.may_share_memory(out, a)
+        and not np.may_share_memory(out, b)
+    )
 
 
 def _operand_kernels(a: Any, b: Any) -> _Kernels | None:

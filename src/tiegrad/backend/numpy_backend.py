@@ -47,7 +47,9 @@ def _scaled_matmul(a: Array, b: Array, scale: float, out: Array | None = None) -
     product into any rows it is given."""
     if out is None:
         product = np.matmul(a, b)
-        if scale != 1.0 and type(product) is np.ndarray:
+        if type(product) is not np.ndarray:  # a subclass, or a scalar: NumPy's own rules
+            return scale_into(product, scale)
+        if scale != 1.0:
             product *= scale
         return product
     if not _into(a, b, out):
@@ -59,18 +61,18 @@ def _scaled_matmul(a: Array, b: Array, scale: float, out: Array | None = None) -
 
 
 def _into(a: Any, b: Any, out: Any) -> bool:
-    """Whether NumPy's BLAS writes ``a @ b`` into ``out`` as into a new array: plain
-    ``out`` of the operands' dtype and the product's shape (no broadcast batch axes),
-    apart from both operands, each of its matrices with rows of unit stride that do not
-    overlap (NumPy's own test for handing an output to BLAS; any batch strides: a view
-    into a larger array works). NumPy then makes the same BLAS call as for a new array,
-    with only the output's row stride changed, which changes no value."""
-    if not (type(a) is np.ndarray and type(b) is np.ndarray and type(out) is np.ndarray):
+    """Whether NumPy's BLAS writes ``a @ b`` into ``out`` as into a new array: ``out``
+    writable in place (``blas.writable_out``), of the operands' floating dtype and the
+    product's shape (no broadcast batch axes), each of its matrices with rows of unit
+    stride that do not overlap (NumPy's own test for handing an output to BLAS; any
+    batch strides: a view into a larger array works). NumPy then makes the same BLAS
+    call as for a new array, with only the output's row stride changed, which changes
+    no value."""
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or not blas.writable_out(out, a, b):
         return False
     size = out.itemsize
     return (
-        out.flags.writeable
-        and a.dtype == b.dtype == out.dtype
+        a.dtype == b.dtype
         and a.dtype.kind == "f"
         and a.ndim == b.ndim == out.ndim >= 2
         and a.shape[:-2] == b.shape[:-2] == out.shape[:-2]
@@ -79,8 +81,6 @@ def _into(a: Any, b: Any, out: Any) -> bool:
         and out.strides[-1] == size
         and out.strides[-2] % size == 0
         and out.strides[-2] >= out.shape[-1] * size
-        and not np.may_share_memory(out, a)
-        and not np.may_share_memory(out, b)
     )
 
 

@@ -256,7 +256,7 @@ class DataParallel:
         if old is not None and old.optimizer is optimizer and old.plan is self.plan:
             return old
         new = ShardedOptimizer(optimizer, self.plan, self.plist)
-        if old is not None and old.optimizer is optimizer and not old.stale():
+        if old is not None and old.optimizer is optimizer and not old.superseded():
             new.install(self._current_slots(old))
         self._sharded = new
         return new
@@ -280,8 +280,8 @@ class DataParallel:
         sharded = self._sharded
         if self.shard is None or sharded is None or sharded.optimizer is not optimizer:
             return optimizer
-        if optimizer.state or sharded.stale():  # loaded since the last step: not taken
-            return optimizer  # over yet (an empty state too)
+        if sharded.superseded():  # loaded since the last step: not taken over yet
+            return optimizer
         self._follow_layout()
         return GatheredOptimizer(optimizer, self._current_slots(sharded))
 

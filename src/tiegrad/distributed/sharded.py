@@ -32,6 +32,7 @@ import numpy as np
 
 from ..checkpoint.saving import check_optimizer_params
 from ..errors import CheckpointError, DistributedError
+from ..optim.clip import clip_coefficient
 from ..optim.norms import all_finite, sum_of_squares
 from ..params import Param, ParameterStorage, ParamList
 from .group import all_gather_array, all_gather_objects
@@ -74,10 +75,10 @@ class ShardedOptimizer:
                 nonfinite="raise",
             )
 
-    def stale(self) -> bool:
-        """Whether a state dict was loaded into the full optimizer since the pieces took
-        over its state: theirs is then superseded, even by an empty one."""
-        return self.optimizer.loads != self.loads
+    def superseded(self) -> bool:
+        """Whether the full optimizer holds a state the pieces have not taken over: one it
+        reached unsharded, or a state dict loaded since they took over (an empty one too)."""
+        return bool(self.optimizer.state) or self.optimizer.loads != self.loads
 
     def _hyper(self, gi: int) -> dict[str, Any]:
         group = self.optimizer.param_groups[gi]
@@ -102,8 +103,8 @@ class ShardedOptimizer:
         if self.inner is not None:
             for j, gi in enumerate(self.groups):
                 self.inner.param_groups[j].update(self._hyper(gi))
-        if opt.state or self.stale():  # a state was loaded into the full optimizer: adopt
-            self.install(opt.state)  # it, an empty one too (the pieces start afresh)
+        if self.superseded():  # adopt the full optimizer's state (empty: start afresh)
+            self.install(opt.state)
             _clear_state(opt)
             self.loads = opt.loads
         sums = np.zeros(2, np.float64)
@@ -118,10 +119,10 @@ class ShardedOptimizer:
         if first_bad != math.inf:
             opt.refuse_nonfinite(int(first_bad))
             return norm
-        if norm is not None and math.isfinite(norm):
-            coef = clip_norm / (norm + 1e-6)  # clip_grad_norm's rule
-            if coef < 1.0:
-                gradients = [g * coef for g in gradients]
+        finite = norm is not None and math.isfinite(norm)
+        coef = clip_coefficient(clip_norm, norm) if finite else None
+        if coef is not None:  # clip_grad_norm's rule
+            gradients = [g * coef for g in gradients]
         if self.inner is not None:
             self._read_values()
             self.inner.step([gradients[k] for k in self.order])

@@ -98,10 +98,17 @@ def clip_grad_norm(
                 f"clip_grad_norm: the total {norm_type}-norm of the gradients is {norm}"
             )
         return norm
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
+    coef = clip_coefficient(max_norm, norm)
+    if coef is not None:
         gradients[:] = [None if g is None else np.asarray(g * coef) for g in grads]
     return norm
+
+
+def clip_coefficient(max_norm: float, norm: float) -> float | None:
+    """The factor that clips gradients of total ``norm`` (finite) to ``max_norm``,
+    PyTorch's ``max_norm / (norm + 1e-6)``, or None where it is not below 1 (no clipping)."""
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1.0 else None
 
 
 def clip_grad_value(gradients: list[np.ndarray | None], clip_value: float) -> None:

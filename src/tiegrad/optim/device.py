@@ -143,7 +143,10 @@ def device_backend(gradients: Any) -> Backend | None:
         bk = gradients.session.backend
         return None if bk is NUMPY else bk
     if isinstance(gradients, (list, tuple)):
-        return next((backend_of(g) for g in gradients if _is_tensor(g)), None)
+        for kind in set(map(type, gradients)):  # a few types, however many slots
+            g = next(g for g in gradients if type(g) is kind)
+            if _is_tensor(g):
+                return backend_of(g)
     return None
 
 

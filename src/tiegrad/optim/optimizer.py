@@ -173,9 +173,7 @@ class Optimizer:
         with executor.gradients(self._owner, plan, gradients) as grads:
             hps = self._checked_groups(self.param_groups, plan)
             names = tuple(self._state_names(hp) for hp in hps)
-            update = Update(
-                self._owner, plan, hps, names, self._slot_group, self._state, self._rule()
-            )
+            update = Update(plan, hps, names, self._slot_group, self._state, self._rule())
             bad = executor.first_nonfinite(update, grads)
             if bad is not None:
                 self.refuse_nonfinite(bad)

@@ -41,11 +41,10 @@ class Update:
     ``first_nonfinite`` worked out for its ``apply`` (the executor's own business).
     """
 
-    __slots__ = ("owner", "plan", "hps", "names", "slot_group", "state", "rule", "prepared")
+    __slots__ = ("plan", "hps", "names", "slot_group", "state", "rule", "prepared")
 
     def __init__(
         self,
-        owner: Owner,
         plan: StepPlan,
         hps: Sequence[Hyper],
         names: tuple[tuple[str, ...], ...],
@@ -53,7 +52,6 @@ class Update:
         state: KeyedState,
         rule: UpdateRule,
     ) -> None:
-        self.owner = owner
         self.plan = plan
         self.hps = hps
         self.names = names
