@@ -477,7 +477,13 @@ def test_a_switch_to_the_optimizer_kernels_within_a_run_changes_no_bit(
     assert len(set(losses)) == 3  # the updates changed the model
 
 
-FORWARD = ["add_row_vector", "gelu", "layer_norm", "softmax"]  # reported after the forward
+FORWARD = [
+    "add_row_vector",
+    "cross_entropy",
+    "gelu",
+    "layer_norm",
+    "softmax",
+]  # reported after the forward
 
 
 def _host_switch_steps(switch, names=None):

@@ -2,7 +2,7 @@
 
 Each kernel is checked against the NumPy code path it replaces (``tiegrad._numba.ENABLED`` off)
 and against float64 references: the exponential, GELU, layer norm forward and
-backward, the attention softmax and its backward, special values, the fallbacks
+backward, the attention softmax and its backward, cross-entropy, special values, the fallbacks
 (float64, strided operands, the environment switch) and the placement of a kernel's
 output arrays.
 """
@@ -114,6 +114,52 @@ def test_attention_softmax_kernels_match_the_numpy_path(monkeypatch, causal):
     for a, c in zip(fast, slow):
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)
     assert np.all(fast[0][2] == 0) and np.all(fast[1][2] == 0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_kernels_match_the_numpy_path(monkeypatch, reduction, smoothing):
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((3, 70, 33)) * 4).astype(np.float32)
+    logits[0, 3] += 80  # a row far above the others
+    t = rng.integers(0, 33, (3, 70))
+    t[1, ::3] = 5
+    cot = rng.standard_normal((3, 70)).astype(np.float32) if reduction == "none" else None
+
+    def run():
+        s = EagerSession()
+        xr = s.leaf(logits)
+        y = T.cross_entropy(xr, t, reduction, ignore_index=5, label_smoothing=smoothing)
+        return [y.value, s.backward(y, seed=cot)[xr]]
+
+    fast, slow = both_paths(monkeypatch, run)
+    for a, c in zip(fast, slow):
+        assert a.dtype == c.dtype == np.float32 and a.shape == c.shape
+        np.testing.assert_allclose(a, c, rtol=2e-6, atol=2e-6)
+    assert not fast[1][t == 5].any()  # an ignored position has no gradient
+
+
+def test_cross_entropy_kernel_special_rows_and_no_position_counted(fused):
+    s = EagerSession()
+    x = np.zeros((4, 6), np.float32)
+    x[0] = -np.inf  # no finite logit: NaN, as PyTorch
+    x[1, 2] = np.nan
+    x[2, 4] = np.inf
+    xr = s.leaf(x)
+    with np.errstate(divide="ignore", invalid="ignore"):  # the log of a zero sum, as NumPy's path
+        loss = T.cross_entropy(xr, np.array([1, 0, 4, 3]), reduction="none")
+    assert np.isnan(loss.value[:3]).all() and loss.value[3] == np.float32(np.log(6))
+    ignored = s.leaf(x)
+    mean = T.cross_entropy(ignored, np.full(4, -100), reduction="mean")
+    assert mean.value == 0  # no position counted: 0, not NaN (``ops.cross_entropy``)
+    assert not s.backward(mean)[ignored].any()
+
+
+def test_cross_entropy_kernel_refuses_what_it_does_not_cover(fused):
+    t = np.zeros(4, np.int64)
+    assert NUMPY.cross_entropy_rows(np.ones((4, 3)), t, -100, 0.0, True) is None  # float64
+    assert NUMPY.cross_entropy_rows(np.ones((3, 4), np.float32).T, t, -100, 0.0, True) is None
+    assert NUMPY.cross_entropy_rows(np.ones((4, 3), np.float32), t, 2**63, 0.0, True) is None
 
 
 @numba.njit

@@ -182,6 +182,42 @@ def test_softmax_and_its_backward(shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("smooth", [False, True])
+def test_cross_entropy_and_its_backward(shape, smooth):
+    rng = np.random.default_rng(shape[0] * 1000 + shape[1] + smooth)
+    rows, n = shape
+    ignore = -100
+    t = rng.integers(0, n, rows)
+    t[rng.random(rows) < 0.2] = ignore
+    results = []
+    for x in (values(rng, shape), values(rng, shape, special=False) * np.float32(5)):
+        x[0] = -np.inf  # no finite logit: NaN, unless the row is ignored
+        x[-1, 0] = np.nan
+        outs = []
+        for kernel, blocks in (
+            (hk.cross_entropy, [(0, rows)]),
+            (ref.cross_entropy, _row_blocks(rows)),
+        ):
+            p = np.full(shape, 7, np.float32)
+            den, picked, total = np.full((3, rows), 7, np.float32)
+            for lo, hi in blocks:
+                kernel(x, t, ignore, smooth, p, den, picked, total, lo, hi)
+            outs.append([p, den, picked] + ([total] if smooth else []))
+        for want, got in zip(*outs):
+            assert same_bits(got, want)
+        results.append(outs[0][0])
+    p = results[1]
+    spread = 0.1 / n if smooth else 0.0
+    for w in (values(rng, (rows,), special=False), np.float32([-0.37])):
+        want, got = np.full((2, *shape), 7, np.float32)
+        hk.cross_entropy_backward(p, t, ignore, w, 1.0 - 0.1 * smooth, spread, want, 0, rows)
+        for lo, hi in _row_blocks(rows):
+            ref.cross_entropy_backward(p, t, ignore, w, 1.0 - 0.1 * smooth, spread, got, lo, hi)
+        assert same_bits(got, want)
+        assert not want[t == ignore].any()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("eps", [1e-5, 0.1])
 def test_layer_norm_and_its_backward(shape, eps):
     rng = np.random.default_rng(shape[0] * 1000 + shape[1])

@@ -49,6 +49,10 @@ def _calls(x, w, b):
     gp = rows.copy()
     assert NUMPY.softmax_backward_rows_(gp, p)
     out["softmax"], out["softmax_backward"] = (p,), (gp,)
+    targets = np.arange(len(rows)) * 7 % D
+    targets[::5] = -100
+    loss, vjp = NUMPY.cross_entropy_rows(rows, targets, -100, 0.1, True)
+    out["cross_entropy"], out["cross_entropy_backward"] = (loss,), (vjp(loss),)
     return out
 
 
@@ -126,6 +130,7 @@ def _mismatched():
     part = np.zeros((1, 4), f)
     out = np.zeros(64, f)
     flat_rows = np.zeros(32, f)[:32].reshape(8, 4)
+    ids, vec8, out8 = np.arange(8) % 4, np.ones(8, f), np.zeros((8, 4), f)
     return [
         ("relu", lambda k: k.relu(a, short, 0, 64), short),
         ("relu_vjp", lambda k: k.relu_vjp(a, short, out, 0, 64), out),
@@ -159,6 +164,26 @@ def _mismatched():
         ),  # fmt: skip
         ("softmax", lambda k: k.softmax(few, 0, 8), few),
         ("softmax_backward", lambda k: k.softmax_backward(rows, few, 0, 8), rows),
+        (
+            "cross_entropy",
+            lambda k: k.cross_entropy(rows, ids, -1, True, few, vec8, vec8, vec8, 0, 8),
+            few,
+        ),
+        (
+            "cross_entropy",
+            lambda k: k.cross_entropy(rows, ids + 1, -1, False, out8, vec8, vec8, vec8, 0, 8),
+            out8,
+        ),  # a target of 4 in rows of 4
+        (
+            "cross_entropy_backward",
+            lambda k: k.cross_entropy_backward(rows, ids, -1, vec8[:3], 1.0, 0.0, out8, 0, 8),
+            out8,
+        ),
+        (
+            "cross_entropy_backward",
+            lambda k: k.cross_entropy_backward(rows, ids - 1, 5, vec8, 1.0, 0.0, out8, 0, 8),
+            out8,
+        ),  # a target of -1, and ignore 5
     ]
 
 

@@ -101,6 +101,18 @@ def softmax_backward_blocks(n: int, step: int, args: tuple) -> None:
         hk.softmax_backward(*args, b * step, min(n, b * step + step))
 
 
+@_blocks
+def cross_entropy_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.cross_entropy(*args, b * step, min(n, b * step + step))
+
+
+@_blocks
+def cross_entropy_backward_blocks(n: int, step: int, args: tuple) -> None:
+    for b in prange(-(-n // step)):
+        hk.cross_entropy_backward(*args, b * step, min(n, b * step + step))
+
+
 TEAM: int = numba.config.NUMBA_NUM_THREADS  # numba's threads: the cores, or NUMBA_NUM_THREADS
 
 

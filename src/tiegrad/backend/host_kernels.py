@@ -1,5 +1,5 @@
 """Fused float32 kernels of the NumPy backend, compiled by numba: GELU, ReLU and its VJP,
-products and sums, a scatter-add of rows, layer norm, softmax.
+products and sums, a scatter-add of rows, layer norm, softmax, cross-entropy.
 
 Imported through ``tiegrad._numba.kernels``, by ``host_dispatch``, which decides when to
 use the kernels (float32, C-contiguous operands, ``tiegrad._numba.ENABLED``), and by
@@ -508,3 +508,118 @@ def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
         dot = _dot(gr, pr)
         for j in range(n):
             gr[j] = pr[j] * (gr[j] - dot)
+
+
+@_kernel
+def cross_entropy(
+    x: np.ndarray,
+    t: np.ndarray,
+    ignore: int,
+    smooth: bool,
+    p: np.ndarray,
+    den: np.ndarray,
+    picked: np.ndarray,
+    total: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """Rows ``lo .. hi`` of the ``(rows, n)`` logits ``x`` against the int64 targets ``t``.
+
+    Row ``r`` is shifted by its own maximum (as ``softmax``): ``picked[r]`` becomes its
+    target's shifted logit, ``den[r]`` the sum of its shifted exponentials, ``p[r]``
+    those exponentials over ``den[r]`` (NaN where that sum is 0, a row of only ``-inf``)
+    and, with ``smooth``, ``total[r]`` the sum of its shifted logits. A row whose target
+    is ``ignore`` gets ``p`` 0, ``den`` 1, ``picked`` and ``total`` 0: loss and gradient
+    0. A target that is neither ``ignore`` nor in ``[0, n)`` raises before anything is
+    written.
+    """
+    rows, n = x.shape
+    if (
+        p.shape != x.shape
+        or t.shape[0] != rows
+        or den.shape[0] != rows
+        or picked.shape[0] != rows
+        or (smooth and total.shape[0] != rows)
+        or not 0 <= lo <= hi <= rows
+    ):
+        raise ValueError("cross_entropy: operands of other sizes than x, or lo .. hi not rows")
+    for r in range(lo, hi):
+        if t[r] != ignore and not 0 <= t[r] < n:
+            raise ValueError("cross_entropy: a target outside [0, n) that is not ignore")
+    for r in range(lo, hi):
+        xr, pr = x[r], p[r]  # row views: the inner loops index from 0
+        k = t[r]
+        if k == ignore:
+            for j in range(n):
+                pr[j] = _F(0.0)
+            den[r], picked[r] = _F(1.0), _F(0.0)
+            if smooth:
+                total[r] = _F(0.0)
+            continue
+        m = _row_max(xr)
+        m = _F(0.0) if m == -np.inf else m
+        picked[r] = xr[k] - m
+        if smooth:  # the shifted logits first, for their sum
+            for j in range(n):
+                pr[j] = xr[j] - m
+            total[r] = _sum(pr)
+            for j in range(n):
+                pr[j] = exp_neg(pr[j])
+        else:
+            for j in range(n):
+                pr[j] = exp_neg(xr[j] - m)
+        s = _sum(pr)
+        den[r] = s
+        scale = _F(1.0) / s
+        for j in range(n):
+            pr[j] *= scale
+
+
+@_kernel
+def cross_entropy_backward(
+    p: np.ndarray,
+    t: np.ndarray,
+    ignore: int,
+    w: np.ndarray,
+    hit: float,
+    spread: float,
+    out: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """Rows ``lo .. hi`` of the logits' gradient ``out`` from the softmax ``p`` of
+    ``cross_entropy`` and the weight ``w[r]`` of each row (or ``w[0]`` of every row).
+
+    ``out[r] = p[r] * w[r] - w[r] * spread`` (no subtraction where ``spread`` is 0), and
+    ``w[r] * hit`` less at the row's target; 0 in a row whose target is ``ignore``.
+    """
+    rows, n = p.shape
+    if (
+        out.shape != p.shape
+        or t.shape[0] != rows
+        or not (w.shape[0] == rows or w.shape[0] == 1)
+        or not 0 <= lo <= hi <= rows
+    ):
+        raise ValueError(
+            "cross_entropy_backward: operands of other sizes than p, or lo .. hi not rows"
+        )
+    for r in range(lo, hi):
+        if t[r] != ignore and not 0 <= t[r] < n:
+            raise ValueError("cross_entropy_backward: a target outside [0, n) that is not ignore")
+    f_hit, f_spread = _F(hit), _F(spread)
+    for r in range(lo, hi):
+        pr, orow = p[r], out[r]
+        k = t[r]
+        if k == ignore:
+            for j in range(n):
+                orow[j] = _F(0.0)
+            continue
+        wr = w[r] if w.shape[0] != 1 else w[0]
+        if f_spread != _F(0.0):
+            c = wr * f_spread
+            for j in range(n):
+                orow[j] = pr[j] * wr - c
+        else:
+            for j in range(n):
+                orow[j] = pr[j] * wr
+        orow[k] -= wr * f_hit

@@ -239,3 +239,57 @@ def softmax_backward(gp: np.ndarray, p: np.ndarray, lo: int, hi: int) -> None:
     gr, pr = gp[lo:hi], p[lo:hi]
     dot = _lanes(gr, pr)
     gr[...] = pr * (gr - dot[:, None])
+
+
+@_quiet
+def cross_entropy(
+    x: np.ndarray,
+    t: np.ndarray,
+    ignore: int,
+    smooth: bool,
+    p: np.ndarray,
+    den: np.ndarray,
+    picked: np.ndarray,
+    total: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """``host_kernels.cross_entropy``'s bits (its targets unchecked)."""
+    xr, tr = x[lo:hi], t[lo:hi]
+    skip = tr == ignore
+    m = np.fmax.reduce(xr, axis=1, initial=-np.inf)  # the largest element not NaN
+    m[m == -np.inf] = 0.0
+    s = xr - m[:, None]
+    if smooth:
+        total[lo:hi] = np.where(skip, _F(0.0), _lanes(s))
+    picked[lo:hi] = np.where(skip, _F(0.0), s[np.arange(hi - lo), np.where(skip, 0, tr)])
+    e = exp_neg(s)
+    d = _lanes(e)
+    den[lo:hi] = np.where(skip, _F(1.0), d)
+    e *= (_F(1.0) / d)[:, None]
+    e[skip] = 0.0
+    p[lo:hi] = e
+
+
+@_quiet
+def cross_entropy_backward(
+    p: np.ndarray,
+    t: np.ndarray,
+    ignore: int,
+    w: np.ndarray,
+    hit: float,
+    spread: float,
+    out: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """``host_kernels.cross_entropy_backward``'s bits (its targets unchecked)."""
+    pr, tr = p[lo:hi], t[lo:hi]
+    wr = np.broadcast_to(w[lo:hi] if w.shape[0] != 1 else w[:1], (hi - lo,))[:, None]
+    g = pr * wr
+    if _F(spread) != 0:
+        g -= wr * _F(spread)
+    keep = np.flatnonzero(tr != ignore)
+    g[keep, tr[keep]] -= wr[keep, 0] * _F(hit)
+    g[tr == ignore] = 0.0
+    out[lo:hi] = g

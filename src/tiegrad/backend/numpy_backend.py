@@ -4,14 +4,14 @@ Memory (DESIGN: memory is reused, not re-faulted): ``tiegrad.backend.tune_proces
 keeps the memory a step frees in the process (glibc); importing this module does not.
 
 Fused kernels: with numba installed, float32 GELU and its VJP, ReLU and its VJP, large
-sums (``add``, ``add_``), the embedding's scatter-add (``index_add``), layer norm and the
-attention softmax run as single-pass kernels (``host_kernels``); ``host_dispatch``
-decides when, in which blocks and on how many threads. Without them, ``gelu`` of a
-float32 array runs block by block with a mask-free formula accurate to float32
-precision; other dtypes always take the exact path through the float64 Cephes ``erf``
-(both ``host_special``). ``blockwise`` cuts an op's rows into cache-sized blocks, run one
-after the other (they call BLAS). Matrix products go to oneMKL where ``tiegrad[mkl]``
-is installed (``blas``).
+sums (``add``, ``add_``), the embedding's scatter-add (``index_add``), layer norm, the
+attention softmax and cross-entropy run as single-pass kernels (``host_kernels``);
+``host_dispatch`` decides when, in which blocks and on how many threads. Without them,
+``gelu`` of a float32 array runs block by block with a mask-free formula accurate to
+float32 precision; other dtypes always take the exact path through the float64 Cephes
+``erf`` (both ``host_special``). ``blockwise`` cuts an op's rows into cache-sized
+blocks, run one after the other (they call BLAS). Matrix products go to oneMKL where
+``tiegrad[mkl]`` is installed (``blas``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ __all__ = ["NUMPY", "NumpyBackend", "team"]  # ``team`` is re-exported for ``tie
 
 _add_reduce = np.add.reduce
 _max_reduce = np.maximum.reduce
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # the kernels' targets and ignore_index
 
 
 def _scaled_matmul(a: Array, b: Array, scale: float, out: Array | None = None) -> Array:
@@ -258,6 +259,63 @@ class NumpyBackend(Backend):
             kernels, "softmax_backward", rows, n, gp.reshape(rows, n), p.reshape(rows, n)
         )
         return True
+
+    def cross_entropy_rows(
+        self,
+        logits: Array,
+        targets: Array,
+        ignore_index: int,
+        label_smoothing: float,
+        want: bool,
+        reduction: str = "none",
+    ) -> tuple[Array, Any] | None:
+        """The kernels ``cross_entropy`` and its backward for C-contiguous float32 logits.
+
+        Each row is shifted by its own maximum; the log of its sum of exponentials is
+        NumPy's, outside the kernel (so the stand-in gives the same bits). A row's loss
+        is ``log(den) - picked`` (with smoothing ``e``, as ``ops.cross_entropy``:
+        ``(1 - e) * loss - e / C * (total - C * log(den))``); a reduced loss is NumPy's
+        sum of the rows, times ``1 / count`` for a mean.
+        """
+        kernels = _fused_kernels(logits)
+        if (
+            kernels is None
+            or logits.ndim != 2
+            or not logits.size
+            or not _INT64_MIN <= ignore_index <= _INT64_MAX
+        ):
+            return None
+        rows, c = logits.shape
+        t = np.ascontiguousarray(targets, dtype=np.int64)
+        p = _outputs_apart(logits, 1)[0].reshape(rows, c)
+        den, picked, total = np.empty((3, rows), np.float32)
+        smooth = bool(label_smoothing)
+        args = (logits, t, ignore_index, smooth, p, den, picked, total)
+        _rows_parallel(kernels, "cross_entropy", rows, c, *args)
+        log_den = np.log(den)
+        loss = log_den - picked
+        if smooth:
+            total = total - c * log_den
+            loss = (1.0 - label_smoothing) * loss - (label_smoothing / c) * total
+        count = 1
+        if reduction == "mean":
+            count = rows - int(np.count_nonzero(t == ignore_index)) or 1
+            loss = _add_reduce(loss) * (1.0 / count)
+        elif reduction == "sum":
+            loss = _add_reduce(loss)
+        if not want:
+            return loss, None
+        hit, spread = 1.0 - label_smoothing, label_smoothing / c
+
+        def vjp(g: Array) -> Array:
+            w = np.ascontiguousarray(g / count, np.float32).reshape(-1)  # x / 1 is x
+            out = _outputs_apart(p, 1)[0].reshape(rows, c)
+            _rows_parallel(
+                kernels, "cross_entropy_backward", rows, c, p, t, ignore_index, w, hit, spread, out
+            )
+            return out
+
+        return loss, vjp
 
     def blockwise(self, kernel: Callable[[int, int], None], n: int, item_size: int) -> None:
         """Cache-sized blocks, one after the other on the calling thread.
