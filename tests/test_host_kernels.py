@@ -137,6 +137,53 @@ def test_cross_entropy_kernels_match_the_numpy_path(monkeypatch, reduction, smoo
         assert a.dtype == c.dtype == np.float32 and a.shape == c.shape
         np.testing.assert_allclose(a, c, rtol=2e-6, atol=2e-6)
     assert not fast[1][t == 5].any()  # an ignored position has no gradient
+    monkeypatch.setattr(nb._numba, "ENABLED", True)
+    rows = logits.reshape(-1, 33), t.reshape(-1)
+    assert NUMPY.cross_entropy_rows(*rows, 5, smoothing, True, reduction) is not None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_ignores_positions_whose_logits_are_not_finite(monkeypatch, reduction):
+    # An ignored position contributes nothing on either path: no NaN from its logits
+    # in the loss or in the gradient, and no NaN from a cotangent there.
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal((6, 9)).astype(np.float32)
+    logits[1, 2], logits[3] = np.nan, -np.inf
+    logits[4, 0] = np.inf
+    t = np.array([0, -100, 8, -100, -100, 2])
+    cot = np.float32([1, np.nan, 2, 3, 4, 5]) if reduction == "none" else None
+
+    def run():
+        s = EagerSession()
+        xr = s.leaf(logits)
+        with np.errstate(all="ignore"):  # NumPy's path meets the non-finite rows
+            y = T.cross_entropy(xr, t, reduction)
+            return [y.value, s.backward(y, seed=cot)[xr]]
+
+    for loss, grad in both_paths(monkeypatch, run):
+        assert np.isfinite(loss).all() and np.isfinite(grad).all()
+        assert not np.asarray(loss).reshape(-1)[[1, 3, 4] if reduction == "none" else []].any()
+        assert not grad[t == -100].any()
+        assert grad[[0, 2, 5]].any(axis=1).all()
+
+
+def test_cross_entropy_kernel_vjp_runs_twice_and_takes_a_wider_cotangent(fused):
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((5, 7)).astype(np.float32)
+    t = np.array([0, 6, 3, -100, 2])
+    s = EagerSession()
+    xr = s.leaf(logits)
+    y = T.cross_entropy(xr, t, reduction="none")
+    cot = rng.standard_normal(5)  # float64
+    first = s.backward(y, seed=cot, retain_graph=True)[xr]
+    again = s.backward(y, seed=cot)[xr]
+    np.testing.assert_array_equal(first, again)
+    assert first.dtype == np.float32
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p[np.arange(5), np.maximum(t, 0)] -= 1.0  # row 3, ignored, is zeroed below
+    want = np.where((t != -100)[:, None], p * cot[:, None], 0.0)
+    np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-6)
 
 
 def test_cross_entropy_kernel_special_rows_and_no_position_counted(fused):

@@ -217,6 +217,25 @@ def test_cross_entropy_and_its_backward(shape, smooth):
         assert not want[t == ignore].any()
 
 
+def test_a_zero_maximum_shifts_by_plus_zero_in_either():
+    # +0 and -0 in different lanes of a row: the kernel's lanes and NumPy's order would
+    # pick maxima of either sign; both shift by +0, so the targets' shifted logits match.
+    rows, n = 16, 19
+    x = np.full((rows, n), -1.0, np.float32)
+    for r in range(rows):
+        x[r, r % 8], x[r, r % 8 + 8] = (0.0, -0.0) if r % 2 else (-0.0, 0.0)
+    t = np.array([r % 8 + 8 * (r // 8) for r in range(rows)])
+    outs = []
+    for kernel in (hk.cross_entropy, ref.cross_entropy):
+        p, den, picked, total = np.zeros((rows, n), np.float32), *np.zeros((3, rows), np.float32)
+        kernel(x, t, -100, True, p, den, picked, total, 0, rows)
+        outs.append([p, den, picked, total])
+    for want, got in zip(*outs):
+        assert same_bits(got, want)
+    # x - (+0) keeps the sign of x: -0 at a target that is -0
+    assert np.array_equal(np.signbit(outs[0][2]), np.signbit(x[np.arange(rows), t]))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("eps", [1e-5, 0.1])
 def test_layer_norm_and_its_backward(shape, eps):

@@ -175,8 +175,28 @@ def _mismatched():
             out8,
         ),  # a target of 4 in rows of 4
         (
+            "cross_entropy",
+            lambda k: k.cross_entropy(rows, ids[:7], -1, False, out8, vec8, vec8, vec8, 0, 8),
+            out8,
+        ),
+        (
+            "cross_entropy",
+            lambda k: k.cross_entropy(rows, ids, -1, False, out8, vec8, vec8[:7], vec8, 0, 8),
+            out8,
+        ),
+        (
+            "cross_entropy",
+            lambda k: k.cross_entropy(rows, ids, -1, True, out8, vec8, vec8, vec8[:7], 0, 8),
+            out8,
+        ),
+        (
             "cross_entropy_backward",
             lambda k: k.cross_entropy_backward(rows, ids, -1, vec8[:3], 1.0, 0.0, out8, 0, 8),
+            out8,
+        ),
+        (
+            "cross_entropy_backward",
+            lambda k: k.cross_entropy_backward(rows, ids[:7], -1, vec8, 1.0, 0.0, out8, 0, 8),
             out8,
         ),
         (

@@ -254,6 +254,24 @@ def _fold_lanes(
     return join(left, join(join(lane[4], lane[5]), join(lane[6], lane[7])))
 
 
+@_inline
+def _row_shift(row: Any) -> Any:
+    """The softmax shift of a row: its largest element not NaN (``_row_max``), 0 for a
+    row of only ``-inf``, and +0 for a zero maximum, whose sign ``_row_max`` leaves to
+    the order of its lanes (``x + 0`` is ``x`` but for -0)."""
+    m = _row_max(row)
+    return _F(0.0) if m == -np.inf else m + _F(0.0)
+
+
+@_inline
+def _targets_fit(t: Any, ignore: int, n: int, lo: int, hi: int) -> bool:
+    """Whether each target of rows ``lo .. hi`` is ``ignore`` or lies in ``[0, n)``."""
+    for r in range(lo, hi):
+        if t[r] != ignore and not 0 <= t[r] < n:
+            return False
+    return True
+
+
 @_kernel
 def relu(x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     """``out = max(x, 0)`` on flat elements ``lo .. hi``, as ``np.maximum(x, 0)``.
@@ -476,16 +494,15 @@ def layer_norm_backward(
 def softmax(x: np.ndarray, lo: int, hi: int) -> None:
     """Rows ``lo .. hi`` of ``(rows, n)`` ``x`` replaced by their softmax.
 
-    Each row is shifted by its own maximum; a row of only ``-inf`` (a query that sees no
-    key) becomes zeros, a row with a NaN becomes NaN; the row sum is ``_sum``'s.
+    Each row is shifted by its own maximum (``_row_shift``); a row of only ``-inf`` (a
+    query that sees no key) becomes zeros, a row with a NaN becomes NaN; the row sum is ``_sum``'s.
     """
     n = x.shape[1]
     if not 0 <= lo <= hi <= x.shape[0]:
         raise ValueError("softmax: lo .. hi are not rows of x")
     for r in range(lo, hi):
         row = x[r]
-        m = _row_max(row)
-        m = _F(0.0) if m == -np.inf else m
+        m = _row_shift(row)
         for j in range(n):
             row[j] = exp_neg(row[j] - m)
         s = _sum(row)
@@ -525,7 +542,7 @@ def cross_entropy(
 ) -> None:
     """Rows ``lo .. hi`` of the ``(rows, n)`` logits ``x`` against the int64 targets ``t``.
 
-    Row ``r`` is shifted by its own maximum (as ``softmax``): ``picked[r]`` becomes its
+    Row ``r`` is shifted by its own maximum (``_row_shift``): ``picked[r]`` becomes its
     target's shifted logit, ``den[r]`` the sum of its shifted exponentials, ``p[r]``
     those exponentials over ``den[r]`` (NaN where that sum is 0, a row of only ``-inf``)
     and, with ``smooth``, ``total[r]`` the sum of its shifted logits. A row whose target
@@ -543,9 +560,8 @@ def cross_entropy(
         or not 0 <= lo <= hi <= rows
     ):
         raise ValueError("cross_entropy: operands of other sizes than x, or lo .. hi not rows")
-    for r in range(lo, hi):
-        if t[r] != ignore and not 0 <= t[r] < n:
-            raise ValueError("cross_entropy: a target outside [0, n) that is not ignore")
+    if not _targets_fit(t, ignore, n, lo, hi):
+        raise ValueError("cross_entropy: a target outside [0, n) that is not ignore")
     for r in range(lo, hi):
         xr, pr = x[r], p[r]  # row views: the inner loops index from 0
         k = t[r]
@@ -556,8 +572,7 @@ def cross_entropy(
             if smooth:
                 total[r] = _F(0.0)
             continue
-        m = _row_max(xr)
-        m = _F(0.0) if m == -np.inf else m
+        m = _row_shift(xr)
         picked[r] = xr[k] - m
         if smooth:  # the shifted logits first, for their sum
             for j in range(n):
@@ -590,8 +605,10 @@ def cross_entropy_backward(
     """Rows ``lo .. hi`` of the logits' gradient ``out`` from the softmax ``p`` of
     ``cross_entropy`` and the weight ``w[r]`` of each row (or ``w[0]`` of every row).
 
-    ``out[r] = p[r] * w[r] - w[r] * spread`` (no subtraction where ``spread`` is 0), and
-    ``w[r] * hit`` less at the row's target; 0 in a row whose target is ``ignore``.
+    ``out[r] = p[r] * w[r] - w[r] * spread`` (no subtraction where ``float32(spread)`` is
+    0), and ``w[r] * hit`` less at the row's target; 0 in a row whose target is
+    ``ignore``, whatever ``p`` holds there. A target that is neither ``ignore`` nor in
+    ``[0, n)`` raises before anything is written.
     """
     rows, n = p.shape
     if (
@@ -603,9 +620,8 @@ def cross_entropy_backward(
         raise ValueError(
             "cross_entropy_backward: operands of other sizes than p, or lo .. hi not rows"
         )
-    for r in range(lo, hi):
-        if t[r] != ignore and not 0 <= t[r] < n:
-            raise ValueError("cross_entropy_backward: a target outside [0, n) that is not ignore")
+    if not _targets_fit(t, ignore, n, lo, hi):
+        raise ValueError("cross_entropy_backward: a target outside [0, n) that is not ignore")
     f_hit, f_spread = _F(hit), _F(spread)
     for r in range(lo, hi):
         pr, orow = p[r], out[r]

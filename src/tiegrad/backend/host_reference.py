@@ -106,6 +106,13 @@ def _lanes(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))
 
 
+def _row_shift(rows: np.ndarray) -> np.ndarray:
+    """``host_kernels._row_shift`` of each row of the float32 ``(rows, n)`` array."""
+    m = np.fmax.reduce(rows, axis=1, initial=-np.inf)  # the largest element not NaN
+    m[m == -np.inf] = 0.0
+    return m + _F(0.0)
+
+
 @_quiet
 def relu(x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     """``host_kernels.relu``'s bits."""
@@ -225,9 +232,7 @@ def softmax(x: np.ndarray, lo: int, hi: int) -> None:
     step = max(1, _PIECE // max(1, x.shape[1]))
     for first in range(lo, hi, step):
         rows = x[first : min(hi, first + step)]
-        m = np.fmax.reduce(rows, axis=1, initial=-np.inf)  # the largest element not NaN
-        m[m == -np.inf] = 0.0
-        e = exp_neg(rows - m[:, None])
+        e = exp_neg(rows - _row_shift(rows)[:, None])
         s = _lanes(e)
         e *= (_F(1.0) / np.where(s != 0, s, _F(1.0)))[:, None]
         rows[...] = e
@@ -255,11 +260,27 @@ def cross_entropy(
     hi: int,
 ) -> None:
     """``host_kernels.cross_entropy``'s bits (its targets unchecked)."""
+    step = max(1, _PIECE // max(1, x.shape[1]))
+    for first in range(lo, hi, step):
+        _cross_entropy(x, t, ignore, smooth, p, den, picked, total, first, min(hi, first + step))
+
+
+def _cross_entropy(
+    x: np.ndarray,
+    t: np.ndarray,
+    ignore: int,
+    smooth: bool,
+    p: np.ndarray,
+    den: np.ndarray,
+    picked: np.ndarray,
+    total: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """``cross_entropy`` on one piece."""
     xr, tr = x[lo:hi], t[lo:hi]
     skip = tr == ignore
-    m = np.fmax.reduce(xr, axis=1, initial=-np.inf)  # the largest element not NaN
-    m[m == -np.inf] = 0.0
-    s = xr - m[:, None]
+    s = xr - _row_shift(xr)[:, None]
     if smooth:
         total[lo:hi] = np.where(skip, _F(0.0), _lanes(s))
     picked[lo:hi] = np.where(skip, _F(0.0), s[np.arange(hi - lo), np.where(skip, 0, tr)])

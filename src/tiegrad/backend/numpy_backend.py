@@ -299,7 +299,7 @@ class NumpyBackend(Backend):
             loss = (1.0 - label_smoothing) * loss - (label_smoothing / c) * total
         count = 1
         if reduction == "mean":
-            count = rows - int(np.count_nonzero(t == ignore_index)) or 1
+            count = rows - int(np.count_nonzero(t == ignore_index))
             loss = _add_reduce(loss) * (1.0 / count)
         elif reduction == "sum":
             loss = _add_reduce(loss)
@@ -308,7 +308,7 @@ class NumpyBackend(Backend):
         hit, spread = 1.0 - label_smoothing, label_smoothing / c
 
         def vjp(g: Array) -> Array:
-            w = np.ascontiguousarray(g / count, np.float32).reshape(-1)  # x / 1 is x
+            w = np.ascontiguousarray(g if count == 1 else g / count, np.float32).reshape(-1)
             out = _outputs_apart(p, 1)[0].reshape(rows, c)
             _rows_parallel(
                 kernels, "cross_entropy_backward", rows, c, p, t, ignore_index, w, hit, spread, out

@@ -33,7 +33,9 @@ def cross_entropy(
     """Cross-entropy of ``logits`` (..., C) against integer ``targets`` of shape (...).
 
     As ``torch.nn.functional.cross_entropy`` with the class axis last: a position whose
-    target is ``ignore_index`` contributes nothing; ``"mean"`` divides by the number of
+    target is ``ignore_index`` contributes nothing (loss and gradient 0 even where its
+    logits are not finite; on a torch device, PyTorch's fused kernels give such a
+    position PyTorch's NaN gradient); ``"mean"`` divides by the number of
     other positions (0 when there are none, where PyTorch gives NaN). With smoothing
     ``e`` the loss of a position is ``-(1 - e) * logp[t] - e / C * sum(logp)``. One node;
     the forward keeps the softmax and the VJP is ``(softmax - q) * weight`` with ``q``
@@ -97,8 +99,8 @@ def cross_entropy(
         total = bk.reshape(sum_last(bk, shifted), shape[:-1]) - c * log_den
         per = (1.0 - label_smoothing) * per - (label_smoothing / c) * total
     del shifted
-    if vmask is not None:
-        per = per * vmask
+    if vmask is not None:  # an ignored position is 0, even where its logits are not finite
+        per = bk.where(valid, per, 0.0)
     count = _count(bk, reduction, vmask, host_count)
     out = _reduce(bk, per, reduction, count)
     if want:
@@ -118,6 +120,8 @@ def cross_entropy(
             grad -= scale * (label_smoothing / c)
         # one target per row: an indexed update (no index repeats, nothing to accumulate)
         grad[bk.arange(rows, bk.int64), bk.reshape(flat_t, (rows,))] += w * -hit
+        if vmask is not None:  # no gradient at an ignored position, whatever its logits
+            grad = bk.where(bk.reshape(valid, (rows, 1)), grad, 0.0)
         return (bk.reshape(grad, shape),)
 
     return s._record(out, (logits.id,), vjp)
