@@ -1,8 +1,10 @@
 """Per-op cost of the tiegrad tape against raw NumPy and against PyTorch autograd.
 
-Run ``python benchmarks/tape_overhead.py``. On 64x64 float32 operands it times
+Run ``python -m benchmarks.tape_overhead``. On 64x64 float32 operands it times
 ``add``, ``mul`` and ``matmul`` (record + forward) and a 10-op chain with its
-backward, and prints a table of microseconds per op with the ratios. The goal
+backward, and on ``--logits`` (default W2's 128 x 10) a mean cross-entropy with its
+backward, and prints a table of microseconds per op (per call for the cross-entropy)
+with the ratios. The goal
 (issue 2): tiegrad's per-op time is at most PyTorch's with autograd recording
 (inputs with ``requires_grad``).
 
@@ -37,6 +39,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="BLAS / OpenMP / torch threads")
     p.add_argument("--size", type=int, default=64, help="operands are size x size")
     p.add_argument("--device", default=None, help="tiegrad's device (torch:cpu, cuda)")
+    p.add_argument("--logits", default="128,10", help="rows,classes of the cross-entropy's logits")
     return p.parse_args()
 
 
@@ -51,6 +54,7 @@ from tiegrad import EagerSession  # noqa: E402
 
 try:
     import torch
+    import torch.nn.functional as F
 
     torch.set_num_threads(ARGS.threads)
 except ImportError:
@@ -202,6 +206,51 @@ def bench_chain(x, w1, w2, bias) -> list[float]:
     return interleaved_medians(sides, ARGS.block * CHAIN_OPS)
 
 
+def numpy_cross_entropy(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """The mean cross-entropy of the rows of ``x`` and its gradient, by hand in NumPy."""
+    rows = np.arange(len(t))
+    shifted = x - x.max(axis=1, keepdims=True)
+    e = np.exp(shifted)
+    den = e.sum(axis=1, keepdims=True)
+    (np.log(den[:, 0]) - shifted[rows, t]).mean()
+    g = e / den
+    g[rows, t] -= 1.0
+    return g / len(t)
+
+
+def tiegrad_cross_entropy(s: EagerSession, x, t: np.ndarray):
+    """The mean cross-entropy recorded on ``s`` (reset first), then its backward."""
+    s.reset()
+    xr = s.leaf(x)
+    return s.backward(T.cross_entropy(xr, t))[xr]
+
+
+def torch_cross_entropy(tx, tt):
+    """``F.cross_entropy`` and its backward; the gradient (cleared for the next call)."""
+    F.cross_entropy(tx, tt).backward()
+    g, tx.grad = tx.grad, None
+    return g
+
+
+def bench_cross_entropy(x: np.ndarray, t: np.ndarray) -> list[float]:
+    """Seconds per call of a mean cross-entropy with its backward: [numpy, tiegrad, torch]."""
+    s = _session()
+    ours_in = _operand(s, x)
+    reference = numpy_cross_entropy(x, t)
+    tol = {"rtol": 1e-4, "atol": 1e-6}
+    np.testing.assert_allclose(_host(tiegrad_cross_entropy(s, ours_in, t)), reference, **tol)
+    sides: list[Side] = [
+        (lambda: numpy_cross_entropy(x, t), None),
+        (lambda: tiegrad_cross_entropy(s, ours_in, t), None),
+    ]
+    if torch is not None:
+        tx = torch.tensor(x, requires_grad=True, device=_torch_device())
+        tt = torch.tensor(t, device=_torch_device())
+        np.testing.assert_allclose(_host(torch_cross_entropy(tx, tt)), reference, **tol)
+        sides.append((lambda: torch_cross_entropy(tx, tt), None))
+    return interleaved_medians(sides, ARGS.block)
+
+
 def main() -> int:
     n = ARGS.size
     rng = np.random.default_rng(0)
@@ -212,6 +261,10 @@ def main() -> int:
     w2 = (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32)
     rows = [(name, bench_single(name, a, b)) for name in ("add", "mul", "matmul")]
     rows.append((f"chain{CHAIN_OPS}+bwd", bench_chain(a, w1, w2, bias)))
+    n_rows, classes = (int(k) for k in ARGS.logits.split(","))
+    logits = (rng.standard_normal((n_rows, classes)) * 3).astype(np.float32)
+    targets = rng.integers(0, classes, n_rows)
+    rows.append(("xent+bwd", bench_cross_entropy(logits, targets)))
     torch_name = f"torch {torch.__version__}" if torch is not None else "torch not installed"
     print(
         f"tape overhead: {n}x{n} float32, median of {ARGS.repeats} interleaved blocks of "
@@ -233,6 +286,7 @@ def main() -> int:
         if t_th is not None:
             worst = max(worst, t_tg / t_th)
     print("chain: per op, forward + backward; numpy = forward + hand-written backward")
+    print(f"xent+bwd: per call, mean cross-entropy of {n_rows}x{classes} logits + backward")
     if torch is not None:
         verdict = "met" if worst <= 1.0 else "NOT met"
         print(f"goal tiegrad <= torch per op: {verdict} (worst ratio {worst:.2f})")
