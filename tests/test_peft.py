@@ -72,6 +72,17 @@ def torch_logits(model, x) -> np.ndarray:
         return model(torch.tensor(x)).logits.numpy()
 
 
+def randomize_and_save(pm, folder):
+    """PEFT model ``pm``'s adapter factors drawn at random, then saved by PEFT to ``folder``."""
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # save_embedding_layers notice
+        pm.save_pretrained(folder)
+
+
 def randomize_adapters(model, seed=1, scale=0.3):
     rng = np.random.default_rng(seed)
     for path, p in model.named_parameters():
@@ -109,7 +120,15 @@ def test_peft_loads_what_tiegrad_saves(base, tmp_path, targets, share_tied):
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["target_modules"] == written and config["r"] == 4
     assert config["fan_in_fan_out"] == (targets[0] == "c_attn")
-    pm = peft.PeftModel.from_pretrained(hf_base(base), tmp_path)
+    assert config["ensure_weight_tying"] is share_tied
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = peft.PeftModel.from_pretrained(hf_base(base), tmp_path)
+    if share_tied:  # PEFT ties the head's adapter to the embedding's: one adapter, as ours
+        assert not [w for w in caught if "ensure_weight_tying" in str(w.message)]
+        head, wte = pm.base_model.model.lm_head, pm.base_model.model.transformer.wte
+        tied = wte.lora_embedding_B["default"].data_ptr()
+        assert head.lora_A["default"].weight.data_ptr() == tied
     x = ids()
     np.testing.assert_allclose(logits(model, x), torch_logits(pm, x), rtol=0, atol=1e-5)
     again = GPT2.from_pretrained(base)
@@ -128,13 +147,7 @@ def test_peft_loads_what_tiegrad_saves(base, tmp_path, targets, share_tied):
 )
 def test_tiegrad_loads_what_peft_saves(base, tmp_path, targets, extra):
     pm = peft_model(base, targets, **extra)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # save_embedding_layers notice
-        pm.save_pretrained(tmp_path)
+    randomize_and_save(pm, tmp_path)
     model = GPT2.from_pretrained(base)
     paths = load_adapter(model, tmp_path, name="trained")
     assert adapter_names(model) == ["trained"] and paths
@@ -142,6 +155,41 @@ def test_tiegrad_loads_what_peft_saves(base, tmp_path, targets, extra):
     np.testing.assert_allclose(logits(model, x), torch_logits(pm, x), rtol=0, atol=1e-5)
     if "rank_pattern" in extra:
         assert model.transformer.h[1].attn.c_attn.lora.trained.rank == 2
+
+
+def test_tiegrad_loads_a_tied_adapter_peft_saves_as_one_shared_adapter(base, tmp_path):
+    # PEFT with ensure_weight_tying adapts the embedding, ties the head's adapter to it,
+    # names only the embedding among target_modules and writes both uses' factors.
+    pm = peft_model(base, ["lm_head"], ensure_weight_tying=True)
+    randomize_and_save(pm, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["ensure_weight_tying"] and "lm_head" not in config["target_modules"]
+    model = GPT2.from_pretrained(base)
+    assert load_adapter(model, tmp_path) == [WTE, HEAD]
+    assert model.aliases()["transformer.wte.lora.default.A"] == ["lm_head.lora.default.A"]
+    np.testing.assert_allclose(logits(model, ids()), torch_logits(pm, ids()), rtol=0, atol=1e-5)
+    _edit_config(tmp_path, ensure_weight_tying=False)  # the head's factors: no target now
+    with pytest.raises(CheckpointError, match="'lm_head', not a target_module"):
+        load_adapter(GPT2.from_pretrained(base), tmp_path)
+
+
+def test_tied_uses_whose_factors_differ_or_a_bad_tying_flag_are_refused(base, tmp_path):
+    model = GPT2.from_pretrained(base)
+    add_lora(model, "lm_head", share_tied=True)
+    randomize_adapters(model)
+    save_adapter(model, tmp_path)
+    path = os.fspath(tmp_path / "adapter_model.safetensors")
+    file = read_safetensors(path)
+    tensors = {k: file.array(k) for k in file.tensors}
+    tensors[f"{PEFT_HEAD}.lora_A.weight"] = tensors[f"{PEFT_HEAD}.lora_A.weight"] * 2
+    write_safetensors(path, tensors, {"format": "pt"})  # as PEFT writes: no tiegrad.shared
+    again = GPT2.from_pretrained(base)
+    with pytest.raises(CheckpointError, match="ensure_weight_tying groups .* not one adapter's"):
+        load_adapter(again, tmp_path)
+    _edit_config(tmp_path, ensure_weight_tying="yes")
+    with pytest.raises(CheckpointError, match="ensure_weight_tying must be true or false"):
+        load_adapter(again, tmp_path)
+    assert adapter_names(again) == [] and again.aliases() == {WTE: [HEAD]}  # C6
 
 
 LAYER_1 = "base_model.model.transformer.h.1.attn.c_attn"

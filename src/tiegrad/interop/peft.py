@@ -14,7 +14,12 @@ computes what the tiegrad model computes.
 
 An adapter shared by tied uses (``share_tied``) is written once per use, the transposed
 factors under the other use's names, which is how PEFT's models hold it; the metadata
-key ``tiegrad.shared`` lists the groups, so that ``load_adapter`` shares it again.
+key ``tiegrad.shared`` lists the groups, so that ``load_adapter`` shares it again, and
+the configuration sets ``ensure_weight_tying``, so that PEFT ties the uses' adapters
+too (one adapter, as in tiegrad) instead of loading two equal ones. A file PEFT saved
+with ``ensure_weight_tying`` (which names only the embedding among ``target_modules``
+and holds the factors of both uses) loads as one shared adapter: the uses of one
+storage in the model whose factors it holds share them, which must be one adapter's.
 
 ``load_adapter`` checks everything before it changes anything (C6): the configuration
 (a LoRA computing nothing tiegrad does not: no DoRA, rsLoRA, trained bias,
@@ -160,6 +165,7 @@ def save_adapter(
         "use_rslora": False,
     }
     shared = [paths for paths in groups.values() if len(paths) > 1]
+    config["ensure_weight_tying"] = bool(shared)
     metadata = {"format": "pt"} | ({SHARED: json.dumps(shared)} if shared else {})
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
@@ -185,6 +191,11 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
         value = config.get(key)
         if value not in (None, False) and value != [] and value != {}:
             raise CheckpointError(f"{path}: {key}={value!r:.80} is not supported by tiegrad")
+    if not isinstance(config.get("ensure_weight_tying", False), bool):
+        raise CheckpointError(
+            f"{path}: ensure_weight_tying must be true or false, got "
+            f"{config['ensure_weight_tying']!r:.80}"
+        )
     if config.get("bias", "none") != "none":
         raise CheckpointError(f"{path}: bias={config['bias']!r} is not supported (only 'none')")
     targets = config.get("target_modules")
@@ -237,7 +248,7 @@ def load_adapter(
                 f"{where}: target module {target!r} names no adaptable layer of {model.label()}"
             )
     factors = _read_factors(file, config, layers, model)
-    groups = _shared_groups(file, factors, layers)
+    groups = _shared_groups(file, factors, layers, config.get("ensure_weight_tying", False))
     dropout = float(config.get("lora_dropout", 0.0))
     specs = []
     for group in groups:
@@ -279,7 +290,7 @@ def _read_factors(
                 f"{where}: tensor {key!r} is a factor of an {'' if embedding else 'non-'}"
                 f"embedding, but {path!r} is a {type(layer.module).__name__}"
             )
-        if not any(matches(t, path) for t in config["target_modules"]):
+        if not _targeted(config, layers, path):
             raise CheckpointError(f"{where}: tensor {key!r} names {path!r}, not a target_module")
         found.setdefault(path, {})[factor] = key
     out = {}
@@ -306,6 +317,20 @@ def _read_factors(
     return out
 
 
+def _targeted(config: dict[str, Any], layers: dict[str, Layer], path: str) -> bool:
+    """Whether the module at ``path`` is among ``target_modules``, or, with
+    ``ensure_weight_tying``, its weight is one storage with a target's (PEFT adapts the
+    uses tied to a target and names only the target)."""
+    targets = config["target_modules"]
+    if any(matches(t, path) for t in targets):
+        return True
+    storage = layers[path].module.weight.storage
+    return config.get("ensure_weight_tying", False) and any(
+        layer.module.weight.storage is storage and any(matches(t, p) for t in targets)
+        for p, layer in layers.items()
+    )
+
+
 def _check_base(file: SafetensorsFile, key: str, path: str, layers: dict[str, Layer]) -> None:
     """A base weight in the file must be the model's own (PEFT writes it with embeddings)."""
     layer = layers.get(path)
@@ -324,14 +349,24 @@ def _check_base(file: SafetensorsFile, key: str, path: str, layers: dict[str, La
 
 
 def _shared_groups(
-    file: SafetensorsFile, factors: dict[str, tuple[np.ndarray, np.ndarray]], layers: dict
+    file: SafetensorsFile,
+    factors: dict[str, tuple[np.ndarray, np.ndarray]],
+    layers: dict,
+    tied: bool,
 ) -> list[list[str]]:
-    """The module paths that share one adapter (from ``tiegrad.shared``), singletons
-    for the others, in slot order; the factors of a group must be one adapter's."""
+    """The module paths that share one adapter, singletons for the others, in slot order:
+    the groups of ``tiegrad.shared``, else with ``tied`` (``ensure_weight_tying``) the
+    paths whose weights are one storage in the model. The factors of a group must be
+    one adapter's."""
     where = file.path
     raw = file.metadata.get(SHARED)
     shared: list[list[str]] = []
-    if raw is not None:
+    if raw is None and tied:
+        by_storage: dict[int, list[str]] = {}
+        for p in factors:
+            by_storage.setdefault(id(layers[p].module.weight.storage), []).append(p)
+        shared = [g for g in by_storage.values() if len(g) > 1]
+    elif raw is not None:
         try:
             shared = json.loads(raw)
         except ValueError:
@@ -357,8 +392,9 @@ def _shared_groups(
             same = layout_of(layer.module) == layout_of(owner.module)
             expected = (a, b) if same else (b.T, a.T)
             if not all(np.array_equal(x, y) for x, y in zip(factors[path], expected)):
+                why = SHARED if raw is not None else "ensure_weight_tying"
                 raise CheckpointError(
-                    f"{where}: {SHARED} groups {group[0]!r} and {path!r}, whose factors "
+                    f"{where}: {why} groups {group[0]!r} and {path!r}, whose factors "
                     "are not one adapter's"
                 )
     return out
