@@ -26,6 +26,7 @@ from tiegrad.adapters import adapter_names, add_lora, merge, unload  # noqa: E40
 from tiegrad.checkpoint.fileio import read_safetensors, write_safetensors  # noqa: E402
 from tiegrad.interop.peft import load_adapter, save_adapter  # noqa: E402
 from tiegrad.models import GPT2  # noqa: E402
+from tiegrad.nn.tying import untie  # noqa: E402
 from tiegrad.optim import AdamW  # noqa: E402
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64)
@@ -173,36 +174,82 @@ def test_tiegrad_loads_a_tied_adapter_peft_saves_as_one_shared_adapter(base, tmp
         load_adapter(GPT2.from_pretrained(base), tmp_path)
 
 
+def _slots(model):
+    """Every slot's path, value, trainability and storage identity, and the ties."""
+    slots = [(k, p.value.copy(), p.requires_grad, id(p.storage)) for k, p in model.named_slots()]
+    return slots, model.aliases(), adapter_names(model)
+
+
+def _same_model(a, b):
+    (slots_a, *rest_a), (slots_b, *rest_b) = a, b
+    assert rest_a == rest_b and len(slots_a) == len(slots_b)
+    for (k, v, rg, st), (k2, v2, rg2, st2) in zip(slots_a, slots_b):
+        assert (k, rg, st) == (k2, rg2, st2) and np.array_equal(v, v2)
+
+
+def _peft_tied_file(base, folder, **extra):
+    """What PEFT saves for an adapter of the tied head with ensure_weight_tying."""
+    randomize_and_save(peft_model(base, ["lm_head"], ensure_weight_tying=True, **extra), folder)
+
+
+def _refused(base, folder, match, model=None):
+    """``load_adapter`` of ``folder`` raises ``match`` and changes nothing (C6)."""
+    model = GPT2.from_pretrained(base) if model is None else model
+    before = _slots(model)
+    with pytest.raises(CheckpointError, match=match):
+        load_adapter(model, folder)
+    _same_model(_slots(model), before)
+
+
 def test_tied_uses_whose_factors_differ_or_a_bad_tying_flag_are_refused(base, tmp_path):
     model = GPT2.from_pretrained(base)
     add_lora(model, "lm_head", share_tied=True)
     randomize_adapters(model)
     save_adapter(model, tmp_path)
-    path = os.fspath(tmp_path / "adapter_model.safetensors")
-    file = read_safetensors(path)
-    tensors = {k: file.array(k) for k in file.tensors}
-    tensors[f"{PEFT_HEAD}.lora_A.weight"] = tensors[f"{PEFT_HEAD}.lora_A.weight"] * 2
-    write_safetensors(path, tensors, {"format": "pt"})  # as PEFT writes: no tiegrad.shared
-    again = GPT2.from_pretrained(base)
-    with pytest.raises(CheckpointError, match="ensure_weight_tying groups .* not one adapter's"):
-        load_adapter(again, tmp_path)
+    head_a = f"{PEFT_HEAD}.lora_A.weight"
+    # as PEFT writes it, without tiegrad.shared
+    _edit_tensors(tmp_path, lambda t: t.update({head_a: t[head_a] * 2}), {"format": "pt"})
+    _refused(base, tmp_path, "ensure_weight_tying groups .* not one adapter's")
     _edit_config(tmp_path, ensure_weight_tying="yes")
-    with pytest.raises(CheckpointError, match="ensure_weight_tying must be true or false"):
-        load_adapter(again, tmp_path)
-    assert adapter_names(again) == [] and again.aliases() == {WTE: [HEAD]}  # C6
+    _refused(base, tmp_path, "ensure_weight_tying must be true or false")
+
+
+def test_a_tied_file_whose_uses_differ_in_alpha_or_miss_factors_is_refused(base, tmp_path):
+    _peft_tied_file(base, tmp_path, alpha_pattern={"lm_head": 3})  # PEFT scales them apart
+    _refused(base, tmp_path, "'transformer.wte' and 'lm_head' share one adapter, but alpha")
+    _peft_tied_file(base, tmp_path)
+    _edit_tensors(tmp_path, lambda t: [t.pop(k) for k in list(t) if k.startswith(PEFT_HEAD)])
+    _refused(base, tmp_path, "ties 'lm_head' to 'transformer.wte' .* no factors of 'lm_head'")
+
+
+def test_a_tied_file_meets_an_untied_model_or_disagreeing_metadata(base, tmp_path):
+    _peft_tied_file(base, tmp_path)
+    untied = GPT2.from_pretrained(base)
+    untie(untied, HEAD)
+    _refused(base, tmp_path, "'lm_head', not a target_module nor one storage with one", untied)
+    model = GPT2.from_pretrained(base)
+    add_lora(model, "lm_head", share_tied=True)
+    save_adapter(model, tmp_path)
+    _edit_tensors(tmp_path, lambda t: None, {"format": "pt", "tiegrad.shared": "[]"})  # no group
+    _refused(base, tmp_path, "metadata tiegrad.shared groups \\[\\], but ensure_weight_tying ties")
+    _edit_config(tmp_path, ensure_weight_tying=None)  # null: false; the metadata alone
+    again = GPT2.from_pretrained(base)
+    assert load_adapter(again, tmp_path) == [WTE, HEAD]
+    assert again.aliases() == {WTE: [HEAD]}  # two adapters, as the metadata says
 
 
 LAYER_1 = "base_model.model.transformer.h.1.attn.c_attn"
 PEFT_HEAD = "base_model.model.lm_head"
 
 
-def _edit_tensors(folder, edit):
-    """Rewrite the adapter file with ``edit`` applied to its ``{name: array}``."""
+def _edit_tensors(folder, edit, metadata=None):
+    """Rewrite the adapter file with ``edit`` applied to its ``{name: array}`` (and
+    ``metadata`` instead of its own, if given)."""
     path = os.fspath(folder / "adapter_model.safetensors")
     file = read_safetensors(path)
     tensors = {k: file.array(k) for k in file.tensors}
     edit(tensors)
-    write_safetensors(path, tensors, file.metadata)
+    write_safetensors(path, tensors, file.metadata if metadata is None else metadata)
 
 
 def test_a_base_weight_in_the_file_equal_to_the_models_is_accepted(base, tmp_path):

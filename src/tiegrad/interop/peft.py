@@ -17,17 +17,22 @@ factors under the other use's names, which is how PEFT's models hold it; the met
 key ``tiegrad.shared`` lists the groups, so that ``load_adapter`` shares it again, and
 the configuration sets ``ensure_weight_tying``, so that PEFT ties the uses' adapters
 too (one adapter, as in tiegrad) instead of loading two equal ones. A file PEFT saved
-with ``ensure_weight_tying`` (which names only the embedding among ``target_modules``
-and holds the factors of both uses) loads as one shared adapter: the uses of one
-storage in the model whose factors it holds share them, which must be one adapter's.
+with ``ensure_weight_tying`` names only the embedding among ``target_modules`` and holds
+the factors of both uses; it loads as the model that saved it computed: one adapter
+shared by every adaptable use of a targeted storage (PEFT 0.21's own reload of such a
+GPT-2 file adapts the embedding alone, as ``wte`` is not among its embedding names).
 
 ``load_adapter`` checks everything before it changes anything (C6): the configuration
 (a LoRA computing nothing tiegrad does not: no DoRA, rsLoRA, trained bias,
 ``modules_to_save``, ...), every tensor name (a module path of an adaptable layer
-among ``target_modules``, both factors present), every shape against the model's
-weight, the rank against the configuration; a ``base_layer.weight`` (which PEFT writes
-with an embedding target) must equal the model's weight. The first mismatch is a
-``CheckpointError`` naming the file and the tensor, the expected and the actual value.
+among ``target_modules``, or with ``ensure_weight_tying`` one storage with such a
+layer's weight; both factors present), every shape against the model's weight, the
+rank against the configuration; a ``base_layer.weight`` (which PEFT writes with an
+embedding target) must equal the model's weight; the uses sharing an adapter must hold
+one adapter's factors and alpha, and with ``ensure_weight_tying`` every adaptable use of
+a targeted storage must have its factors in the file (and ``tiegrad.shared``, where
+present, must group the same uses). The first mismatch is a ``CheckpointError`` naming
+the file and the tensor, the expected and the actual value.
 """
 
 from __future__ import annotations
@@ -191,11 +196,12 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
         value = config.get(key)
         if value not in (None, False) and value != [] and value != {}:
             raise CheckpointError(f"{path}: {key}={value!r:.80} is not supported by tiegrad")
-    if not isinstance(config.get("ensure_weight_tying", False), bool):
+    tying = config.get("ensure_weight_tying")
+    if tying not in (None, False, True):
         raise CheckpointError(
-            f"{path}: ensure_weight_tying must be true or false, got "
-            f"{config['ensure_weight_tying']!r:.80}"
+            f"{path}: ensure_weight_tying must be true or false, got {tying!r:.80}"
         )
+    config["ensure_weight_tying"] = bool(tying)  # unset (null) is false, as in PEFT
     if config.get("bias", "none") != "none":
         raise CheckpointError(f"{path}: bias={config['bias']!r} is not supported (only 'none')")
     targets = config.get("target_modules")
@@ -248,12 +254,18 @@ def load_adapter(
                 f"{where}: target module {target!r} names no adaptable layer of {model.label()}"
             )
     factors = _read_factors(file, config, layers, model)
-    groups = _shared_groups(file, factors, layers, config.get("ensure_weight_tying", False))
+    groups = _shared_groups(file, factors, layers, config)
     dropout = float(config.get("lora_dropout", 0.0))
     specs = []
     for group in groups:
         a, b = factors[group[0]]
-        alpha = float(_pattern_value(config, "alpha_pattern", "lora_alpha", group[0]))
+        alphas = {p: _pattern_value(config, "alpha_pattern", "lora_alpha", p) for p in group}
+        if len(set(alphas.values())) > 1:
+            raise CheckpointError(
+                f"{where}: {' and '.join(map(repr, group))} share one adapter, but "
+                f"alpha_pattern gives them alphas {list(alphas.values())} (one adapter has one)"
+            )
+        alpha = float(alphas[group[0]])
         specs.append(AdapterSpec(tuple(layers[p] for p in group), a, b, alpha, dropout))
     return attach(model, name, specs)
 
@@ -291,7 +303,12 @@ def _read_factors(
                 f"embedding, but {path!r} is a {type(layer.module).__name__}"
             )
         if not _targeted(config, layers, path):
-            raise CheckpointError(f"{where}: tensor {key!r} names {path!r}, not a target_module")
+            tied = (
+                " nor one storage with one in this model" if config["ensure_weight_tying"] else ""
+            )
+            raise CheckpointError(
+                f"{where}: tensor {key!r} names {path!r}, not a target_module{tied}"
+            )
         found.setdefault(path, {})[factor] = key
     out = {}
     for path in (p for p in layers if p in found):
@@ -325,7 +342,7 @@ def _targeted(config: dict[str, Any], layers: dict[str, Layer], path: str) -> bo
     if any(matches(t, path) for t in targets):
         return True
     storage = layers[path].module.weight.storage
-    return config.get("ensure_weight_tying", False) and any(
+    return config["ensure_weight_tying"] and any(
         layer.module.weight.storage is storage and any(matches(t, p) for t in targets)
         for p, layer in layers.items()
     )
@@ -351,22 +368,17 @@ def _check_base(file: SafetensorsFile, key: str, path: str, layers: dict[str, La
 def _shared_groups(
     file: SafetensorsFile,
     factors: dict[str, tuple[np.ndarray, np.ndarray]],
-    layers: dict,
-    tied: bool,
+    layers: dict[str, Layer],
+    config: dict[str, Any],
 ) -> list[list[str]]:
     """The module paths that share one adapter, singletons for the others, in slot order:
-    the groups of ``tiegrad.shared``, else with ``tied`` (``ensure_weight_tying``) the
-    paths whose weights are one storage in the model. The factors of a group must be
-    one adapter's."""
+    the groups of ``tiegrad.shared``, and with ``ensure_weight_tying`` the adaptable uses
+    of each targeted storage, all of which must be in ``factors`` (the two must agree
+    where both are given). The factors of a group must be one adapter's."""
     where = file.path
     raw = file.metadata.get(SHARED)
     shared: list[list[str]] = []
-    if raw is None and tied:
-        by_storage: dict[int, list[str]] = {}
-        for p in factors:
-            by_storage.setdefault(id(layers[p].module.weight.storage), []).append(p)
-        shared = [g for g in by_storage.values() if len(g) > 1]
-    elif raw is not None:
+    if raw is not None:
         try:
             shared = json.loads(raw)
         except ValueError:
@@ -375,6 +387,13 @@ def _shared_groups(
             isinstance(g, list) and len(g) > 1 and all(p in factors for p in g) for g in shared
         ):
             raise CheckpointError(f"{where}: metadata {SHARED} must list groups of its modules")
+    if config["ensure_weight_tying"]:
+        tied = _tied_groups(where, factors, layers)
+        if raw is not None and sorted(map(sorted, shared)) != sorted(map(sorted, tied)):
+            raise CheckpointError(
+                f"{where}: metadata {SHARED} groups {shared}, but ensure_weight_tying ties {tied}"
+            )
+        shared = tied
     grouped = {p for g in shared for p in g}
     groups = {g[0]: [p for p in factors if p in g] for g in shared}
     groups.update({p: [p] for p in factors if p not in grouped})
@@ -392,9 +411,33 @@ def _shared_groups(
             same = layout_of(layer.module) == layout_of(owner.module)
             expected = (a, b) if same else (b.T, a.T)
             if not all(np.array_equal(x, y) for x, y in zip(factors[path], expected)):
-                why = SHARED if raw is not None else "ensure_weight_tying"
+                why = "ensure_weight_tying" if config["ensure_weight_tying"] else SHARED
                 raise CheckpointError(
                     f"{where}: {why} groups {group[0]!r} and {path!r}, whose factors "
                     "are not one adapter's"
                 )
+    return out
+
+
+def _tied_groups(
+    where: str, factors: dict[str, tuple[np.ndarray, np.ndarray]], layers: dict[str, Layer]
+) -> list[list[str]]:
+    """With ``ensure_weight_tying``: the adaptable uses of each storage that ``factors``
+    adapts at more than one use, in slot order; each such use must have its factors."""
+    groups: dict[int, list[str]] = {}
+    for p, layer in layers.items():
+        if p == layer.paths[0]:  # a layer once, however many paths reach it
+            groups.setdefault(id(layer.module.weight.storage), []).append(p)
+    out = []
+    for paths in groups.values():
+        held = [p for p in paths if p in factors]
+        if len(paths) < 2 or not held:
+            continue
+        missing = [p for p in paths if p not in factors]
+        if missing:
+            raise CheckpointError(
+                f"{where}: ensure_weight_tying ties {missing[0]!r} to {held[0]!r} (one storage "
+                f"in the model), but the file holds no factors of {missing[0]!r}"
+            )
+        out.append(paths)
     return out
