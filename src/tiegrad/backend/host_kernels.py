@@ -495,7 +495,8 @@ def softmax(x: np.ndarray, lo: int, hi: int) -> None:
     """Rows ``lo .. hi`` of ``(rows, n)`` ``x`` replaced by their softmax.
 
     Each row is shifted by its own maximum (``_row_shift``); a row of only ``-inf`` (a
-    query that sees no key) becomes zeros, a row with a NaN becomes NaN; the row sum is ``_sum``'s.
+    query that sees no key) becomes zeros, a row with a NaN becomes NaN; the row sum is
+    ``_sum``'s.
     """
     n = x.shape[1]
     if not 0 <= lo <= hi <= x.shape[0]:
