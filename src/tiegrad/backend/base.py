@@ -20,6 +20,15 @@ DType = Any
 Shape = tuple[int, ...]
 
 
+def smoothed_loss(nll: Any, shifted_sum: Any, log_den: Any, classes: int, e: float) -> Any:
+    """The cross-entropy of rows under label smoothing ``e``, from each row's loss without
+    it (``nll = log(den) - shifted[t]``), the sum of its shifted logits and ``log(den)``:
+    ``(1 - e) * nll - e / C * (shifted_sum - C * log(den))``, which is
+    ``-(1 - e) * logp[t] - e / C * sum(logp)``. One order of operations for every route."""
+    total = shifted_sum - classes * log_den
+    return (1.0 - e) * nll - (e / classes) * total
+
+
 def scale_into(product: Any, scale: float, out: Any = None) -> Any:
     """``scale * product`` as a new array, or assigned into ``out`` and ``out`` returned.
 
@@ -227,6 +236,7 @@ class Backend:
         label_smoothing: float,
         want: bool,
         reduction: str = "none",
+        count: int | None = None,
     ) -> tuple[Array, Any] | None:
         """Cross-entropy of the rows of 2-D ``logits`` against 1-D integer ``targets`` by the
         backend's own fused kernel: ``(loss, vjp)`` with ``vjp(g) -> gradient of logits``
@@ -235,8 +245,10 @@ class Backend:
 
         As ``ops.cross_entropy`` with ``reduction``: a row whose target is ``ignore_index``
         has loss and gradient 0; ``"none"`` gives the per-row losses, ``"sum"`` their sum,
-        ``"mean"`` their sum over the number of rows not ignored (callers ask for it only
-        when that number is known to be positive). Targets are already range-checked.
+        ``"mean"`` their sum over the number of rows not ignored. ``count`` is that number
+        where the caller counted it on the host; callers ask for ``"mean"`` only with a
+        positive ``count``, which a backend may use instead of counting. Targets are
+        already range-checked.
         """
         return None
 

@@ -19,7 +19,7 @@ to ``np.errstate``; unlike them, they leave the checking of sizes to NumPy.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -106,6 +106,13 @@ def _lanes(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))
 
 
+def _pieces(lo: int, hi: int, row_size: int) -> Iterator[tuple[int, int]]:
+    """Rows ``lo .. hi`` (of ``row_size`` elements each) as ranges of at most ``_PIECE``
+    elements, at least one row: a stand-in's float64 temporaries stay in cache."""
+    step = max(1, _PIECE // max(1, row_size))
+    return ((first, min(hi, first + step)) for first in range(lo, hi, step))
+
+
 def _row_shift(rows: np.ndarray) -> np.ndarray:
     """``host_kernels._row_shift`` of each row of the float32 ``(rows, n)`` array."""
     m = np.fmax.reduce(rows, axis=1, initial=-np.inf)  # the largest element not NaN
@@ -152,8 +159,8 @@ def index_add_rows(out: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None
 @_quiet
 def gelu(x: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
     """``host_kernels.gelu``'s bits."""
-    for first in range(lo, hi, _PIECE):
-        _gelu(x, y, d, first, min(hi, first + _PIECE))
+    for first, last in _pieces(lo, hi, 1):
+        _gelu(x, y, d, first, last)
 
 
 def _gelu(x: np.ndarray, y: np.ndarray, d: np.ndarray, lo: int, hi: int) -> None:
@@ -229,9 +236,8 @@ def layer_norm_backward(
 @_quiet
 def softmax(x: np.ndarray, lo: int, hi: int) -> None:
     """``host_kernels.softmax``'s bits."""
-    step = max(1, _PIECE // max(1, x.shape[1]))
-    for first in range(lo, hi, step):
-        rows = x[first : min(hi, first + step)]
+    for first, last in _pieces(lo, hi, x.shape[1]):
+        rows = x[first:last]
         e = exp_neg(rows - _row_shift(rows)[:, None])
         s = _lanes(e)
         e *= (_F(1.0) / np.where(s != 0, s, _F(1.0)))[:, None]
@@ -260,36 +266,20 @@ def cross_entropy(
     hi: int,
 ) -> None:
     """``host_kernels.cross_entropy``'s bits (its targets unchecked)."""
-    step = max(1, _PIECE // max(1, x.shape[1]))
-    for first in range(lo, hi, step):
-        _cross_entropy(x, t, ignore, smooth, p, den, picked, total, first, min(hi, first + step))
-
-
-def _cross_entropy(
-    x: np.ndarray,
-    t: np.ndarray,
-    ignore: int,
-    smooth: bool,
-    p: np.ndarray,
-    den: np.ndarray,
-    picked: np.ndarray,
-    total: np.ndarray,
-    lo: int,
-    hi: int,
-) -> None:
-    """``cross_entropy`` on one piece."""
-    xr, tr = x[lo:hi], t[lo:hi]
-    skip = tr == ignore
-    s = xr - _row_shift(xr)[:, None]
-    if smooth:
-        total[lo:hi] = np.where(skip, _F(0.0), _lanes(s))
-    picked[lo:hi] = np.where(skip, _F(0.0), s[np.arange(hi - lo), np.where(skip, 0, tr)])
-    e = exp_neg(s)
-    d = _lanes(e)
-    den[lo:hi] = np.where(skip, _F(1.0), d)
-    e *= (_F(1.0) / d)[:, None]
-    e[skip] = 0.0
-    p[lo:hi] = e
+    for first, last in _pieces(lo, hi, x.shape[1]):
+        xr, tr = x[first:last], t[first:last]
+        skip = tr == ignore
+        s = xr - _row_shift(xr)[:, None]
+        if smooth:
+            total[first:last] = np.where(skip, _F(0.0), _lanes(s))
+        rows = np.arange(last - first)
+        picked[first:last] = np.where(skip, _F(0.0), s[rows, np.where(skip, 0, tr)])
+        e = exp_neg(s)
+        d = _lanes(e)
+        den[first:last] = np.where(skip, _F(1.0), d)
+        e *= (_F(1.0) / d)[:, None]
+        e[skip] = 0.0
+        p[first:last] = e
 
 
 @_quiet

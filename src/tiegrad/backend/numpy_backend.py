@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import blas
-from .base import Array, Backend, DType, Shape, scale_into
+from .base import Array, Backend, DType, Shape, scale_into, smoothed_loss
 from .host_dispatch import (
     _elementwise,
     _fused_kernels,
@@ -268,14 +268,14 @@ class NumpyBackend(Backend):
         label_smoothing: float,
         want: bool,
         reduction: str = "none",
+        count: int | None = None,
     ) -> tuple[Array, Any] | None:
         """The kernels ``cross_entropy`` and its backward for C-contiguous float32 logits.
 
         Each row is shifted by its own maximum; the log of its sum of exponentials is
         NumPy's, outside the kernel (so the stand-in gives the same bits). A row's loss
-        is ``log(den) - picked`` (with smoothing ``e``, as ``ops.cross_entropy``:
-        ``(1 - e) * loss - e / C * (total - C * log(den))``); a reduced loss is NumPy's
-        sum of the rows, times ``1 / count`` for a mean.
+        is ``log(den) - picked`` (with smoothing, ``smoothed_loss``); a reduced loss is
+        NumPy's sum of the rows, times ``1 / count`` for a mean.
         """
         kernels = _fused_kernels(logits)
         if (
@@ -295,20 +295,18 @@ class NumpyBackend(Backend):
         log_den = np.log(den)
         loss = log_den - picked
         if smooth:
-            total = total - c * log_den
-            loss = (1.0 - label_smoothing) * loss - (label_smoothing / c) * total
-        count = 1
-        if reduction == "mean":
-            count = rows - int(np.count_nonzero(t == ignore_index))
-            loss = _add_reduce(loss) * (1.0 / count)
-        elif reduction == "sum":
+            loss = smoothed_loss(loss, total, log_den, c, label_smoothing)
+        divisor = count if reduction == "mean" else 1
+        if reduction != "none":
             loss = _add_reduce(loss)
+            if reduction == "mean":
+                loss = loss * (1.0 / divisor)
         if not want:
             return loss, None
         hit, spread = 1.0 - label_smoothing, label_smoothing / c
 
         def vjp(g: Array) -> Array:
-            w = np.ascontiguousarray(g if count == 1 else g / count, np.float32).reshape(-1)
+            w = np.ascontiguousarray(g if divisor == 1 else g / divisor, np.float32).reshape(-1)
             out = _outputs_apart(p, 1)[0].reshape(rows, c)
             _rows_parallel(
                 kernels, "cross_entropy_backward", rows, c, p, t, ignore_index, w, hit, spread, out

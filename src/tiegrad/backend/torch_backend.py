@@ -313,10 +313,12 @@ class TorchBackend(Backend):
         label_smoothing: float,
         want: bool,
         reduction: str = "none",
+        count: int | None = None,
     ) -> tuple[Array, Any] | None:
         """torch's log-softmax and negative log-likelihood kernels, forward and backward
         (what ``F.cross_entropy`` runs), without smoothing and in float32 or float64; the
-        reduction is the NLL kernel's own (one pass, no separate sum)."""
+        reduction is the NLL kernel's own (one pass, no separate sum; it counts the rows
+        of a mean itself)."""
         if label_smoothing or logits.dtype not in _LAYER_NORM_DTYPES:
             return None  # the generic path
         if targets.dtype != torch.int64:

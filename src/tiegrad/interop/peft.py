@@ -276,6 +276,7 @@ def _read_factors(
     """``{module path: (A, B)}`` in the model's slot order, in the terms of each use,
     cast to the weight's dtype; every name, shape and base weight checked."""
     where = file.path
+    targeted = _targeted_paths(config, layers)
     found: dict[str, dict[str, str]] = {}
     for key in file.tensors:
         rest = key[len(PREFIX) :] if key.startswith(PREFIX) else None
@@ -302,7 +303,7 @@ def _read_factors(
                 f"{where}: tensor {key!r} is a factor of an {'' if embedding else 'non-'}"
                 f"embedding, but {path!r} is a {type(layer.module).__name__}"
             )
-        if not _targeted(config, layers, path):
+        if path not in targeted:
             tied = (
                 " nor one storage with one in this model" if config["ensure_weight_tying"] else ""
             )
@@ -334,18 +335,15 @@ def _read_factors(
     return out
 
 
-def _targeted(config: dict[str, Any], layers: dict[str, Layer], path: str) -> bool:
-    """Whether the module at ``path`` is among ``target_modules``, or, with
-    ``ensure_weight_tying``, its weight is one storage with a target's (PEFT adapts the
-    uses tied to a target and names only the target)."""
-    targets = config["target_modules"]
-    if any(matches(t, path) for t in targets):
-        return True
-    storage = layers[path].module.weight.storage
-    return config["ensure_weight_tying"] and any(
-        layer.module.weight.storage is storage and any(matches(t, p) for t in targets)
-        for p, layer in layers.items()
-    )
+def _targeted_paths(config: dict[str, Any], layers: dict[str, Layer]) -> set[str]:
+    """The module paths among ``target_modules`` and, with ``ensure_weight_tying``, those
+    whose weight is one storage with one of theirs (PEFT adapts the uses tied to a
+    target and names only the target)."""
+    named = {p for p in layers if any(matches(t, p) for t in config["target_modules"])}
+    if not config["ensure_weight_tying"]:
+        return named
+    storages = {id(layers[p].module.weight.storage) for p in named}
+    return {p for p, layer in layers.items() if id(layer.module.weight.storage) in storages}
 
 
 def _check_base(file: SafetensorsFile, key: str, path: str, layers: dict[str, Layer]) -> None:

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from .. import _checks
+from ..backend.base import smoothed_loss
 from ..errors import ShapeError
 from ..tape import TensorRef
 from ._core import (
@@ -77,6 +78,7 @@ def cross_entropy(
         label_smoothing,
         want,
         kernel_reduction,
+        host_count,
     )
     if fused is not None:
         if kernel_reduction != "none":
@@ -96,8 +98,8 @@ def cross_entropy(
     picked = bk.take_along_axis(bk.reshape(shifted, (rows, c)), flat_t, -1)
     per = log_den - bk.reshape(picked, shape[:-1])
     if label_smoothing:
-        total = bk.reshape(sum_last(bk, shifted), shape[:-1]) - c * log_den
-        per = (1.0 - label_smoothing) * per - (label_smoothing / c) * total
+        shifted_sum = bk.reshape(sum_last(bk, shifted), shape[:-1])
+        per = smoothed_loss(per, shifted_sum, log_den, c, label_smoothing)
     del shifted
     if vmask is not None:  # an ignored position is 0, even where its logits are not finite
         per = bk.where(valid, per, 0.0)
