@@ -820,9 +820,9 @@ def test_issue4_familiar_flow_backward_then_step_and_state_by_canonical_slot(): 
     pl = plist("fpqp")
     opt = optim.Adam(pl, lr=0.1)
     s = EagerSession()
+    opt.zero_grad()  # PyTorch's order: zero_grad clears the latest gradients (issue 53)
     loss = sum(((s.use(h) * float(i + 1)).sum() for i, h in enumerate(pl)), s.constant(F32(0)))
     s.backward(loss)
-    opt.zero_grad()
     opt.step()
     assert sorted(opt.state) == [1, 2]
     assert set(opt.state[1]) == {"step", "exp_avg", "exp_avg_sq"}

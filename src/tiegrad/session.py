@@ -16,9 +16,11 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .backend import NUMPY, Array, Backend
 from .errors import ShapeError
-from .params.groups import group_parameter_registrations
+from .params.groups import dense_group_gradient, group_parameter_registrations
 from .tape import Tape, TapeGradients, TensorRef
 
 __all__ = ["EagerSession", "Gradients", "TensorRef", "latest_gradients"]
@@ -33,7 +35,7 @@ class Gradients(TapeGradients):
     (unpinning every storage), then an in-place optimizer step.
     """
 
-    __slots__ = ("_params", "_storages", "_trainable")
+    __slots__ = ("_params", "_storages", "_trainable", "_by_storage")
 
     def __init__(
         self,
@@ -47,6 +49,7 @@ class Gradients(TapeGradients):
         self._params = params
         self._storages = storages
         self._trainable = trainable
+        self._by_storage: dict[int, Array] | None = None
 
     def parameter_groups(self) -> list[Any]:
         """The uses recorded as trainable, grouped by storage identity (C4).
@@ -57,8 +60,30 @@ class Gradients(TapeGradients):
         """
         return group_parameter_registrations(self._params, self._storages, self._trainable)
 
+    def storage_gradient(self, storage: Any) -> Array | None:
+        """The summed gradient of ``storage``'s trainable uses (C4), or None if none was
+        recorded; read-only on the host. A storage used once gets the very array the
+        sweep produced (as a read-only view); the sums are made once per result."""
+        if self._by_storage is None:
+            self._by_storage = {
+                id(g.storage): _read_only(dense_group_gradient(g, self))
+                for g in self.parameter_groups()
+                if g.storage is not None
+            }
+        return self._by_storage.get(id(storage))
 
-_latest = threading.local()  # .session: a weak reference to this thread's latest backward's
+
+def _read_only(gradient: Array) -> Array:
+    """A read-only view of a NumPy gradient; a device tensor as it is."""
+    if isinstance(gradient, np.ndarray):
+        gradient = gradient.view()
+        gradient.flags.writeable = False
+    return gradient
+
+
+# .session: a weak reference to the session of this thread's latest backward;
+# .unstepped: a ``loss.backward()`` result that no step has read and no zero_grad cleared.
+_latest = threading.local()
 
 
 def latest_gradients() -> Gradients | None:
@@ -66,11 +91,25 @@ def latest_gradients() -> Gradients | None:
 
     Per thread: a backward in another thread is never seen. The session is held weakly,
     so this keeps neither a session nor its tape alive; None when no backward has run in
-    this thread or its session is gone.
+    this thread since ``forget_latest_gradients``, or its session is gone.
     """
     ref = getattr(_latest, "session", None)
     session = None if ref is None else ref()
     return None if session is None else session.last_gradients
+
+
+def forget_latest_gradients() -> None:
+    """Make ``latest_gradients()`` None in the calling thread (``optimizer.zero_grad``).
+
+    The session keeps its ``last_gradients``; only the thread's pointer to them goes.
+    """
+    _latest.session = None
+    _latest.unstepped = False
+
+
+def note_step() -> None:
+    """Record that an optimizer step has read the calling thread's latest gradients."""
+    _latest.unstepped = False
 
 
 class EagerSession(Tape):
@@ -129,6 +168,28 @@ class EagerSession(Tape):
         if first is not value and self._retained_backward:
             self._warn_growth(param)
         return ref
+
+    def backward_from(self, out: TensorRef, seed: Any, retain_graph: bool) -> Gradients:
+        """``loss.backward()``: ``backward(out, seed)``, kept as the thread's latest.
+
+        PyTorch adds a second ``loss.backward()`` into the ``.grad`` of the first; here
+        each backward's gradients replace the latest ones. So that accumulation written
+        the PyTorch way is not silently lost, a ``loss.backward()`` whose predecessor no
+        optimizer step read and no ``zero_grad`` cleared warns (RuntimeWarning).
+        """
+        if getattr(_latest, "unstepped", False):
+            warnings.warn(
+                "loss.backward(): the gradients of the previous loss.backward() were "
+                "neither stepped nor cleared, and tiegrad does not add them up as PyTorch "
+                "does: they are replaced. To accumulate, sum the losses before one "
+                "backward, or collect optimizer.canonical_gradients(session.backward(loss), "
+                "allow_missing=True) per micro-batch and step on their sum.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        result = self.backward(out, seed, retain_graph=retain_graph)
+        _latest.unstepped = True
+        return result
 
     def _warn_growth(self, param: Any) -> None:
         """Warn once per session: a kept tape now spans a parameter update (a step)."""

@@ -24,11 +24,33 @@ from typing import Any
 
 import numpy as np
 
+from ._hints import missing_attribute
 from .backend import NUMPY, Array, Backend
 from .errors import DeviceError, DTypeError, ShapeError, TapeError
 from .params.groups import add_new
 
 VJP = Any  # Callable[[Array], tuple[Array | None, ...]]
+
+
+_DEVICE_HINT = (
+    "a TensorRef lives on its session's device: EagerSession(device=...) records there, "
+    "module.to(device) mirrors the parameters, ref.numpy() downloads the value"
+)
+_HINTS = {
+    "grad": "a TensorRef keeps no gradient: index the result of backward (grads[ref]; "
+    "session.backward(loss, retain=[ref]) keeps an inner one), or read param.grad",
+    "data": "ref.value is the forward value (ref.numpy() as a NumPy array)",
+    "detach": "ref.numpy() is the value as a NumPy array; session.constant(x) records it "
+    "again without a gradient",
+    "to": _DEVICE_HINT,
+    "cuda": _DEVICE_HINT,
+    "cpu": _DEVICE_HINT,
+    "tolist": "ref.numpy().tolist()",
+    "requires_grad_": "a recorded value's requires_grad is fixed when it is recorded: "
+    "param.requires_grad_(False) or module.freeze(path) freezes a use",
+    "retain_grad": "session.backward(loss, retain=[ref]) keeps ref's gradient",
+    "zero_": "recorded values are immutable; record a new one (session.constant)",
+}
 
 
 class TensorRef:
@@ -78,8 +100,21 @@ class TensorRef:
     def item(self) -> float:
         return self.numpy().item()
 
+    def backward(self, gradient: Any = None, retain_graph: bool = False) -> TapeGradients:
+        """PyTorch's ``loss.backward()``: ``session.backward(self, gradient)``, returned.
+
+        On an ``EagerSession`` the result is also the calling thread's latest gradients,
+        which ``optimizer.step()`` and ``Param.grad`` read; see
+        ``EagerSession.backward_from`` for what differs from PyTorch (no accumulation).
+        """
+        return self.session.backward_from(self, gradient, retain_graph)
+
     def __len__(self) -> int:
         return self.shape[0]
+
+    def __getattr__(self, name: str) -> Any:
+        """Only names found nowhere else: a PyTorch habit gets tiegrad's way in the error."""
+        raise missing_attribute("TensorRef", name, _HINTS)
 
     def __repr__(self) -> str:
         return f"TensorRef(id={self.id}, shape={self.shape}, dtype={self.dtype})"
@@ -482,6 +517,10 @@ class Tape:
             self.reset()
             self._released = grads
         return grads
+
+    def backward_from(self, out: TensorRef, seed: Any, retain_graph: bool) -> TapeGradients:
+        """``out.backward(seed)``, PyTorch's habit: ``backward(out, seed)``."""
+        return self.backward(out, seed, retain_graph=retain_graph)
 
     def _result(self, grads: dict[int, Array], retain_graph: bool) -> TapeGradients:
         """What ``backward`` returns for ``grads`` (node id -> gradient), before the tape

@@ -12,12 +12,15 @@ order, then each submodule's slots in registration order, depth first. That is P
 A handle's ``name`` is its path: set when it is registered (prefixed as its module is
 registered in a parent) and refreshed by every enumeration from the root.
 
-Ties are storage identity (C1), never handle identity. Every path owns its handle, with
-its own ``requires_grad`` flag and ``name`` (its path): when enumeration finds the handle
-of an earlier path assigned to a later one (``head.weight = embed.weight``), the later
-path gets an alias handle on the same storage (``Param.alias``), so one use of a tied
-storage can be frozen while another trains it (C4, C5). A submodule registered at two
-paths is one object: its handles are shared by both paths.
+Ties are storage identity (C1), never handle identity. A use is a path: every path owns
+its handle, with its own ``requires_grad`` flag and ``name`` (its path). Assigning the
+handle another path holds (``head.weight = embed.weight``, PyTorch's way to tie) installs
+an alias handle on the same storage (``Param.alias``, the flag copied) at the new path,
+as ``tiegrad.nn.tie`` does, so one use of a tied storage can be frozen while another
+trains it (C4, C5): ``head.weight is embed.weight`` is False after the assignment, and
+``head.weight.storage is embed.weight.storage`` is the tie. Enumeration does the same for
+a handle that reached a second path another way. A submodule registered at two paths is
+one object: its handles are shared by both paths.
 
 Freezing is by path (``freeze``, ``unfreeze``, ``set_trainable``) and lives here, with the
 enumeration it matches against; ``tiegrad.nn.tying`` builds on ``Module`` and is not
@@ -27,15 +30,37 @@ imported by it, so the dependency points one way.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from fnmatch import fnmatchcase
 from numbers import Integral
 from typing import Any
 
+import numpy as np
+
 from .._checks import flag
+from .._hints import missing_attribute
 from ..errors import AliasError, DTypeError, ShapeError, SlotError, TapeError, TiegradError
-from ..params import Param, ParamList, dense_group_gradient
+from ..params import Param, ParamList
 from ..session import EagerSession, Gradients
+from .state_dict import load_state_dict, state_dict
+
+_HINTS = {
+    "cuda": "module.to('cuda') mirrors every storage on the device",
+    "cpu": "module.to('cpu') syncs every storage and drops its device mirror",
+    "zero_grad": "gradients live in the result of backward, not on parameters: "
+    "optimizer.zero_grad() clears param.grad",
+    "modules": "module.named_modules() yields (path, module) pairs",
+    "children": "module.named_modules() yields (path, module) pairs",
+    "buffers": "tiegrad modules hold no buffers: every array is a Param (freeze it to keep "
+    "it fixed)",
+    "named_buffers": "tiegrad modules hold no buffers: every array is a Param (freeze it to "
+    "keep it fixed)",
+    "half": "parameters keep the dtype they were built with: build the model in the dtype you want",
+    "double": "parameters keep the dtype they were built with: build the model in the dtype "
+    "you want",
+    "float": "parameters keep the dtype they were built with: build the model in the dtype "
+    "you want",
+}
 
 
 class Module:
@@ -68,9 +93,7 @@ class Module:
             )
         if isinstance(value, Param):
             modules.pop(name, None)
-            if value.name is None:
-                value.name = name
-            params[name] = d[name] = value
+            self._hold(name, value)
         elif isinstance(value, Module):
             params.pop(name, None)
             for path, p in value.named_slots():
@@ -81,6 +104,20 @@ class Module:
             modules.pop(name, None)
             object.__setattr__(self, name, value)
 
+    def _hold(self, name: str, param: Param) -> Param:
+        """Install ``param`` at attribute ``name``, or an alias of it where another path
+        holds it (a use is a path, C4); returns the handle installed."""
+        holder = getattr(param, "holder", None)
+        if holder is not None and (holder[0] is not self or holder[1] != name):
+            other, key = holder
+            if other._params.get(key) is param:
+                param = param.alias(name=name)
+        if param.name is None:
+            param.name = name
+        param.holder = (self, name)
+        self._params[name] = self.__dict__[name] = param
+        return param
+
     def __getattr__(self, name: str) -> Any:
         """A registered parameter or submodule: each is also kept in the instance
         dictionary, so plain attribute lookup finds it (a forward reads several per op)
@@ -90,7 +127,7 @@ class Module:
             entries = d.get(registry)
             if entries is not None and name in entries:
                 return entries[name]
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        raise missing_attribute(type(self).__name__, name, _HINTS)
 
     def __delattr__(self, name: str) -> None:
         d = self.__dict__
@@ -179,8 +216,7 @@ class Module:
             path = prefix + name
             location = (me, name)
             if owners.setdefault(id(p), location) != location:
-                p = p.alias(name=path)
-                params[name] = self.__dict__[name] = p  # the forward reads the alias (C4)
+                p = self._hold(name, p.alias(name=path))  # the forward reads the alias (C4)
                 owners[id(p)] = location
             elif first_visit:
                 p.name = path
@@ -234,8 +270,8 @@ class Module:
         """``{first path: gradient}`` per storage with a trainable use in ``gradients``.
 
         The gradient of a storage is the sum over its trainable uses recorded in
-        ``gradients.session`` (C4); frozen uses contribute nothing, and a storage with no
-        trainable use is left out.
+        ``gradients.session`` (C4), read-only (``Gradients.storage_gradient``); frozen uses
+        contribute nothing, and a storage with no trainable use is left out.
         """
         session = getattr(gradients, "session", None)
         if not isinstance(session, EagerSession):
@@ -243,16 +279,38 @@ class Module:
                 f"{self.label()}: named_gradients needs the Gradients returned by "
                 f"EagerSession.backward, got {type(gradients).__name__}"
             )
-        by_storage = {
-            id(g.storage): dense_group_gradient(g, gradients)
-            for g in gradients.parameter_groups()
-            if g.storage is not None
-        }
-        return {
-            path: by_storage[id(p.storage)]
-            for path, p in self.named_parameters()
-            if id(p.storage) in by_storage
-        }
+        gradient = gradients.storage_gradient
+        named = ((path, gradient(p.storage)) for path, p in self.named_parameters())
+        return {path: g for path, g in named if g is not None}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """``{path: array}`` for every parameter path in slot order, as PyTorch's.
+
+        A tied storage appears under each of its paths as one array object (C1). Arrays
+        are owned copies of the host values, a newer device mirror synced first (C7):
+        later steps do not change them.
+        """
+        return state_dict(self.named_slots())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Write ``state_dict``'s arrays into the storages at its paths, ties kept.
+
+        Validates everything before writing anything (C6): every value's shape and dtype
+        (``Param.set_value``'s rule), the paths (``strict``: each path present and no
+        other key, as PyTorch's ``strict``; otherwise the missing and unexpected keys
+        are returned), and the ties: a storage is written once, and the values given at
+        two paths of one storage must be equal (an ``AliasError`` otherwise). Returns
+        ``(missing_keys, unexpected_keys)``.
+        """
+        return load_state_dict(self.label(), self.named_slots(), state_dict, strict)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Module:
+        """Set ``requires_grad`` at every parameter path (``freeze("*")`` or
+        ``unfreeze("*")``); returns self, as in PyTorch."""
+        requires_grad = flag(self.label(), "requires_grad", requires_grad)
+        for _, p in self.named_slots():
+            p.requires_grad = requires_grad
+        return self
 
     # -- paths -------------------------------------------------------------------------
     def _owner(self, path: str) -> tuple[Module, str]:
@@ -285,7 +343,9 @@ class Module:
         return m._params[leaf]
 
     def set_parameter(self, path: str, param: Param) -> None:
-        """Install ``param`` at the existing ``path``; shape and dtype must match (C6)."""
+        """Install ``param`` at the existing ``path``; shape and dtype must match (C6).
+
+        A handle another path holds is installed as an alias, as by assignment (C4)."""
         m, leaf = self._owner(path)
         if not isinstance(param, Param):
             raise SlotError(f"set_parameter {path!r}: expected a Param, got {type(param).__name__}")
@@ -298,8 +358,7 @@ class Module:
             raise DTypeError(
                 f"set_parameter {path!r}: expected dtype {old.dtype.name}, got {param.dtype.name}"
             )
-        param.name = path
-        m._params[leaf] = m.__dict__[leaf] = param
+        m._hold(leaf, param).name = path
 
     # -- freezing ----------------------------------------------------------------------
     def freeze(self, pattern: str | Iterable[str]) -> list[str]:

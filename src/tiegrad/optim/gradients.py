@@ -41,7 +41,8 @@ def given(owner: Owner, gradients: Any) -> Any:
         gradients = latest_gradients()
         if gradients is None:
             raise MissingGradientError(
-                f"{owner.kind}.step: no gradients given and no backward has run"
+                f"{owner.kind}.step: no gradients given, and no backward has run in this "
+                "thread since the last zero_grad()"
             )
     return gradients
 

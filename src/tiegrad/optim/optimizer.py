@@ -43,7 +43,7 @@ import numpy as np
 from ..checkpoint.schema import SlotRecord, slot_records
 from ..errors import AliasError, HyperparameterError, NonFiniteError, SlotError
 from ..params import Param, ParamList
-from ..session import Gradients
+from ..session import Gradients, forget_latest_gradients, note_step
 from .device import DeviceExecutor, device_backend
 from .fused import FusedRule
 from .gradients import given, resolve
@@ -139,12 +139,15 @@ class Optimizer:
         return self._state.flat.read_only(self._state.trained_slots(self._plan()))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """A no-op, kept for familiarity with torch.optim.
+        """Forget the calling thread's latest gradients, as torch.optim clears ``.grad``.
 
         tiegrad keeps no gradients on parameters: they live in the result of
-        ``EagerSession.backward`` (and ``reset`` discards the tape), so there is
-        nothing to clear between steps.
+        ``EagerSession.backward``. After this, ``Param.grad`` is None and ``step()``
+        without gradients raises until the next backward; gradients passed to ``step``
+        explicitly are unaffected. ``set_to_none`` is accepted for familiarity (there
+        are no buffers to zero).
         """
+        forget_latest_gradients()
 
     def canonical_gradients(
         self, gradients: GradientsArg = None, *, allow_missing: bool = False
@@ -180,6 +183,7 @@ class Optimizer:
                 return
             executor.apply(update, grads)
         self.step_count += 1
+        note_step()
 
     def state_tensor_specs(self) -> dict[int, dict[str, tuple[tuple[int, ...], str]]]:
         """``{canonical slot: {name: (shape, dtype name)}}`` that ``load_state_dict`` accepts.

@@ -6,8 +6,26 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import flag
+from .._hints import missing_attribute
 from ..errors import DTypeError
 from .storage import ParameterStorage
+
+_HINTS = {
+    "data": "p.value is the host value (read-only), p.set_value(x) replaces it",
+    "detach": "p.value is the host value (read-only); np.array(p.value) is a copy",
+    "numpy": "p.value is the host value (read-only); np.array(p.value) is a copy",
+    "item": "p.value.item() reads a one-element parameter",
+    "tolist": "p.value.tolist()",
+    "copy_": "p.set_value(x) replaces the value (shape and dtype checked, C6)",
+    "zero_": "p.set_value(np.zeros(p.shape, p.dtype))",
+    "fill_": "p.set_value(np.full(p.shape, x, p.dtype))",
+    "cuda": "p.to('cuda') mirrors the storage on the device (every handle on it moves)",
+    "cpu": "p.to('cpu') syncs the storage and drops its device mirror",
+    "data_ptr": "a tie is storage identity: p.storage is q.storage (C1)",
+    "grad_fn": "a Param is a storage handle, not a recorded value: session.use(p) records a use",
+    "is_leaf": "a Param is a storage handle, not a recorded value: session.use(p) records a use",
+}
 
 
 class Param:
@@ -18,10 +36,13 @@ class Param:
     NumPy scalar such as ``np.float64(1.5)``, a torch tensor, detached first) keeps it
     and must be floating; Python numbers and lists become float32, as in PyTorch.
     ``requires_grad`` and ``name`` belong to the handle: a frozen alias of a trainable
-    handle shares the storage but contributes no gradient (C4, C5).
+    handle shares the storage but contributes no gradient (C4, C5). A module path holds
+    its own handle (``tiegrad.nn.Module``), so a flag set through one path of a tie
+    freezes that use alone; ``holder`` is the ``(module, attribute)`` that holds this
+    handle, kept by the module, or None.
     """
 
-    __slots__ = ("storage", "requires_grad", "name")
+    __slots__ = ("storage", "requires_grad", "name", "holder")
 
     def __init__(
         self,
@@ -49,6 +70,7 @@ class Param:
         self.storage = ParameterStorage.adopting(arr)
         self.requires_grad = bool(requires_grad)
         self.name = name
+        self.holder: Any = None
 
     @classmethod
     def of_storage(
@@ -59,6 +81,7 @@ class Param:
         p.storage = storage
         p.requires_grad = bool(requires_grad)
         p.name = name
+        p.holder = None
         return p
 
     def alias(self, requires_grad: bool | None = None, name: str | None = None) -> Param:
@@ -68,6 +91,31 @@ class Param:
             self.requires_grad if requires_grad is None else requires_grad,
             self.name if name is None else name,
         )
+
+    def requires_grad_(self, requires_grad: bool = True) -> Param:
+        """Set this handle's ``requires_grad`` (a bool); returns self, as in PyTorch.
+
+        The flag is this use's (C4, C5): other handles on the storage keep theirs.
+        """
+        self.requires_grad = flag(self._label(), "requires_grad", requires_grad)
+        return self
+
+    @property
+    def grad(self) -> Any:
+        """The storage's summed gradient from the calling thread's latest ``backward``.
+
+        The sum over the trainable uses of this handle's storage that the latest
+        backward (``loss.backward()`` or ``session.backward(loss)``) recorded (C4), read
+        only: the very array that backward produced for a storage used once, a device
+        tensor on a device session. None before any backward, after
+        ``optimizer.zero_grad()``, and where that backward reached no trainable use of
+        the storage. Frozen handles of a trained storage read the same sum: the storage
+        is what the step updates.
+        """
+        from ..session import latest_gradients
+
+        gradients = latest_gradients()
+        return None if gradients is None else gradients.storage_gradient(self.storage)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -126,6 +174,10 @@ class Param:
 
     def _label(self) -> str:
         return f"parameter {self.name!r}" if self.name else "parameter"
+
+    def __getattr__(self, name: str) -> Any:
+        """Only names found nowhere else: a PyTorch habit gets tiegrad's way in the error."""
+        raise missing_attribute("Param", name, _HINTS)
 
     def __repr__(self) -> str:
         flag = "" if self.requires_grad else ", frozen"
