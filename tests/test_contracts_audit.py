@@ -1,4 +1,4 @@
-"""Contract audit: DESIGN.md C1-C9 and REFERENCE-SEMANTICS.md cases 19-29 in tiegrad's API.
+"""Contract audit: docs/design.md C1-C9 and REFERENCE-SEMANTICS.md cases 19-29 in tiegrad's API.
 
 The reference cases 19-29 describe the Lean original's CUDA optimizers and binary
 checkpoints; here they run on the host optimizers (``tiegrad.optim``) and the safetensors

@@ -1,6 +1,6 @@
 """No import circles in ``src/tiegrad``: each layer imports only the layers below it.
 
-DESIGN.md's layers form an order; a circle between two modules means neither can be read,
+The layers of docs/design.md form an order; a circle between two modules means neither can be read,
 tested or moved without the other. The graph is built from the source with ``ast``: every
 import counts, at module level, inside functions and under ``if TYPE_CHECKING:``, relative
 or absolute, since a lazy or typing-only import is still a dependency of the reader.

@@ -2,7 +2,7 @@
 
 A tied weight frozen at one use receives exactly the gradient of its trainable use:
 PyTorch can only express that by writing the frozen use as ``.detach()`` by hand
-(``shared/ANCHORS.md``, pain points 10 and 11), which is the oracle here.
+(docs/design.md: why per-use trainability), which is the oracle here.
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ def test_use_records_a_new_leaf_on_every_call_and_registers_frozen_uses():  # C2
     assert not c.requires_grad
 
 
-def test_copy_on_write_while_a_tape_holds_the_array():  # C2, DESIGN: snapshots are free
+def test_copy_on_write_while_a_tape_holds_the_array():  # C2, docs/design.md: snapshots are free
     s = EagerSession()
     p = Param(np.array([1.0, 2.0], np.float32))
     pl = ParamList([p])

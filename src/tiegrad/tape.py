@@ -3,7 +3,7 @@
 A node is its index on the tape. Each node stores its forward value, its parents'
 ids, whether it requires a gradient and, only if it does, its vector-Jacobian
 product (a closure from the op that made it). Recording is append-only and costs a
-few list appends: no per-op dictionaries on the hot path (DESIGN: performance).
+few list appends: no per-op dictionaries on the hot path (docs/design.md: performance).
 
 The tape knows nothing of parameters. ``EagerSession`` (``tiegrad.session``) adds
 them through three hooks: ``_borrow`` records a leaf whose memory another owner may
@@ -267,7 +267,7 @@ class Tape:
     def _record(self, value: Array, parents: tuple[int, ...], vjp: VJP) -> TensorRef:
         """Append an op node; ``vjp(g)`` returns one cotangent (or None) per parent.
 
-        The hot path of every op (DESIGN: performance): a few appends and one lookup, which
+        The hot path of every op (docs/design.md: performance): a few appends and one lookup, which
         notes an output lying in borrowed memory (a view of a use) for ``reset`` (C2).
         """
         if self._owner != _thread_id():
@@ -338,7 +338,7 @@ class Tape:
 
         A stale ref still reads the value it recorded (C2): one that lies in borrowed
         memory (a use, a view of one) is given a copy here, before the owner is free to
-        write it in place (DESIGN: snapshots). The generator is kept.
+        write it in place (docs/design.md: snapshots). The generator is kept.
         """
         self._keep_snapshots()
         self._generation += 1

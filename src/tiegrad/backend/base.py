@@ -1,6 +1,6 @@
 """The backend interface: the array operations the differentiable ops are written against.
 
-Ops call these methods and never import an array library (DESIGN: layers). A backend
+Ops call these methods and never import an array library (docs/design.md: layers). A backend
 wraps one array library: ``numpy`` on the host (the default) or ``torch`` on a device.
 Methods follow NumPy's names and broadcasting rules; ``axis`` arguments take an int, a
 tuple of ints or ``None``. Arrays are the library's own type (``np.ndarray``,
@@ -153,7 +153,7 @@ class Backend:
         must be independent of each other. The same ``n`` and ``item_size`` always give
         the same ranges, so a backward pass may find what its forward kept per range.
         This default runs ``kernel(0, n)`` once; the NumPy backend cuts the range into
-        cache-sized blocks (DESIGN: performance).
+        cache-sized blocks (docs/design.md: performance).
         """
         if n:
             kernel(0, n)

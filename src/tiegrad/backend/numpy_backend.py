@@ -1,6 +1,6 @@
 """The host backend: NumPy arrays (the default; float32 unless asked otherwise).
 
-Memory (DESIGN: memory is reused, not re-faulted): ``tiegrad.backend.tune_process``
+Memory (docs/design.md: memory is reused): ``tiegrad.backend.tune_process``
 keeps the memory a step frees in the process (glibc); importing this module does not.
 
 Fused kernels: with numba installed, float32 GELU and its VJP, ReLU and its VJP, large

@@ -3,8 +3,9 @@
 Imported only when a device backend is asked for (``device_backend``), so ``import
 tiegrad`` never imports torch. It implements every method of ``Backend`` with NumPy's
 names, broadcasting and dtype rules (products of mixed dtypes, conditions, indexes:
-``torch_index``), so each op of ``tiegrad.ops`` runs unchanged on a device (DESIGN:
-layers); attention runs through ``torch_attention``. The arithmetic operators of the
+``torch_index``), so each op of ``tiegrad.ops`` runs unchanged on a device
+(docs/design.md: layers); attention runs through ``torch_attention``. The arithmetic
+operators of the
 ops act on the tensors themselves and so promote mixed dtypes as torch does: a 0-d
 float64 array leaves a float32 tensor float32, and an integer input to a floating op
 gives float32 (NumPy: float64). Beyond the interface it offers ``upload`` /

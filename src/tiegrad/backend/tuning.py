@@ -5,8 +5,8 @@ Importing tiegrad changes nothing outside tiegrad. A program that owns its proce
 
 - glibc's ``mallopt``: the mmap threshold at its maximum (32 MiB) and the trim threshold
   at 1 GiB, so the arrays a step frees stay in the process and the next step's
-  temporaries reuse their pages instead of faulting in fresh ones (DESIGN: memory is
-  reused, not re-faulted). Not applied on other C libraries.
+  temporaries reuse their pages instead of faulting in fresh ones (docs/design.md:
+  memory is reused). Not applied on other C libraries.
 
 oneMKL's modes are not among them: ``tiegrad.backend.blas`` sets the ones its products
 need when it first loads MKL (its docstring).

@@ -1,9 +1,9 @@
 """``summary(module)``: one table of storages, their paths, frozen uses and slots.
 
-The diagnostic no other framework gives in one place (``shared/ANCHORS.md``): for each
-storage, every path naming it, which of those uses are frozen, the optimizer slot that
-owns its state (the canonical slot, C5; ``-`` when frozen at every path) and how many
-copies a checkpoint holds (one per storage, C9).
+The diagnostic no other framework gives in one place (docs/design.md: why per-use
+trainability): for each storage, every path naming it, which of those uses are frozen,
+the optimizer slot that owns its state (the canonical slot, C5; ``-`` when frozen at
+every path) and how many copies a checkpoint holds (one per storage, C9).
 """
 
 from __future__ import annotations

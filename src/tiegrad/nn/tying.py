@@ -3,7 +3,7 @@
 A tie makes two paths hold the same storage (C1); every path keeps its own handle, so
 trainability is per use: a tied storage frozen at one path still trains through the
 other (C4, C5). This is the per-use freezing of a tied weight that PyTorch, Flax, MLX
-and Keras cannot express (``shared/ANCHORS.md``, pain points 10 and 11).
+and Keras cannot express (docs/design.md: why per-use trainability).
 """
 
 from __future__ import annotations

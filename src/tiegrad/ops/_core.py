@@ -40,7 +40,7 @@ def ref_pair(a: Any, b: Any) -> Tape | None:
     """The session of ``a`` and ``b`` when both are refs (checked live and local), else None.
 
     The fast path of binary ops: a few attribute compares instead of ``session_of``
-    and two ``lift`` calls (DESIGN: performance).
+    and two ``lift`` calls (docs/design.md: performance).
     """
     if type(a) is not TensorRef or type(b) is not TensorRef:
         return None
@@ -184,7 +184,7 @@ def sum_last(bk: Backend, x: Array) -> Array:
     """Sums of ``x`` over its last axis, keepdims.
 
     With ``slow_row_reductions`` (NumPy) one matrix-vector product: BLAS sums many
-    short rows several times faster than a ufunc reduction (DESIGN: performance); ``x``
+    short rows several times faster than a ufunc reduction (docs/design.md: performance); ``x``
     should then be contiguous (else ``reshape`` copies it). Elsewhere (PyTorch) the
     backend's own reduction, one kernel.
     """

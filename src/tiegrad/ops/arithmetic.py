@@ -2,8 +2,9 @@
 
 Binary ops broadcast like NumPy; a Python (or NumPy) number operand stays a number
 (no leaf, no dtype promotion). Operands that do not broadcast raise ``ShapeError``.
-These are the hottest ops, so equal shapes and two refs take a short path (DESIGN:
-performance), and a VJP computes only the cotangents of operands that need one.
+These are the hottest ops, so equal shapes and two refs take a short path
+(docs/design.md: performance), and a VJP computes only the cotangents of operands that
+need one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ._core import (
 
 # VJPs are module-level functions bound with ``functools.partial``: one object per node,
 # where a closure costs a function plus a cell per captured name, all of them tracked
-# by the garbage collector while the tape holds them (DESIGN: performance).
+# by the garbage collector while the tape holds them (docs/design.md: performance).
 
 
 def _pass(g):

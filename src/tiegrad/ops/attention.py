@@ -3,7 +3,7 @@
 ``scaled_dot_product_attention`` takes separate q, k and v; ``self_attention`` takes the
 packed (B, T, 3 d) projection of a multi-head self-attention layer and returns the
 heads merged back to (B, T, d), so a layer records one node where the split, the head
-permutes and the merge would record eight (DESIGN: performance). A backend with its
+permutes and the merge would record eight (docs/design.md: performance). A backend with its
 own fused attention (``Backend.fused_attention``: PyTorch's on a device) runs it when
 no key padding mask is given; otherwise both share one kernel: the mask is an additive
 bias of ``-inf`` (no masked copy of the scores), the softmax runs in place

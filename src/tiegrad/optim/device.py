@@ -19,7 +19,7 @@ The step keeps the host executor's contract and arithmetic:
   Otherwise, or where the kernel does not take the run (its dtypes, its device), the
   optimizer's own rule (``UpdateRule.rule``: ``adam_rule``, ``sgd_rule``...) runs with ``xp`` the
   ``ForeachOps`` of ``tiegrad.optim.foreach``: each operation is one PyTorch
-  ``foreach`` call over the run's parameters, gradients and state (DESIGN:
+  ``foreach`` call over the run's parameters, gradients and state (docs/design.md:
   optimizers), nothing gathered or scattered, each the host's correctly rounded
   operation. A subclass that replaces ``rule`` sets ``device_kernel = None``.
 - Each parameter is updated in place in its mirror when no live device tape holds it,

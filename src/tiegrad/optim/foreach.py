@@ -7,7 +7,7 @@ call over every storage of a run (one multi-tensor kernel on a GPU, one C++ loop
 torch's CPU) instead of a gather of the run into one flat tensor and a scatter back.
 Each foreach operation applies the same correctly rounded elementwise operation to
 each tensor as the flat tensor operation does, so the update is the rule's, bit for
-bit (DESIGN: optimizers).
+bit (docs/design.md: optimizers).
 
 A list is *persistent* (parameters, optimizer state, gradients: its tensors are written
 in place or only read) or *scratch* (a rule's work buffers): a scratch list that is the
