@@ -44,6 +44,10 @@ from ..params import Param, ParamList
 from ..session import EagerSession, Gradients
 from .state_dict import load_state_dict, state_dict
 
+_DTYPE_HINT = "parameters keep the dtype they were built with: build the model in the one you want"
+_BUFFER_HINT = (
+    "tiegrad modules hold no buffers: every array is a Param (freeze it to keep it fixed)"
+)
 _HINTS = {
     "cuda": "module.to('cuda') mirrors every storage on the device",
     "cpu": "module.to('cpu') syncs every storage and drops its device mirror",
@@ -51,15 +55,11 @@ _HINTS = {
     "optimizer.zero_grad() clears param.grad",
     "modules": "module.named_modules() yields (path, module) pairs",
     "children": "module.named_modules() yields (path, module) pairs",
-    "buffers": "tiegrad modules hold no buffers: every array is a Param (freeze it to keep "
-    "it fixed)",
-    "named_buffers": "tiegrad modules hold no buffers: every array is a Param (freeze it to "
-    "keep it fixed)",
-    "half": "parameters keep the dtype they were built with: build the model in the dtype you want",
-    "double": "parameters keep the dtype they were built with: build the model in the dtype "
-    "you want",
-    "float": "parameters keep the dtype they were built with: build the model in the dtype "
-    "you want",
+    "buffers": _BUFFER_HINT,
+    "named_buffers": _BUFFER_HINT,
+    "half": _DTYPE_HINT,
+    "double": _DTYPE_HINT,
+    "float": _DTYPE_HINT,
 }
 
 
