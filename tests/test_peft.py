@@ -276,7 +276,7 @@ def _edit_config(folder, **changes):
         ("dora", "use_dora=True is not supported"),
         ("rank", "needs (3, 32)"),
         ("missing_factor", "lora_B.weight' is missing"),
-        ("regex_targets", "target_modules must be a list"),
+        ("regex_targets", "names 'lm_head', not matched by '.*c_attn'"),
         ("changed_base", "differs from the model's lm_head.weight"),
         ("unexpected", "unexpected tensor 'base_model.model.lm_head.lora_magnitude_vector'"),
     ],

@@ -5,7 +5,8 @@ An adapter (``LoRA``) holds two storages in PEFT's layout, ``A`` (rank, fan_in) 
 ``Linear`` (weight (out, in)), a GPT-2 ``Conv1D`` (weight (in, out)) or an
 ``Embedding`` (table (V, d), fan_in V). The use's output gains
 ``scaling * B A dropout(x)`` (an embedding: ``scaling * B A onehot(ids)``, no dropout,
-as PEFT), ``scaling = alpha / rank``; the base storage is read as it is, never copied
+as PEFT), ``scaling = alpha / rank`` (rank-stabilised, PEFT's ``use_rslora``:
+``alpha / sqrt(rank)``); the base storage is read as it is, never copied
 (C1). A use whose weight has the other layout reads the same storages transposed
 (``A' = B.T``, ``B' = A.T``): that is how one adapter serves both uses of a tied
 embedding (``share_tied``), its two uses summed into one gradient per storage (C4).
@@ -22,6 +23,7 @@ any other parameter.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -42,15 +44,24 @@ OUT_IN, IN_OUT = "out_in", "in_out"
 class LoRA(Module):
     """One adapter: ``A`` (rank, fan_in) and ``B`` (fan_out, rank) for a weight of ``layout``.
 
-    ``scaling`` is ``alpha / rank``; ``dropout`` the probability on the adapter's input
-    while training (``Linear`` and ``Conv1D`` uses only, as PEFT).
+    ``scaling`` is ``alpha / rank``, or ``alpha / sqrt(rank)`` with ``rslora``
+    (rank-stabilised LoRA, PEFT's ``use_rslora``); ``dropout`` the probability on the
+    adapter's input while training (``Linear`` and ``Conv1D`` uses only, as PEFT).
     """
 
-    def __init__(self, layout: str, a: np.ndarray, b: np.ndarray, alpha: float, dropout: float):
+    def __init__(
+        self,
+        layout: str,
+        a: np.ndarray,
+        b: np.ndarray,
+        alpha: float,
+        dropout: float,
+        rslora: bool = False,
+    ):
         super().__init__()
         self.layout, self.alpha, self.dropout = layout, float(alpha), float(dropout)
-        self.rank = int(a.shape[0])
-        self.scaling = self.alpha / self.rank
+        self.rank, self.rslora = int(a.shape[0]), bool(rslora)
+        self.scaling = self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
         self.A = Param(a)
         self.B = Param(b)
 
@@ -61,7 +72,8 @@ class LoRA(Module):
         return delta if self.layout == OUT_IN else delta.T
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha:g}, dropout={self.dropout:g}"
+        rslora = ", rslora=True" if self.rslora else ""
+        return f"rank={self.rank}, alpha={self.alpha:g}, dropout={self.dropout:g}{rslora}"
 
 
 def initial_factors(

@@ -82,13 +82,15 @@ class Layer:
 @dataclass(frozen=True)
 class AdapterSpec:
     """One adapter to attach: its factors in the terms of ``layers[0]`` (its owner) and
-    the layers whose weight use it adapts (several only for uses of one storage)."""
+    the layers whose weight use it adapts (several only for uses of one storage);
+    ``rslora``: scaling ``alpha / sqrt(rank)`` (see ``LoRA``)."""
 
     layers: tuple[Layer, ...]
     a: np.ndarray
     b: np.ndarray
     alpha: float
     dropout: float
+    rslora: bool = False
 
 
 def weight_path(module_path: str) -> str:
@@ -247,12 +249,14 @@ def add_lora(
     *,
     name: str = "default",
     share_tied: bool = False,
+    rslora: bool = False,
     rng: np.random.Generator | None = None,
 ) -> list[str]:
     """Attach a LoRA adapter ``name`` to the weight use of every layer ``targets`` names.
 
-    ``rank`` is an integer >= 1, ``alpha`` a real > 0 (``scaling = alpha / rank``),
-    ``dropout`` in [0, 1); PEFT's initialisation (``B = 0``: the model computes what
+    ``rank`` is an integer >= 1, ``alpha`` a real > 0 (``scaling = alpha / rank``, or
+    ``alpha / sqrt(rank)`` with ``rslora``, PEFT's ``use_rslora``), ``dropout`` in
+    [0, 1); PEFT's initialisation (``B = 0``: the model computes what
     it computed) drawn from ``rng`` (None: ``default_rng(0)``). Ties, trainability and
     the active adapter: see the module docstring. Returns the adapted weight paths in
     slot order; on any error nothing has changed (C6).
@@ -262,12 +266,13 @@ def add_lora(
     alpha = positive(op, "alpha", alpha)
     dropout = decay_rate(op, "dropout", dropout)
     share_tied = flag(op, "share_tied", share_tied)
+    rslora = flag(op, "rslora", rslora)
     rng = init.generator(rng)
     check_name(model, name, op)
     chosen = select(model, targets, op)
     groups = tie_groups(model, chosen) if share_tied else [(layer,) for layer in chosen]
     specs = [
-        AdapterSpec(group, *initial_factors(group[0].module, rank, rng), alpha, dropout)
+        AdapterSpec(group, *initial_factors(group[0].module, rank, rng), alpha, dropout, rslora)
         for group in groups
     ]
     return attach(model, name, specs)
@@ -280,7 +285,8 @@ def attach(model: Module, name: str, specs: Sequence[AdapterSpec]) -> list[str]:
     check_name(model, name, "attach")
     first = not adapted_layers(model)
     for spec in specs:
-        adapter = LoRA(layout_of(spec.layers[0].module), spec.a, spec.b, spec.alpha, spec.dropout)
+        layout = layout_of(spec.layers[0].module)
+        adapter = LoRA(layout, spec.a, spec.b, spec.alpha, spec.dropout, spec.rslora)
         for layer in spec.layers:
             setattr(adapters_of(layer.module), name, adapter)
     if first:

@@ -5,10 +5,10 @@ per factor, ``base_model.model.<module path>.lora_A.weight`` and ``.lora_B.weigh
 a ``Linear`` or GPT-2 ``Conv1D`` (``.lora_embedding_A`` and ``.lora_embedding_B`` for
 an ``Embedding``), A (r, in) and B (out, r) in the terms of that use, as PEFT holds
 them (its ``fan_in_fan_out`` concerns merging only); and a ``LoraConfig``: ``r``,
-``lora_alpha``, ``lora_dropout``, ``target_modules`` (the adapted module paths),
-``fan_in_fan_out`` (true with a ``Conv1D``, as PEFT sets it for GPT-2) and
-``rank_pattern``/``alpha_pattern`` for the layers that differ. The module paths are the
-model's: a ``GPT2``'s are transformers' ``GPT2LMHeadModel``'s, so
+``lora_alpha``, ``lora_dropout``, ``use_rslora``, ``target_modules`` (the adapted
+module paths), ``fan_in_fan_out`` (true with a ``Conv1D``, as PEFT sets it for GPT-2) and
+``rank_pattern``/``alpha_pattern`` (whole paths) for the layers that differ. The module
+paths are the model's: a ``GPT2``'s are transformers' ``GPT2LMHeadModel``'s, so
 ``PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), directory)``
 computes what the tiegrad model computes.
 
@@ -22,23 +22,44 @@ the factors of both uses; it loads as the model that saved it computed: one adap
 shared by every adaptable use of a targeted storage (PEFT 0.21's own reload of such a
 GPT-2 file adapts the embedding alone, as ``wte`` is not among its embedding names).
 
+Every ``LoraConfig`` field that changes the arithmetic is computed as PEFT computes it
+or refused by name. Computed: ``r``, ``lora_alpha`` and ``lora_dropout``;
+``rank_pattern`` and ``alpha_pattern``, whose keys are regular expressions matching a
+module path whole or after a dot, the first matching key winning (PEFT's
+``get_pattern_key``); which modules are adapted (PEFT's ``check_target_module_exists``):
+``target_modules`` (a regular expression matching the whole path, or names matching it
+whole or as a dotted suffix), ``exclude_modules`` (the same two forms, applied first),
+``layers_to_transform`` and ``layers_pattern`` (a name matching a suffix only, in those
+layers); ``use_rslora`` (scaling ``alpha / sqrt(r)``, written back by ``save_adapter``);
+``fan_in_fan_out``, true or false: PEFT sets it by the layer (true for a ``Conv1D``, false
+for a ``Linear``, unread by an ``Embedding``'s forward), so the file's value changes
+nothing. ``init_lora_weights`` may be any initialisation that leaves the base as it was
+(true, false, gaussian, orthogonal, nora, eva); those that change the base (PiSSA, OLoRA,
+CorDA, Astra, LoRA-GA, LoftQ) are refused with how to get a plain LoRA file, MiCA (B
+frozen while training) too. Refused when set: the ``UNSUPPORTED`` keys (DoRA, a trained
+bias, ``modules_to_save``, ``target_parameters``, ...), a ``bias`` other than
+``"none"``, and any key that is not PEFT 0.22's (``KNOWN``). The flags take true, false
+or null (false) only.
+
 ``load_adapter`` checks everything before it changes anything (C6): the configuration
-(a LoRA computing nothing tiegrad does not: no DoRA, rsLoRA, trained bias,
-``modules_to_save``, ...), every tensor name (a module path of an adaptable layer
-among ``target_modules``, or with ``ensure_weight_tying`` one storage with such a
-layer's weight; both factors present), every shape against the model's weight, the
-rank against the configuration; a ``base_layer.weight`` (which PEFT writes with an
-embedding target) must equal the model's weight; the uses sharing an adapter must hold
-one adapter's factors and alpha, and with ``ensure_weight_tying`` every adaptable use of
-a targeted storage must have its factors in the file (and ``tiegrad.shared``, where
-present, must group the same uses). The first mismatch is a ``CheckpointError`` naming
-the file and the tensor, the expected and the actual value.
+(above), every tensor name (a module path of an adaptable layer PEFT adapts under the
+configuration, or with ``ensure_weight_tying`` one storage with such a layer's weight;
+both factors present; a file with factors of a module PEFT would not adapt is refused,
+where PEFT drops them with a warning, or raises with ``strict_adapter_check="error"``),
+every shape against the model's weight, the rank against the configuration; a
+``base_layer.weight`` (which PEFT writes with an embedding target) must equal the
+model's weight; the uses sharing an adapter must hold one adapter's factors and alpha,
+and with ``ensure_weight_tying`` every adaptable use of a targeted storage must have its
+factors in the file (and ``tiegrad.shared``, where present, must group the same uses).
+The first mismatch is a ``CheckpointError`` naming the file and the tensor, the expected
+and the actual value.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +76,6 @@ from ..adapters.lora import (
     attach,
     check_model,
     check_name,
-    matches,
 )
 from ..checkpoint.fileio import SafetensorsFile, parse_json, read_safetensors, write_safetensors
 from ..errors import CheckpointError, HyperparameterError, SlotError
@@ -80,7 +100,6 @@ FACTORS = {
 #: ``LoraConfig`` keys whose set values change what PEFT computes in ways tiegrad does not.
 UNSUPPORTED = (
     "use_dora",
-    "use_rslora",
     "lora_bias",
     "use_qalora",
     "use_bdlora",
@@ -93,7 +112,50 @@ UNSUPPORTED = (
     "trainable_token_indices",
     "target_parameters",
     "layer_replication",
+    "megatron_config",
 )
+#: The other keys of PEFT's ``LoraConfig`` (0.22): read by ``load_adapter``, or changing
+#: nothing it computes (bookkeeping; the settings of an initialisation or a variant that
+#: ``init_lora_weights``, ``use_qalora`` or ``megatron_config`` would have to name, which
+#: PEFT ignores otherwise). A key outside both lists is refused when set: it may be a
+#: newer PEFT's, changing the arithmetic in a way tiegrad cannot know.
+KNOWN = (
+    "peft_type",
+    "task_type",
+    "auto_mapping",
+    "peft_version",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "exclude_modules",
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "fan_in_fan_out",
+    "use_rslora",
+    "bias",
+    "init_lora_weights",
+    "ensure_weight_tying",
+    "loftq_config",
+    "eva_config",
+    "corda_config",
+    "astra_config",
+    "lora_ga_config",
+    "qalora_group_size",
+    "megatron_core",
+)
+#: ``init_lora_weights`` values after which PEFT's factors apply to the base as it was:
+#: only the initial factors differ (``"eva"`` sets its ranks through ``rank_pattern``).
+PLAIN_INITS = ("gaussian", "orthogonal", "nora", "eva")
+#: ``init_lora_weights`` prefixes whose initialisation changes the base weight: PiSSA,
+#: OLoRA, CorDA, Astra and LoRA-GA subtract their initial factors from it, LoftQ
+#: quantises it. Their factors are a correction of that changed base, not of this one.
+BASE_CHANGING = ("pissa", "olora", "corda", "astra", "lora_ga", "loftq")
 
 
 def _names(layer: Layer) -> tuple[str, str]:
@@ -167,7 +229,7 @@ def save_adapter(
         "inference_mode": True,
         "modules_to_save": None,
         "use_dora": False,
-        "use_rslora": False,
+        "use_rslora": first.rslora,
     }
     shared = [paths for paths in groups.values() if len(paths) > 1]
     config["ensure_weight_tying"] = bool(shared)
@@ -192,24 +254,23 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path}: cannot read: {e}") from None
     if config.get("peft_type") != "LORA":
         raise CheckpointError(f"{path}: peft_type {config.get('peft_type')!r}, expected 'LORA'")
-    for key in UNSUPPORTED:
-        value = config.get(key)
-        if value not in (None, False) and value != [] and value != {}:
+    for key, value in config.items():
+        if key in UNSUPPORTED and not _unset(value):
             raise CheckpointError(f"{path}: {key}={value!r:.80} is not supported by tiegrad")
-    tying = config.get("ensure_weight_tying")
-    if tying not in (None, False, True):
-        raise CheckpointError(
-            f"{path}: ensure_weight_tying must be true or false, got {tying!r:.80}"
-        )
-    config["ensure_weight_tying"] = bool(tying)  # unset (null) is false, as in PEFT
+        if key not in KNOWN and key not in UNSUPPORTED and not _unset(value):
+            raise CheckpointError(
+                f"{path}: {key}={value!r:.80} is not a LoraConfig field tiegrad knows (PEFT "
+                "0.22's); it may change what the adapter computes"
+            )
+    for key in ("fan_in_fan_out", "use_rslora", "ensure_weight_tying"):
+        value = config.get(key)
+        if not isinstance(value, bool) and value is not None:
+            raise CheckpointError(f"{path}: {key} must be true or false, got {value!r:.80}")
+        config[key] = bool(value)  # unset (null) is false, as in PEFT
+    _check_init(path, config.get("init_lora_weights", True))
     if config.get("bias", "none") != "none":
         raise CheckpointError(f"{path}: bias={config['bias']!r} is not supported (only 'none')")
-    targets = config.get("target_modules")
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise CheckpointError(
-            f"{path}: target_modules must be a list of module names, got {targets!r:.80} "
-            "(a regular expression is not read)"
-        )
+    _check_targeting(path, config)
     try:
         size(f"{path}", "r", config.get("r"))
         positive(f"{path}", "lora_alpha", config.get("lora_alpha"))
@@ -219,17 +280,158 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
             if not isinstance(pattern, dict):
                 raise CheckpointError(f"{path}: {key} must be an object, got {pattern!r:.80}")
             for k, v in pattern.items():
+                _regex(path, f"{key} key {k!r}", rf"(.*\.)?({k})$")
                 check(f"{path}", f"{key}[{k!r}]", v)
     except HyperparameterError as e:
         raise CheckpointError(str(e)) from None
     return config
 
 
+def _unset(value: Any) -> bool:
+    """Whether a configuration value is PEFT's "not used" (null, false, empty)."""
+    return value is None or value is False or value == [] or value == {}
+
+
+def _check_init(path: Path, init: Any) -> None:
+    """``init_lora_weights`` must leave PEFT's factors a correction of the base as it
+    was (``BASE_CHANGING`` refused, with how to get such a file) and name no variant."""
+    if isinstance(init, bool) or init in PLAIN_INITS:
+        return
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING):
+        raise CheckpointError(
+            f"{path}: init_lora_weights={init!r:.80}: PEFT changed the base weights when it "
+            "made this adapter (LoftQ quantises them; PiSSA, OLoRA, CorDA, Astra and LoRA-GA "
+            "subtract the initial factors), and the factors correct that changed base, not "
+            "the original. PEFT's save_pretrained(..., path_initial_model_for_weight_"
+            "conversion=DIR) writes a plain LoRA file of the original base (not for LoftQ); "
+            "for a model that holds the changed base PEFT saved, set init_lora_weights to true"
+        )
+    if init == "mica":
+        raise CheckpointError(
+            f"{path}: init_lora_weights='mica' is MiCA, which trains A alone (B frozen); "
+            "tiegrad's adapters train both factors"
+        )
+    raise CheckpointError(
+        f"{path}: init_lora_weights={init!r:.80} is not an initialisation PEFT's LoRA "
+        f"knows (expected true, false, {', '.join(map(repr, PLAIN_INITS))}, or one of "
+        f"{', '.join(BASE_CHANGING)} and 'mica', which tiegrad refuses)"
+    )
+
+
+def _regex(path: Path, what: str, pattern: str) -> None:
+    """``pattern`` must be a regular expression Python's ``re`` (PEFT's) compiles."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise CheckpointError(f"{path}: {what} is not a regular expression: {e}") from None
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _check_targeting(path: Path, config: dict[str, Any]) -> None:
+    """``target_modules``, ``exclude_modules``, ``layers_to_transform`` and
+    ``layers_pattern`` of the types PEFT takes, combined as PEFT's ``LoraConfig`` lets
+    them be (``_not_targeted`` applies them)."""
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        _regex(path, "target_modules", targets)
+    elif not _strings(targets) or not targets:
+        raise CheckpointError(
+            f"{path}: target_modules must be a regular expression or a non-empty list of "
+            f"module names, got {targets!r:.80}"
+        )
+    exclude = config.get("exclude_modules")
+    if isinstance(exclude, str):
+        _regex(path, "exclude_modules", exclude)
+    elif exclude is not None and not _strings(exclude):
+        raise CheckpointError(
+            f"{path}: exclude_modules must be a regular expression or a list of module "
+            f"names, got {exclude!r:.80}"
+        )
+    layers = config.get("layers_to_transform")
+    indexes = layers if isinstance(layers, list) else [layers]
+    if layers is not None and not all(isinstance(i, int) and type(i) is not bool for i in indexes):
+        raise CheckpointError(
+            f"{path}: layers_to_transform must be a layer index or a list of them, got "
+            f"{layers!r:.80}"
+        )
+    pattern = config.get("layers_pattern")
+    if pattern is not None and not isinstance(pattern, str) and not _strings(pattern):
+        raise CheckpointError(
+            f"{path}: layers_pattern must be a name or a list of names, got {pattern!r:.80}"
+        )
+    if pattern and layers is None:
+        raise CheckpointError(f"{path}: layers_pattern {pattern!r:.80} needs layers_to_transform")
+    if isinstance(targets, str) and (layers not in (None, []) or pattern):
+        key = "layers_to_transform" if layers not in (None, []) else "layers_pattern"
+        raise CheckpointError(
+            f"{path}: {key} applies to a list of target_modules, not to the regular "
+            f"expression {targets!r:.80}"
+        )
+    for p in [pattern] if isinstance(pattern, str) else pattern or []:
+        _regex(path, f"layers_pattern {p!r}", _layer_regex(p))
+
+
+def _named_by(names: list[str], path: str) -> bool:
+    """PEFT's rule for a list of module names: ``path`` is one whole or ends in ``.name``."""
+    return path in names or any(path.endswith("." + n) for n in names)
+
+
+def _layer_index(config: dict[str, Any], path: str) -> int | None:
+    """The layer index PEFT reads from ``path`` for ``layers_to_transform``: the number
+    after the first ``<layers_pattern>.`` (any name without a pattern), or None."""
+    pattern = config.get("layers_pattern")
+    patterns = [pattern] if isinstance(pattern, str) else pattern
+    found = None
+    for regex in map(_layer_regex, patterns) if patterns else [_layer_regex(None)]:
+        found = re.match(regex, path)
+        if found:
+            break
+    return None if found is None else int(found["idx"])
+
+
+def _layer_regex(pattern: str | None) -> str:
+    """PEFT's regular expression of a layer index after ``pattern`` (None: any name)."""
+    if pattern is None:
+        return r".*?\.[^.]*\.(?P<idx>\d+)\."
+    return rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\."
+
+
+def _not_targeted(config: dict[str, Any], path: str) -> str | None:
+    """Why PEFT adapts no module at ``path`` under ``config`` (None: it does), as its
+    ``check_target_module_exists``: ``exclude_modules`` first (a regular expression
+    matching the whole path, or names), then ``target_modules`` (the same two forms); a
+    name that matches a suffix, not the whole path, must be in ``layers_to_transform``."""
+    exclude = config.get("exclude_modules")
+    if exclude is not None and (
+        re.fullmatch(exclude, path) if isinstance(exclude, str) else _named_by(exclude, path)
+    ):
+        return f"excluded by exclude_modules {exclude!r:.80}"
+    targets = config["target_modules"]
+    if isinstance(targets, str):
+        return None if re.fullmatch(targets, path) else f"not matched by {targets!r:.80}"
+    if path in targets:
+        return None
+    if not _named_by(targets, path):
+        return "not a target_module"
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return None
+    index = _layer_index(config, path)
+    if index in ([layers] if isinstance(layers, int) else layers):
+        return None
+    where = "in no numbered layer" if index is None else f"in layer {index}"
+    return f"{where}, not in layers_to_transform {layers!r:.80}"
+
+
 def _pattern_value(config: dict[str, Any], key: str, default: str, path: str) -> Any:
-    """PEFT's per-module value: the first key of ``config[key]`` naming ``path`` whole or
-    as a dotted suffix, else ``config[default]``."""
+    """PEFT's per-module value (``get_pattern_key``): that of the first key of
+    ``config[key]`` that, as a regular expression, matches ``path`` whole or after a dot;
+    else ``config[default]``."""
     for k, v in (config.get(key) or {}).items():
-        if path == k or path.endswith("." + k):
+        if re.match(rf"(.*\.)?({k})$", path):
             return v
     return config[default]
 
@@ -248,11 +450,15 @@ def load_adapter(
     file = read_safetensors(os.fspath(Path(directory) / WEIGHTS))
     where = file.path
     layers = {p: layer for layer in adaptable_layers(model) for p in layer.paths}
-    for target in config["target_modules"]:
-        if not any(matches(target, p) for p in layers):
-            raise CheckpointError(
-                f"{where}: target module {target!r} names no adaptable layer of {model.label()}"
-            )
+    targets = config["target_modules"]
+    if isinstance(targets, str):
+        unmatched = [] if any(re.fullmatch(targets, p) for p in layers) else [targets]
+    else:
+        unmatched = [t for t in targets if not any(_named_by([t], p) for p in layers)]
+    if unmatched:
+        raise CheckpointError(
+            f"{where}: target module {unmatched[0]!r} names no adaptable layer of {model.label()}"
+        )
     factors = _read_factors(file, config, layers, model)
     groups = _shared_groups(file, factors, layers, config)
     dropout = float(config.get("lora_dropout", 0.0))
@@ -265,8 +471,8 @@ def load_adapter(
                 f"{where}: {' and '.join(map(repr, group))} share one adapter, but "
                 f"alpha_pattern gives them alphas {list(alphas.values())} (one adapter has one)"
             )
-        alpha = float(alphas[group[0]])
-        specs.append(AdapterSpec(tuple(layers[p] for p in group), a, b, alpha, dropout))
+        alpha, rslora = float(alphas[group[0]]), config["use_rslora"]
+        specs.append(AdapterSpec(tuple(layers[p] for p in group), a, b, alpha, dropout, rslora))
     return attach(model, name, specs)
 
 
@@ -276,7 +482,7 @@ def _read_factors(
     """``{module path: (A, B)}`` in the model's slot order, in the terms of each use,
     cast to the weight's dtype; every name, shape and base weight checked."""
     where = file.path
-    targeted = _targeted_paths(config, layers)
+    untargeted = _untargeted_paths(config, layers)
     found: dict[str, dict[str, str]] = {}
     for key in file.tensors:
         rest = key[len(PREFIX) :] if key.startswith(PREFIX) else None
@@ -303,12 +509,13 @@ def _read_factors(
                 f"{where}: tensor {key!r} is a factor of an {'' if embedding else 'non-'}"
                 f"embedding, but {path!r} is a {type(layer.module).__name__}"
             )
-        if path not in targeted:
+        if path in untargeted:
             tied = (
                 " nor one storage with one in this model" if config["ensure_weight_tying"] else ""
             )
             raise CheckpointError(
-                f"{where}: tensor {key!r} names {path!r}, not a target_module{tied}"
+                f"{where}: tensor {key!r} names {path!r}, {untargeted[path]}{tied}; PEFT "
+                "adapts no such module"
             )
         found.setdefault(path, {})[factor] = key
     out = {}
@@ -335,15 +542,15 @@ def _read_factors(
     return out
 
 
-def _targeted_paths(config: dict[str, Any], layers: dict[str, Layer]) -> set[str]:
-    """The module paths among ``target_modules`` and, with ``ensure_weight_tying``, those
-    whose weight is one storage with one of theirs (PEFT adapts the uses tied to a
-    target and names only the target)."""
-    named = {p for p in layers if any(matches(t, p) for t in config["target_modules"])}
-    if not config["ensure_weight_tying"]:
-        return named
-    storages = {id(layers[p].module.weight.storage) for p in named}
-    return {p for p, layer in layers.items() if id(layer.module.weight.storage) in storages}
+def _untargeted_paths(config: dict[str, Any], layers: dict[str, Layer]) -> dict[str, str]:
+    """``{module path: why}`` of the paths PEFT adapts no module at (``_not_targeted``);
+    with ``ensure_weight_tying``, a path whose weight is one storage with a targeted one's
+    is targeted (PEFT adapts the uses tied to a target and names only the target)."""
+    why = {p: _not_targeted(config, p) for p in layers}
+    if config["ensure_weight_tying"]:
+        storages = {id(layers[p].module.weight.storage) for p, w in why.items() if w is None}
+        why = {p: w for p, w in why.items() if id(layers[p].module.weight.storage) not in storages}
+    return {p: w for p, w in why.items() if w is not None}
 
 
 def _check_base(file: SafetensorsFile, key: str, path: str, layers: dict[str, Layer]) -> None:
