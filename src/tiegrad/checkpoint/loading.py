@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import CheckpointError, TiegradError
 from ..params import ParameterStorage
 from .fileio import SafetensorsFile, _is_int, checkpoint_path, read_safetensors
+from .finite import finite_cast
 from .saving import as_param_list, check_methods, check_optimizer_params, generator_of
 from .schema import OptimizerRecord, Schema, SlotRecord, layout_table, slot_records
 
@@ -69,8 +70,10 @@ def load(
     ``missing`` and ``unexpected``; an optimizer is then loaded only if every slot
     matches exactly. ``rng`` is a numpy Generator or a session with ``.rng``.
 
-    Values are checked too: a parameter holding NaN or infinity is refused unless
-    ``allow_nonfinite``; the optimizer refuses state that no step can produce (see
+    Values are checked too: a parameter holding NaN or infinity is refused, naming the
+    tensor and the count, unless ``allow_nonfinite`` (``finite.finite_cast``); the
+    optimizer refuses state that no step can produce, whatever ``allow_nonfinite`` says
+    (a NaN moment; an overflowed second moment is +inf and loads; see
     ``tiegrad.optim.state_values``). ``check_extra(extra)``, when given, is called
     with the file's ``extra`` after every other check and before any write; it raises
     (a ``TiegradError``) to refuse the file, which then changes nothing.
@@ -106,9 +109,8 @@ def load(
     writes: dict[int, tuple[ParameterStorage, np.ndarray]] = {}
     for f, t in pairs:
         if t.storage not in writes:
-            value = file.array(f.tensor)
-            if not allow_nonfinite:
-                _check_finite(value, f"{where}: slot {t.path!r}")
+            what = f"{where}: tensor {f.tensor!r} (slot {t.path!r})"
+            value = finite_cast(file.array(f.tensor), t.dtype, what, allow_nonfinite)
             writes[t.storage] = (plist[t.storage].storage, value)
     if check_extra is not None:
         check_extra(schema.extra)
@@ -273,15 +275,6 @@ def _check_rng_state(state: dict[str, Any] | None, gen: np.random.Generator, whe
             f"{where}: the RNG state does not fit a {type(gen.bit_generator).__name__} "
             f"generator: {e}"
         ) from None
-
-
-def _check_finite(value: np.ndarray, what: str) -> None:
-    bad = value.size - int(np.count_nonzero(np.isfinite(value)))
-    if bad:
-        raise CheckpointError(
-            f"{what}: {bad} of {value.size} values are NaN or infinite (pass "
-            f"allow_nonfinite=True to load them)"
-        )
 
 
 def _call_loader(loader: Callable[[Any], Any], state: Any, what: str, where: str) -> None:
