@@ -1,9 +1,11 @@
-"""Untrusted folders, nothing accepted silently (issue 52, item 2).
+"""Untrusted folders, nothing accepted silently (issue 52, items 2 and 6).
 
 Non-finite values: a NaN, an infinity or a float64 beyond float32's range in a
 transformers GPT-2 folder, a PEFT adapter or a tiegrad checkpoint is a ``TiegradError``
 naming the file, the tensor and the count, the target unchanged (C6); the loaders'
-``allow_nonfinite=True`` loads it.
+``allow_nonfinite=True`` loads it. Integrity: a checkpoint holds the CRC-32 of every
+tensor, so a flipped byte in its data is refused by tensor name; a file written before
+(format version 1, no checksums) loads with a warning naming it.
 
 The folders are written here by transformers, PEFT and tiegrad (tiny configurations),
 then edited; nothing is downloaded.
@@ -12,8 +14,10 @@ then edited; nothing is downloaded.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import warnings
+import zlib
 
 import numpy as np
 import pytest
@@ -309,3 +313,136 @@ def test_non_finite_optimizer_state_is_refused_even_with_the_opt_in(checkpoint):
         with pytest.raises(CheckpointError, match=r"state 'exp_avg' of slot 0: 3 of \d+ values"):
             tiegrad.load(checkpoint, model, optimizer=optimizer, allow_nonfinite=allow)
         assert_same(state(model, optimizer), before)
+
+
+def data_offset(path, tensor: str) -> int:
+    """The file offset of the first byte of ``tensor``'s data."""
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    return 8 + n + json.loads(blob[8 : 8 + n])[tensor]["data_offsets"][0]
+
+
+@pytest.mark.parametrize("tensor", [EMBED, "optim/0/exp_avg_sq"])
+def test_a_flipped_byte_in_tensor_data_is_refused_naming_the_tensor(checkpoint, capsys, tensor):
+    blob = bytearray(checkpoint.read_bytes())
+    blob[data_offset(checkpoint, tensor) + 5] ^= 0x10  # one bit of one element
+    checkpoint.write_bytes(bytes(blob))
+    model, optimizer = trained(seed=1)
+    before = state(model, optimizer)
+    with pytest.raises(CheckpointError) as info:
+        tiegrad.load(checkpoint, model, optimizer=optimizer)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {checkpoint}: tensor {tensor!r} is damaged"), message
+    assert "CRC-32" in message
+    assert_same(state(model, optimizer), before)
+    with pytest.raises(CheckpointError, match=f"tensor {tensor!r} is damaged"):
+        tiegrad.load(checkpoint, model, strict=False)  # whatever the load reads
+    with pytest.raises(CheckpointError, match=f"tensor {tensor!r} is damaged"):
+        tiegrad.inspect(checkpoint)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", str(checkpoint)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert f"tensor {tensor!r} is damaged" in err[0]
+
+
+def test_every_damaged_tensor_is_counted_in_a_bounded_message(tmp_path):
+    params = [tiegrad.Param(np.full(4, i, np.float32), name=f"w{i}") for i in range(6)]
+    path = tmp_path / "six.safetensors"
+    tiegrad.save(path, tiegrad.ParamList(params))
+    blob = bytearray(path.read_bytes())
+    for i in range(6):
+        blob[data_offset(path, f"param/w{i}")] ^= 1
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError) as info:
+        tiegrad.load(path, tiegrad.ParamList(params))
+    message = str(info.value)
+    assert "tensor 'param/w0' is damaged" in message
+    assert "damaged too: 'param/w1', 'param/w2', 'param/w3' and 2 more" in message
+
+
+def test_the_checksums_are_crc32_of_each_tensors_bytes(checkpoint):
+    tensors, doc = read_doc(checkpoint)
+    assert doc["format_version"] == tiegrad.checkpoint.FORMAT_VERSION == 2
+    assert doc["checksums"]["algorithm"] == "crc32"
+    assert doc["checksums"]["tensors"] == {k: zlib.crc32(v.tobytes()) for k, v in tensors.items()}
+    assert "checksums: CRC-32 of each of" in tiegrad.inspect(checkpoint)
+
+
+class BigEndianState:
+    """An optimizer whose state_dict holds a big-endian tensor (what save may be given)."""
+
+    kind = "SGD"
+
+    def state_dict(self):
+        momentum = np.arange(6, dtype=">f4").reshape(2, 3)
+        return {"kind": self.kind, "state": {0: {"momentum_buffer": momentum}}}
+
+
+def test_a_checksum_covers_the_bytes_as_stored_whatever_the_byte_order(tmp_path):
+    w = tiegrad.Param(np.ones((2, 3), np.float32), name="w")
+    path = tmp_path / "be.safetensors"
+    tiegrad.save(path, tiegrad.ParamList([w]), optimizer=BigEndianState())
+    _, doc = read_doc(path)
+    little = np.arange(6, dtype="<f4").tobytes()  # safetensors stores little-endian
+    assert doc["checksums"]["tensors"]["optim/0/momentum_buffer"] == zlib.crc32(little)
+    tiegrad.load(path, tiegrad.ParamList([w]))  # every tensor verified, none refused
+
+
+def legacy(path) -> None:
+    """Rewrite the checkpoint at ``path`` as tiegrad wrote it before checksums: format
+    version 1, no ``checksums`` key."""
+    tensors, doc = read_doc(path)
+    del doc["checksums"]
+    doc["format_version"] = 1
+    write_doc(path, tensors, doc)
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning_naming_it(checkpoint):
+    legacy(checkpoint)
+    model, optimizer = trained(seed=1)
+    with pytest.warns(UserWarning, match="without tensor checksums") as caught:
+        tiegrad.load(checkpoint, model, optimizer=optimizer)
+    assert len(caught) == 1 and str(checkpoint) in str(caught[0].message)
+    assert caught[0].filename == __file__  # it points at the caller's load
+    source, _ = trained(seed=0)
+    for (path, p), (_, q) in zip(model.named_slots(), source.named_slots()):
+        assert np.array_equal(p.value, q.value), path
+    with pytest.warns(UserWarning, match="without tensor checksums"):
+        assert "checksums: none (written before" in tiegrad.inspect(checkpoint)
+
+
+def test_a_current_checkpoint_stripped_of_its_checksums_is_refused(checkpoint):
+    tensors, doc = read_doc(checkpoint)
+    del doc["checksums"]
+    write_doc(checkpoint, tensors, doc)
+    model, optimizer = trained(seed=1)
+    before = state(model, optimizer)
+    with pytest.raises(CheckpointError, match="expected .*'checksums'.* \\(format version 2\\)"):
+        tiegrad.load(checkpoint, model, optimizer=optimizer)
+    assert_same(state(model, optimizer), before)
+
+
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        (lambda c: c["tensors"].pop(EMBED), f"no checksum for {EMBED!r}"),
+        (lambda c: c["tensors"].update({"param/x": 1}), "not in the file: 'param/x'"),
+        (lambda c: c["tensors"].update({EMBED: -1}), "is -1, not a CRC-32"),
+        (lambda c: c["tensors"].update({EMBED: "0x1"}), "is '0x1', not a CRC-32"),
+        (lambda c: c.update(algorithm="sha256"), "checksum algorithm 'sha256'"),
+        (lambda c: c.pop("tensors"), "checksums must be"),
+    ],
+)
+def test_a_malformed_checksum_table_is_refused(checkpoint, edit, fragment):
+    tensors, doc = read_doc(checkpoint)
+    edit(doc["checksums"])
+    safetensors.numpy.save_file(
+        tensors, os.fspath(checkpoint), metadata={"tiegrad": json.dumps(doc)}
+    )
+    model, optimizer = trained(seed=1)
+    before = state(model, optimizer)
+    with pytest.raises(CheckpointError, match=f"checkpoint {checkpoint}: .*") as info:
+        tiegrad.load(checkpoint, model, optimizer=optimizer)
+    assert fragment in str(info.value)
+    assert_same(state(model, optimizer), before)

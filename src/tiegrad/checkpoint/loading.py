@@ -14,6 +14,7 @@ from ..errors import CheckpointError, TiegradError
 from ..params import ParameterStorage
 from .fileio import SafetensorsFile, _is_int, checkpoint_path, read_safetensors
 from .finite import finite_cast
+from .integrity import verify
 from .saving import as_param_list, check_methods, check_optimizer_params, generator_of
 from .schema import OptimizerRecord, Schema, SlotRecord, layout_table, slot_records
 
@@ -51,17 +52,20 @@ def load(
 ) -> LoadResult:
     """Restore ``model`` (and optionally ``optimizer``, ``schedule``, ``rng``) from ``path``.
 
-    The file is parsed and its schema checked (``Schema.parse``); then everything is
-    validated against the targets: slot paths, shapes, dtypes, the alias layout (the
-    storage and canonical slot of every slot, so [p, q, p] and [p, q, q] differ),
-    trainability, the optimizer's kind and state shapes, the RNG's bit generator. Only
-    then is anything written: the optimizer, the schedule, one value per storage, the
-    RNG state. On any error nothing has changed (C6) and a ``CheckpointError`` names the
-    file and the slot; a layout mismatch shows both layouts side by side. The optimizer
-    and schedule check their own state in ``load_state_dict`` (changing nothing when
-    they refuse it); a schedule with ``check_state_dict`` (tiegrad's) is checked before
-    the optimizer loads, and should another schedule refuse after the optimizer
-    accepted, the optimizer's previous ``state_dict`` is put back.
+    The file is parsed, its schema checked (``Schema.parse``) and every tensor's bytes
+    checked against the CRC-32 the schema records, so a damaged tensor is refused by
+    name (a file written before tiegrad stored checksums loads with a warning naming
+    it, ``integrity.verify``); then everything is validated against the targets: slot
+    paths, shapes, dtypes, the alias layout (the storage and canonical slot of every
+    slot, so [p, q, p] and [p, q, q] differ), trainability, the optimizer's kind and
+    state shapes, the RNG's bit generator. Only then is anything written: the optimizer,
+    the schedule, one value per storage, the RNG state. On any error nothing has changed
+    (C6) and a ``CheckpointError`` names the file and the slot; a layout mismatch shows
+    both layouts side by side. The optimizer and schedule check their own state in
+    ``load_state_dict`` (changing nothing when they refuse it); a schedule with
+    ``check_state_dict`` (tiegrad's) is checked before the optimizer loads, and should
+    another schedule refuse after the optimizer accepted, the optimizer's previous
+    ``state_dict`` is put back.
 
     The target's alias layout must already be the file's: ties are restored by writing
     each file storage into the one target storage at the same slots (C9).
@@ -85,6 +89,7 @@ def load(
     check_methods(schedule, "schedule", ("load_state_dict",), where)
     file = read_safetensors(path)
     schema = Schema.parse(file)
+    verify(file, schema.checksums, where)
     target = slot_records(plist)
     pairs, missing, unexpected = _match_slots(schema.slots, target, strict, where)
     exact = not missing and not unexpected and all(a == b for a, b in pairs)
