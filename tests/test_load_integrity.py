@@ -170,6 +170,23 @@ def test_float64_weights_beyond_float32_count_as_non_finite(gpt2_folder, tmp_pat
     assert np.isposinf(loaded.get_parameter(C_ATTN).value[SPOTS[0]])
 
 
+def test_a_tied_head_stored_beside_its_embedding_loads_with_the_same_nans(gpt2_folder, tmp_path):
+    # A file holding both tied tensors ties them when their values are equal; with the
+    # opt-in, NaN at the same places in both is equal.
+    folder = copied(gpt2_folder, tmp_path)
+    weights = folder / "model.safetensors"
+    wte = "transformer.wte.weight"
+    tensors = safetensors.numpy.load_file(os.fspath(weights))
+    tensors[wte] = poison(tensors[wte], np.nan)
+    tensors["lm_head.weight"] = tensors[wte].copy()
+    safetensors.numpy.save_file(tensors, os.fspath(weights), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="holds 3 non-finite values"):
+        GPT2.from_pretrained(folder)
+    model = GPT2.from_pretrained(folder, allow_nonfinite=True)
+    assert model.aliases() == {wte: ["lm_head.weight"]}
+    assert np.isnan(model.get_parameter("lm_head.weight").value).sum() == 3
+
+
 def test_train_init_on_a_non_finite_folder_exits_2_with_one_line(
     gpt2_folder, tmp_path, monkeypatch, capsys
 ):
