@@ -114,6 +114,11 @@ class SafetensorsFile:
         """The length of the tensor data (the file less its header)."""
         return len(self._data)
 
+    def stored_bytes(self, name: str) -> memoryview:
+        """The bytes of tensor ``name`` as the file stores them (little-endian, C order)."""
+        e = self.tensors[name]
+        return self._data[e.begin : e.end]
+
     def array(self, name: str) -> np.ndarray:
         """A fresh, writable, native-endian copy of tensor ``name``."""
         e = self.tensors[name]

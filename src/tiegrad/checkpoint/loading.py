@@ -13,6 +13,8 @@ import numpy as np
 from ..errors import CheckpointError, TiegradError
 from ..params import ParameterStorage
 from .fileio import SafetensorsFile, _is_int, checkpoint_path, read_safetensors
+from .finite import finite_cast
+from .integrity import verify
 from .saving import as_param_list, check_methods, check_optimizer_params, generator_of
 from .schema import OptimizerRecord, Schema, SlotRecord, layout_table, slot_records
 
@@ -50,17 +52,20 @@ def load(
 ) -> LoadResult:
     """Restore ``model`` (and optionally ``optimizer``, ``schedule``, ``rng``) from ``path``.
 
-    The file is parsed and its schema checked (``Schema.parse``); then everything is
-    validated against the targets: slot paths, shapes, dtypes, the alias layout (the
-    storage and canonical slot of every slot, so [p, q, p] and [p, q, q] differ),
-    trainability, the optimizer's kind and state shapes, the RNG's bit generator. Only
-    then is anything written: the optimizer, the schedule, one value per storage, the
-    RNG state. On any error nothing has changed (C6) and a ``CheckpointError`` names the
-    file and the slot; a layout mismatch shows both layouts side by side. The optimizer
-    and schedule check their own state in ``load_state_dict`` (changing nothing when
-    they refuse it); a schedule with ``check_state_dict`` (tiegrad's) is checked before
-    the optimizer loads, and should another schedule refuse after the optimizer
-    accepted, the optimizer's previous ``state_dict`` is put back.
+    The file is parsed, its schema checked (``Schema.parse``) and every tensor's bytes
+    checked against the CRC-32 the schema records, so a damaged tensor is refused by
+    name (a file written before tiegrad stored checksums loads with a warning naming
+    it, ``integrity.verify``); then everything is validated against the targets: slot
+    paths, shapes, dtypes, the alias layout (the storage and canonical slot of every
+    slot, so [p, q, p] and [p, q, q] differ), trainability, the optimizer's kind and
+    state shapes, the RNG's bit generator. Only then is anything written: the optimizer,
+    the schedule, one value per storage, the RNG state. On any error nothing has changed
+    (C6) and a ``CheckpointError`` names the file and the slot; a layout mismatch shows
+    both layouts side by side. The optimizer and schedule check their own state in
+    ``load_state_dict`` (changing nothing when they refuse it); a schedule with
+    ``check_state_dict`` (tiegrad's) is checked before the optimizer loads, and should
+    another schedule refuse after the optimizer accepted, the optimizer's previous
+    ``state_dict`` is put back.
 
     The target's alias layout must already be the file's: ties are restored by writing
     each file storage into the one target storage at the same slots (C9).
@@ -69,8 +74,10 @@ def load(
     ``missing`` and ``unexpected``; an optimizer is then loaded only if every slot
     matches exactly. ``rng`` is a numpy Generator or a session with ``.rng``.
 
-    Values are checked too: a parameter holding NaN or infinity is refused unless
-    ``allow_nonfinite``; the optimizer refuses state that no step can produce (see
+    Values are checked too: a parameter holding NaN or infinity is refused, naming the
+    tensor and the count, unless ``allow_nonfinite`` (``finite.finite_cast``); the
+    optimizer refuses state that no step can produce, whatever ``allow_nonfinite`` says
+    (a NaN moment; an overflowed second moment is +inf and loads; see
     ``tiegrad.optim.state_values``). ``check_extra(extra)``, when given, is called
     with the file's ``extra`` after every other check and before any write; it raises
     (a ``TiegradError``) to refuse the file, which then changes nothing.
@@ -82,6 +89,7 @@ def load(
     check_methods(schedule, "schedule", ("load_state_dict",), where)
     file = read_safetensors(path)
     schema = Schema.parse(file)
+    verify(file, schema.checksums, where)
     target = slot_records(plist)
     pairs, missing, unexpected = _match_slots(schema.slots, target, strict, where)
     exact = not missing and not unexpected and all(a == b for a, b in pairs)
@@ -106,9 +114,8 @@ def load(
     writes: dict[int, tuple[ParameterStorage, np.ndarray]] = {}
     for f, t in pairs:
         if t.storage not in writes:
-            value = file.array(f.tensor)
-            if not allow_nonfinite:
-                _check_finite(value, f"{where}: slot {t.path!r}")
+            what = f"{where}: tensor {f.tensor!r} (slot {t.path!r})"
+            value = finite_cast(file.array(f.tensor), t.dtype, what, allow_nonfinite)
             writes[t.storage] = (plist[t.storage].storage, value)
     if check_extra is not None:
         check_extra(schema.extra)
@@ -273,15 +280,6 @@ def _check_rng_state(state: dict[str, Any] | None, gen: np.random.Generator, whe
             f"{where}: the RNG state does not fit a {type(gen.bit_generator).__name__} "
             f"generator: {e}"
         ) from None
-
-
-def _check_finite(value: np.ndarray, what: str) -> None:
-    bad = value.size - int(np.count_nonzero(np.isfinite(value)))
-    if bad:
-        raise CheckpointError(
-            f"{what}: {bad} of {value.size} values are NaN or infinite (pass "
-            f"allow_nonfinite=True to load them)"
-        )
 
 
 def _call_loader(loader: Callable[[Any], Any], state: Any, what: str, where: str) -> None:

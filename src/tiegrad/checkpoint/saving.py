@@ -11,6 +11,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..params import ParamList
 from .fileio import check_entries, checkpoint_path, supported_dtype, write_safetensors
+from .integrity import tensor_checksum
 from .schema import (
     METADATA_KEY,
     OPTIM_PREFIX,
@@ -97,8 +98,9 @@ def save(
     trainability mask survive (C9). ``optimizer.state_dict()`` is stored with its tensors
     keyed by canonical slot (``optim/<slot>/<name>``); ``schedule.state_dict()``,
     ``extra`` (JSON) and the bit-generator state of ``rng`` (a numpy Generator or a
-    session) go into the schema. Everything is validated before the file is touched;
-    the write is atomic (see ``write_safetensors``). Errors are ``CheckpointError``.
+    session) go into the schema, with the CRC-32 of every tensor's bytes, which ``load``
+    verifies (``integrity``). Everything is validated before the file is touched; the
+    write is atomic (see ``write_safetensors``). Errors are ``CheckpointError``.
     """
     path = checkpoint_path(path)
     where = f"checkpoint {path}"
@@ -128,7 +130,8 @@ def save(
         rng_state = json_value(state, "the RNG state", where)
     extra = json_value(extra, "extra", where)
     check_entries(where, "slots", len(slots), sum(t.nbytes for t in tensors.values()))
-    schema = Schema(tuple(slots), record, schedule_state, rng_state, extra)
+    checksums = {name: tensor_checksum(value) for name, value in tensors.items()}
+    schema = Schema(tuple(slots), record, schedule_state, rng_state, extra, checksums=checksums)
     return write_safetensors(path, tensors, {METADATA_KEY: schema.to_json()})
 
 

@@ -4,8 +4,9 @@ The schema (``__metadata__["tiegrad"]``, format version ``FORMAT_VERSION``) reco
 every slot of the parameter list (path, shape, dtype, trainability, canonical slot,
 storage representative and the tensor holding its value), the optimizer's kind,
 hyperparameters, counters and per-canonical-slot state, the schedule state, the RNG
-state and the user's ``extra`` (C9). ``Schema.parse`` checks a file's schema for
-well-formedness against the file's tensors before anything else reads it (C6):
+state, the user's ``extra`` (C9) and, from version 2 on, a CRC-32 of every tensor
+(``integrity``). ``Schema.parse`` checks a file's schema for well-formedness against the
+file's tensors before anything else reads it (C6):
 
 - ``storage`` is the first slot, frozen or not, holding the same storage object; it
   points backwards at a slot that represents itself, with equal shape, dtype and tensor;
@@ -13,11 +14,14 @@ well-formedness against the file's tensors before anything else reads it (C6):
   slot, else the first trainable slot of its storage (never forward, never frozen);
 - every tensor named by the schema is in the file with the slot's shape and dtype, and
   the file holds no other tensor;
-- optimizer state is keyed by canonical slots only, its tensors shaped like the slot.
+- optimizer state is keyed by canonical slots only, its tensors shaped like the slot;
+- from version 2 on, ``checksums`` has one CRC-32 for each tensor of the file (a file of
+  version 1, written before tiegrad stored them, has none; ``integrity.verify`` warns).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -29,9 +33,13 @@ import numpy as np
 from ..errors import CheckpointError
 from ..params import ParamList
 from .fileio import SafetensorsFile, _is_int, entry_limit, parse_json, supported_dtype
+from .integrity import checksums_json, parse_checksums
 
 FORMAT = "tiegrad-checkpoint"
-FORMAT_VERSION = 1
+#: 2: the schema holds a CRC-32 of each tensor (``checksums``); 1: without them.
+FORMAT_VERSION = 2
+#: The first format version whose files hold checksums.
+CHECKSUMS_SINCE = 2
 METADATA_KEY = "tiegrad"
 PARAM_PREFIX = "param/"
 OPTIM_PREFIX = "optim/"
@@ -41,6 +49,7 @@ _SLOT_KEYS = {"path", "shape", "dtype", "requires_grad", "canonical", "storage",
 TABLE_ROWS = 20
 
 _TOP_KEYS = {"format", "format_version", "slots", "optimizer", "schedule", "rng", "extra"}
+_CHECKSUMS_KEY = "checksums"
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,11 @@ class OptimizerRecord:
 
 @dataclass(frozen=True)
 class Schema:
-    """A parsed checkpoint schema; see the module docstring for its invariants."""
+    """A parsed checkpoint schema; see the module docstring for its invariants.
+
+    ``checksums`` maps every tensor of the file to the CRC-32 of its stored bytes; it is
+    None only in a file of format version 1.
+    """
 
     slots: tuple[SlotRecord, ...]
     optimizer: OptimizerRecord | None = None
@@ -104,10 +117,11 @@ class Schema:
     rng: dict[str, Any] | None = None
     extra: Any = None
     version: int = FORMAT_VERSION
+    checksums: dict[str, int] | None = None
 
     def to_json(self) -> str:
         """The schema as the JSON text stored under ``__metadata__["tiegrad"]``."""
-        doc = {
+        doc: dict[str, Any] = {
             "format": FORMAT,
             "format_version": self.version,
             "slots": [s.to_json() for s in self.slots],
@@ -116,6 +130,8 @@ class Schema:
             "rng": self.rng,
             "extra": self.extra,
         }
+        if self.checksums is not None:
+            doc[_CHECKSUMS_KEY] = checksums_json(self.checksums)
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
@@ -139,9 +155,11 @@ class Schema:
                 f"{where}: format version {version} is newer than this tiegrad reads "
                 f"(up to {FORMAT_VERSION}); upgrade tiegrad to load it"
             )
-        if set(doc) != _TOP_KEYS:
+        keys = _TOP_KEYS | ({_CHECKSUMS_KEY} if version >= CHECKSUMS_SINCE else set())
+        if set(doc) != keys:
             raise CheckpointError(
-                f"{where}: schema keys {sorted(doc)}, expected {sorted(_TOP_KEYS)}"
+                f"{where}: schema keys {sorted(doc)}, expected {sorted(keys)} (format "
+                f"version {version})"
             )
         slots = tuple(parse_slots(doc["slots"], where, entry_limit(file.data_bytes)))
         check_layout(slots, where)
@@ -151,7 +169,10 @@ class Schema:
             raise CheckpointError(f"{where}: the RNG state must be a JSON object or null")
         schema = cls(slots, optimizer, doc["schedule"], rng, doc["extra"], version)
         _check_tensors(schema, file, where)
-        return schema
+        if _CHECKSUMS_KEY not in doc:
+            return schema
+        checksums = parse_checksums(doc[_CHECKSUMS_KEY], file.tensors, where)
+        return dataclasses.replace(schema, checksums=checksums)
 
 
 def _slot_label(i: int, path: str) -> str:

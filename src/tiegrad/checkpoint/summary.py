@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from .fileio import SafetensorsFile, checkpoint_path, read_safetensors
+from .integrity import verify
 from .schema import Schema, nbytes, printable, slot_cells
 
 _JSON_WIDTH = 160
@@ -15,13 +16,15 @@ _JSON_WIDTH = 160
 def inspect(path: str | os.PathLike[str]) -> str:
     """Describe the checkpoint at ``path``: slots, shapes, ties, frozen flags, optimizer, bytes.
 
-    The file is fully validated first (``Schema.parse``); a damaged file raises
-    ``CheckpointError``. Nothing is loaded into any model. Strings from the file (paths,
-    names) are shown escaped when they are not printable, so the text is safe to print.
+    The file is fully validated first (``Schema.parse``, and every tensor against its
+    checksum, ``integrity.verify``); a damaged file raises ``CheckpointError``. Nothing
+    is loaded into any model. Strings from the file (paths, names) are shown escaped when
+    they are not printable, so the text is safe to print.
     """
     path = checkpoint_path(path)
     file = read_safetensors(path)
     schema = Schema.parse(file)
+    verify(file, schema.checksums, f"checkpoint {path}")
     slots = schema.slots
     storages = [i for i, s in enumerate(slots) if s.storage == i]
     tied = len(slots) - len(storages)
@@ -57,6 +60,11 @@ def inspect(path: str | os.PathLike[str]) -> str:
         f"({untied:,} bytes if every slot were stored)"
     )
     lines.extend(_optimizer_lines(schema, file))
+    lines.append(
+        f"checksums: CRC-32 of each of the {len(file.tensors)} tensors, verified"
+        if schema.checksums is not None
+        else "checksums: none (written before tiegrad stored them), not verified"
+    )
     if schema.schedule is not None:
         lines.append(f"schedule: {_short(schema.schedule)}")
     if schema.rng is not None:

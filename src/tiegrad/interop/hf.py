@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..checkpoint.fileio import SafetensorsFile, read_safetensors, write_safetensors
+from ..checkpoint.finite import finite_cast
 from ..errors import CheckpointError, ConfigError, HyperparameterError
 from ..nn.module import Module
 
@@ -96,10 +97,15 @@ def model_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_gpt2(
-    cls: type[ModelT], directory: str | os.PathLike[str], dtype: Any = "float32"
+    cls: type[ModelT],
+    directory: str | os.PathLike[str],
+    dtype: Any = "float32",
+    *,
+    allow_nonfinite: bool = False,
 ) -> ModelT:
     """A model of class ``cls`` (``GPT2``) built from ``config.json``, the directory's
-    weights loaded.
+    weights loaded (``load_weights``, which refuses NaN and infinite values unless
+    ``allow_nonfinite``).
 
     Before anything is built, the tensors are checked against ``cls.layout`` of the
     configuration: first the names (missing and unexpected ones listed), then the element
@@ -125,7 +131,7 @@ def load_gpt2(
         )
     model = cls(**args)
     model.source_config = config
-    load_weights(model, directory, tensors)
+    load_weights(model, directory, tensors, allow_nonfinite=allow_nonfinite)
     return model
 
 
@@ -196,15 +202,22 @@ def read_tensors(directory: str | os.PathLike[str]) -> Tensors:
 
 
 def load_weights(
-    model: Module, directory: str | os.PathLike[str], tensors: Tensors | None = None
+    model: Module,
+    directory: str | os.PathLike[str],
+    tensors: Tensors | None = None,
+    *,
+    allow_nonfinite: bool = False,
 ) -> None:
     """Write the directory's tensors (``read_tensors``, unless given) into ``model`` (see
     the module docstring).
 
     Checked first: the names (each model path once; missing and unexpected ones are
-    listed), shapes, and the model's ties: the tensors of two tied paths must be equal
-    (a tied ``lm_head.weight`` may be absent, as transformers writes it). Values are
-    cast to the model's dtype. On any error the model is unchanged (C6, C9).
+    listed), shapes, values and the model's ties: the tensors of two tied paths must be
+    equal (a tied ``lm_head.weight`` may be absent, as transformers writes it). Values
+    are cast to the model's dtype; a value that is NaN or infinite there (a float64
+    beyond float32's range too) is refused, naming the file, the tensor and the count,
+    unless ``allow_nonfinite`` (``checkpoint.finite``). On any error the model is
+    unchanged (C6, C9).
     """
     if tensors is None:
         tensors = read_tensors(directory)
@@ -220,10 +233,11 @@ def load_weights(
             )
         if not np.issubdtype(np.dtype(entry.dtype), np.floating):
             raise CheckpointError(f"{file.path}: tensor {name!r} has dtype {entry.dtype}")
-        values[path] = file.array(name).astype(param.dtype, copy=False)
+        what = f"{file.path}: tensor {name!r}"
+        values[path] = finite_cast(file.array(name), param.dtype, what, allow_nonfinite)
     for first, others in model.aliases().items():
         for other in others:
-            if other in values and not np.array_equal(values[other], values[first]):
+            if other in values and not np.array_equal(values[other], values[first], equal_nan=True):
                 hint = (
                     " (tie_word_embeddings is true); set it to false to load them untied"
                     if other == HEAD

@@ -78,6 +78,7 @@ from ..adapters.lora import (
     check_name,
 )
 from ..checkpoint.fileio import SafetensorsFile, parse_json, read_safetensors, write_safetensors
+from ..checkpoint.finite import finite_cast
 from ..errors import CheckpointError, HyperparameterError, SlotError
 from ..models.gpt2 import Conv1D
 from ..nn.layers import Embedding
@@ -437,11 +438,17 @@ def _pattern_value(config: dict[str, Any], key: str, default: str, path: str) ->
 
 
 def load_adapter(
-    model: Module, directory: str | os.PathLike[str], name: str = "default"
+    model: Module,
+    directory: str | os.PathLike[str],
+    name: str = "default",
+    *,
+    allow_nonfinite: bool = False,
 ) -> list[str]:
     """Attach the PEFT adapter in ``directory`` to ``model`` as adapter ``name``.
 
-    Everything is checked first (see the module docstring); then it is attached as
+    Everything is checked first (see the module docstring); a factor holding NaN or
+    infinity (in the weight's dtype) is refused, naming the tensor and the count, unless
+    ``allow_nonfinite`` (``checkpoint.finite``). Then it is attached as
     ``tiegrad.adapters.add_lora`` attaches (trainability, the active adapter). Returns
     the adapted weight paths.
     """
@@ -459,7 +466,7 @@ def load_adapter(
         raise CheckpointError(
             f"{where}: target module {unmatched[0]!r} names no adaptable layer of {model.label()}"
         )
-    factors = _read_factors(file, config, layers, model)
+    factors = _read_factors(file, config, layers, model, allow_nonfinite)
     groups = _shared_groups(file, factors, layers, config)
     dropout = float(config.get("lora_dropout", 0.0))
     specs = []
@@ -477,10 +484,15 @@ def load_adapter(
 
 
 def _read_factors(
-    file: SafetensorsFile, config: dict[str, Any], layers: dict[str, Layer], model: Module
+    file: SafetensorsFile,
+    config: dict[str, Any],
+    layers: dict[str, Layer],
+    model: Module,
+    allow_nonfinite: bool,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{module path: (A, B)}`` in the model's slot order, in the terms of each use,
-    cast to the weight's dtype; every name, shape and base weight checked."""
+    cast to the weight's dtype; every name, shape, base weight and (unless
+    ``allow_nonfinite``) value checked."""
     where = file.path
     untargeted = _untargeted_paths(config, layers)
     found: dict[str, dict[str, str]] = {}
@@ -536,7 +548,10 @@ def _read_factors(
             if not np.issubdtype(np.dtype(entry.dtype), np.floating):
                 raise CheckpointError(f"{where}: tensor {keys[factor]!r} has dtype {entry.dtype}")
         dtype = layer.module.weight.dtype
-        out[path] = tuple(file.array(keys[f]).astype(dtype, copy=False) for f in "AB")
+        out[path] = tuple(
+            finite_cast(file.array(keys[f]), dtype, f"{where}: tensor {keys[f]!r}", allow_nonfinite)
+            for f in "AB"
+        )
     if not out:
         raise CheckpointError(f"{where}: holds no LoRA factors")
     return out

@@ -293,16 +293,26 @@ class GPT2(TiedCausalLM):
         return self.lm_head(session, self.transformer(session, self._token_ids(idx)))
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: Any = "float32") -> GPT2:
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike[str],
+        dtype: Any = "float32",
+        *,
+        allow_nonfinite: bool = False,
+    ) -> GPT2:
         """A model from a transformers ``save_pretrained`` directory, without torch or
         transformers; the directory is checked against ``layout`` before anything is
-        built (C6, ``tiegrad.interop.hf.load_gpt2``)."""
-        return hf.load_gpt2(cls, directory, dtype)
+        built, and a weight holding NaN or infinity is refused unless ``allow_nonfinite``
+        (C6, ``tiegrad.interop.hf.load_gpt2``)."""
+        return hf.load_gpt2(cls, directory, dtype, allow_nonfinite=allow_nonfinite)
 
-    def load_pretrained(self, directory: str | os.PathLike[str]) -> None:
+    def load_pretrained(
+        self, directory: str | os.PathLike[str], *, allow_nonfinite: bool = False
+    ) -> None:
         """Load the weights of a transformers directory into this model; everything is
-        checked before anything is written (C6, ``tiegrad.interop.hf.load_weights``)."""
-        hf.load_weights(self, directory)
+        checked before anything is written, NaN and infinite values included unless
+        ``allow_nonfinite`` (C6, ``tiegrad.interop.hf.load_weights``)."""
+        hf.load_weights(self, directory, allow_nonfinite=allow_nonfinite)
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """Write ``config.json`` and ``model.safetensors`` that transformers'
