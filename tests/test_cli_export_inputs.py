@@ -1,6 +1,6 @@
 """Issue 52: ``tiegrad resume`` and ``tiegrad export`` of a GPT-2 LoRA run whose folder
-was crafted: a crafted model configuration or transformers configuration in a
-checkpoint. Each is refused before
+was edited or crafted: an edited LoRA specification in ``config.json``, a crafted model
+configuration or transformers configuration in a checkpoint. Each is refused before
 anything is built or written, or (export) leaves the crafted keys out.
 
 The run is ``test_cli_lora``'s 6-step LoRA run; the commands run in process.
@@ -58,6 +58,38 @@ def edit_checkpoints(run, change) -> None:
         tensors, doc = read_doc(path)
         change(doc["extra"])
         write_doc(path, tensors, doc)
+
+
+def edit_lora(work, text: str) -> None:
+    config = work / "run" / "config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), lora=text)))
+
+
+@pytest.mark.parametrize(
+    ("lora", "named"),
+    [
+        (f"alpha=64,{LORA}", "alpha is 64.0 in config.json, 16.0 in the checkpoint"),
+        (LORA.replace("rank=4", "rank=8"), "rank is 8 in config.json, 4 in the checkpoint"),
+        ("rank=4,dropout=0.1,targets=c_attn", "targets is c_attn in config.json, c_attn+c_proj"),
+        ("", "lora (--lora) is '', but the checkpoint"),
+    ],
+)
+def test_an_edited_lora_spec_is_refused_and_export_keeps_the_trained_one(work, capsys, lora, named):
+    edit_lora(work, lora)
+    before = files_of(work)
+    result = cli(capsys, "resume", "run", "--steps", 8)
+    assert_one_line_error(result, "run/config.json", "step_0000006.safetensors", named)
+    assert files_of(work) == before
+    code, _, err = cli(capsys, "export", "run", "adapter", "--format", "peft")
+    assert code == 0, err
+    written = json.loads((work / "adapter" / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"]) == (4, 16.0)  # what the run trained with
+
+
+def test_another_spelling_of_the_same_lora_spec_resumes(work, capsys):
+    edit_lora(work, "targets=c_attn+c_proj,dropout=0.1,rank=4")
+    code, _, err = cli(capsys, "resume", "run", "--steps", 7)
+    assert code == 0, err
 
 
 @pytest.mark.parametrize(
