@@ -255,6 +255,25 @@ def test_a_crafted_model_config_in_the_checkpoint_is_refused_before_building(
     assert files_of(runs) == before
 
 
+def test_an_edited_schedule_is_the_checkpoints_with_a_notice(runs, capsys):
+    """The checkpoint restores the schedule and the optimizer's settings: an edit of them
+    in config.json is named with both values, and the printout and config.json say what
+    the run does."""
+    edit_config(runs / "rs", lr=0.5, min_lr=0.1, weight_decay=0.5)
+    code, out, err = cli(capsys, "resume", "rs", "--steps", 6)
+    assert code == 0, err
+    assert (
+        "note: a resumed run keeps the learning-rate schedule and optimizer settings of its "
+        "checkpoint: lr 0.003 (0.5 in config.json), min_lr 0.0003 (0.1 in config.json), "
+        "weight_decay 0.01 (0.5 in config.json)"
+    ) in out
+    assert " lr=0.003 min_lr=0.0003 warmup=2 weight_decay=0.01 " in out
+    config = json.loads((runs / "rs" / "config.json").read_text())
+    assert (config["lr"], config["min_lr"], config["weight_decay"]) == (0.003, 0.0003, 0.01)
+    lrs = [r["lr"] for r in read_metrics(runs / "rs" / "metrics.jsonl") if "lr" in r]
+    assert lrs[-2:] == [0.0003, 0.0003]
+
+
 # -- issue 52: the metrics files lose nothing ------------------------------------------------
 def test_a_damaged_early_csv_row_is_refused_with_its_line_and_nothing_is_cut(runs, capsys):
     csv = runs / "rs" / "metrics.csv"

@@ -114,6 +114,14 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     check_metrics(run_dir.path, reached)
+    kept = kept_settings(config, schema, latest)
+    if kept and main_process():
+        listed = ", ".join(f"{k} {v!r} ({config[k]!r} in config.json)" for k, v in kept.items())
+        print(
+            f"note: a resumed run keeps the learning-rate schedule and optimizer settings of "
+            f"its checkpoint: {listed}"
+        )
+    config.update(kept)
     if run_id is None and main_process():
         print(
             f"note: run {folder} has no {RUN_ID} (it was made before run ids): its "
@@ -127,3 +135,32 @@ def run(args: argparse.Namespace) -> int:
         stored_schedule=schema.schedule,
         run_id=run_id,
     )
+
+
+def kept_settings(config: dict[str, Any], schema: Any, path: Any) -> dict[str, Any]:
+    """The settings of ``config`` that a resumed run takes from its checkpoint instead
+    (``schema``, of the file at ``path``), with the checkpoint's values: the schedule's
+    ``lr`` (its base learning rate), ``min_lr`` and warmup (``warmup_steps``), and the
+    optimizer's ``weight_decay``, where they differ from ``config``'s. The checkpoint
+    restores them, so the configuration printed and written says what the run does."""
+    from ..train.config import check_value, warmup_steps
+
+    schedule = schema.schedule if isinstance(schema.schedule, dict) else {}
+    optimizer = schema.optimizer.config.get("defaults") if schema.optimizer is not None else None
+    stored: dict[str, Any] = {}
+    base = schedule.get("base_lrs")
+    if isinstance(base, list) and len(set(base)) == 1:
+        stored["lr"] = base[0]
+    for key in ("min_lr", "warmup_steps"):
+        if key in schedule:
+            stored[key] = schedule[key]
+    if isinstance(optimizer, dict) and "weight_decay" in optimizer:
+        stored["weight_decay"] = optimizer["weight_decay"]
+    ours = dict(config)
+    if isinstance(schedule.get("total_steps"), int):  # the warmup the stored length implies
+        ours["warmup_steps"] = warmup_steps({**config, "steps": schedule["total_steps"]})
+    return {
+        key: check_value(key, value, where=str(path))
+        for key, value in stored.items()
+        if value != ours[key]
+    }
