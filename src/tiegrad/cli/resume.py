@@ -4,7 +4,10 @@ The run keeps its configuration (``config.json``), vocabulary and schedule; ``--
 (a new total) and ``--patience`` extend a run that finished or stopped early. A run
 with nothing left to do takes no step and says how to extend it. The latest checkpoint
 must be the run's own (``run_match``) and the metrics files whole up to it
-(``check_metrics``): otherwise the command refuses before anything is built or written.
+(``check_metrics``): otherwise the command refuses before anything is built or written
+(C6). The learning-rate schedule and the optimizer's settings are the checkpoint's,
+which restores them (``kept_settings``): an edit of them in ``config.json`` is named in
+a notice.
 """
 
 from __future__ import annotations
