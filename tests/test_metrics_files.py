@@ -1,10 +1,12 @@
 """metrics.jsonl and metrics.csv: nothing lost on resume, a torn last line, a full disk,
-and no records kept in memory (issue 22, items 6, 7 and 11)."""
+and no records kept in memory (issue 22, items 6, 7 and 11); a damaged or wrong-typed
+line before the last is refused with its line number and neither file is cut (issue 52)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,7 @@ import pytest
 
 from tiegrad import ConfigError
 from tiegrad.train import MetricsWriter, read_metrics
+from tiegrad.train.metrics import check_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +53,8 @@ def test_a_torn_last_line_is_dropped_on_resume_with_a_warning(tmp_path):
     write_rows_notify = MetricsWriter(tmp_path, 5, notify=seen.append)
     write_rows_notify.write({"step": 6, "train_loss": 0.5})
     write_rows_notify.close()
-    assert len(seen) == 1 and "metrics.jsonl" in seen[0] and "torn" in seen[0]
+    assert len(seen) == 2 and all("torn" in m for m in seen)  # one notice per file
+    assert "metrics.jsonl" in seen[0] and "metrics.csv" in seen[1]
     assert [r["step"] for r in read_metrics(jsonl)] == [1, 2, 3, 4, 5, 6]
     assert csv.read_text().splitlines()[-2:] == ["5,0.2,,,,,5.0,", "6,0.5,,,,,,"]
     with pytest.warns(RuntimeWarning, match="torn"):  # the default notice is a warning
@@ -159,3 +163,101 @@ def test_rss_stays_flat_over_20k_tiny_steps(tmp_path):
     grown = float(proc.stdout.strip().splitlines()[-1])
     print(f"RSS growth from step 5k to 20k: {grown:+.2f} MB", file=sys.stderr)
     assert grown < 2.0
+
+
+# -- issue 52: a damaged or wrong-typed line is refused with its line, nothing cut ----------
+def files(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_damaged_early_csv_row_is_refused_and_neither_file_is_cut(tmp_path):
+    write_rows(tmp_path, range(1, 6))
+    csv = tmp_path / "metrics.csv"
+    lines = csv.read_text().splitlines(keepends=True)
+    csv.write_text(lines[0] + lines[1] + "2,0.5,oops\n" + "".join(lines[3:]))
+    before = files(tmp_path)
+    for resume_step in (5, 2):  # 2: metrics.jsonl alone would be cut after step 2
+        with pytest.raises(ConfigError, match=r"metrics.csv: line 3 has 3 cells, expected 8"):
+            MetricsWriter(tmp_path, resume_step)
+        assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "row, what",
+    [
+        ("x,0.5,,,,,1.0,\n", "has step 'x', expected an integer >= 0"),
+        ("-2,0.5,,,,,1.0,\n", "has step '-2'"),
+        ("2,abc,,,,,1.0,\n", "has train_loss 'abc', expected a number or an empty cell"),
+        ("step,train_loss\n", "has 2 cells"),
+    ],
+)
+def test_a_wrong_typed_csv_cell_is_refused_with_its_line(tmp_path, row, what):
+    write_rows(tmp_path, range(1, 4))
+    csv = tmp_path / "metrics.csv"
+    lines = csv.read_text().splitlines(keepends=True)
+    csv.write_text(lines[0] + row + "".join(lines[2:]))
+    before = files(tmp_path)
+    with pytest.raises(ConfigError, match=rf"metrics.csv: line 2 {re.escape(what)}"):
+        MetricsWriter(tmp_path, 3)
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        ({"step": "1"}, "has step '1', expected an integer >= 0"),
+        ({"step": None}, "has step None"),
+        ({"step": True}, "has step True"),
+        ({"step": 2.0}, "has step 2.0"),
+        ({"train_loss": "low"}, "has train_loss 'low', expected a number"),
+        ({"elapsed": [1]}, "has elapsed [1]"),
+        ({"lr": False}, "has lr False"),
+    ],
+)
+def test_a_wrong_typed_field_in_metrics_jsonl_is_refused_with_its_line(tmp_path, change, what):
+    """Not a ``TypeError`` from comparing steps: a ``ConfigError`` naming file and line,
+    from the reader and from a resume, which cuts neither file."""
+    write_rows(tmp_path, range(1, 4))
+    jsonl = tmp_path / "metrics.jsonl"
+    lines = jsonl.read_text().splitlines(keepends=True)
+    lines[1] = json.dumps(dict(json.loads(lines[1]), **change)) + "\n"
+    jsonl.write_text("".join(lines))
+    before = files(tmp_path)
+    pattern = rf"metrics.jsonl: line 2 {re.escape(what)}"
+    with pytest.raises(ConfigError, match=pattern):
+        read_metrics(jsonl)
+    with pytest.raises(ConfigError, match=pattern):
+        MetricsWriter(tmp_path, 1)
+    assert files(tmp_path) == before
+
+
+def test_a_record_without_a_step_is_refused(tmp_path):
+    write_rows(tmp_path, range(1, 3))
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text('{"train_loss": 1.0}\n' + jsonl.read_text())
+    with pytest.raises(ConfigError, match=r"metrics.jsonl: line 1 has step None"):
+        check_metrics(tmp_path, 2)
+
+
+def test_a_damaged_last_csv_row_is_dropped_with_a_notice(tmp_path):
+    write_rows(tmp_path, range(1, 4))
+    csv = tmp_path / "metrics.csv"
+    with open(csv, "a") as f:
+        f.write("4,0.2,\n")  # a whole line, but not a row: damaged where a write ends
+    seen = []
+    MetricsWriter(tmp_path, 3, notify=seen.append).close()
+    assert len(seen) == 1 and "metrics.csv" in seen[0]
+    assert [int(r.split(",")[0]) for r in csv.read_text().splitlines()[1:]] == [1, 2, 3]
+
+
+def test_non_finite_values_and_blank_lines_are_kept(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        w.write({"step": 1, "train_loss": float("nan"), "grad_norm": float("inf")})
+        w.write({"step": 2, "val_loss": 1.0, "val_ppl": float("inf")})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("\n")
+    before = files(tmp_path)
+    check_metrics(tmp_path, 2)
+    MetricsWriter(tmp_path, 2).close()
+    assert files(tmp_path) == before
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]

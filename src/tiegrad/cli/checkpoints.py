@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, TiegradError
 
 
 def checkpoint_schema(path: Path) -> Any:
@@ -52,21 +52,115 @@ def model_difference(stored: Any, kwargs: dict[str, Any]) -> str:
     )
 
 
+def checked_model_config(
+    path: Path,
+    schema: Any,
+    kwargs: Any,
+    vocab_size: int | None,
+    model_class: str,
+    lora: bool = False,
+) -> dict[str, Any]:
+    """The file's model configuration, checked completely before anything is built (C6).
+
+    The model class's ``check_config`` checks its keys, types and ranges; then the slot count,
+    parameter count and bytes it implies must be the file's own (so a configuration
+    cannot make ``sample``, ``resume`` or ``export`` allocate more than the file holds),
+    and its ``vocab_size`` fit the stored vocabulary's ``vocab_size`` (``None``: not
+    checked here). Any mismatch is a ``CheckpointError``.
+    ``lora``: the file is a LoRA run's, whose adapter slots (``<layer>.lora.<name>.A``
+    and ``.B``) are left out of the count (``load`` checks them against the adapters
+    built).
+    """
+    import math
+
+    import numpy as np
+
+    from .. import models
+    from ..checkpoint.schema import nbytes
+
+    where = f"checkpoint {path}"
+    if model_class not in ("TiedLM", "GPT2"):
+        raise CheckpointError(f"{where}: unknown model class {model_class!r:.80}")
+    cls = getattr(models, model_class)
+    try:
+        config = cls.check_config(kwargs)
+    except TiegradError as e:
+        raise CheckpointError(f"{where}: invalid model configuration: {e}") from None
+    slots, elements = cls.layout_size(config)
+    implied = (slots, elements, elements * np.dtype(config["dtype"]).itemsize)
+    base = [(i, s) for i, s in enumerate(schema.slots) if not (lora and ".lora." in s.path)]
+    stored = [s for i, s in base if s.storage == i]
+    held = (len(base), sum(math.prod(s.shape) for s in stored), sum(map(nbytes, stored)))
+    if implied != held:
+        raise CheckpointError(
+            f"{where}: the model configuration implies {implied[0]} slots and {implied[1]:,} "
+            f"parameters ({implied[2]:,} bytes); the file holds {held[0]} slots and "
+            f"{held[1]:,} parameters ({held[2]:,} bytes)"
+        )
+    if vocab_size is not None and (
+        config["vocab_size"] < vocab_size
+        or (model_class == "TiedLM" and config["vocab_size"] != vocab_size)
+    ):
+        raise CheckpointError(
+            f"{where}: the model's vocab_size is {config['vocab_size']}, the stored "
+            f"vocabulary has {vocab_size} symbols"
+        )
+    return config
+
+
 def stored_gpt2(path: Path, what: str) -> tuple[Any, Any]:
     """The ``GPT2`` a checkpoint describes (its model and transformers configurations, its
     LoRA adapters), built but not loaded, and the checkpoint's ``extra``; ``what`` names
-    the caller in the error for a checkpoint of another model."""
+    the caller in the error for a checkpoint of another model.
+
+    The stored model configuration is checked against the file's tensors before anything
+    is built (``checked_model_config``); of the stored transformers configuration only
+    ``CARRIED_HF_KEYS`` are kept (``carried_hf_config``), so what ``export`` writes and a
+    resumed run stores again holds the model's own keys and no key the file made up."""
     from ..train.job import build_model
+    from ..train.lora import KEY
 
     schema = checkpoint_schema(path)
     extra = schema.extra
     kwargs = model_config(extra)
     if kwargs is None or extra["model"].get("class") != "GPT2":
         raise ConfigError(f"{path}: {what} needs a GPT2 checkpoint (from 'tiegrad train --init')")
-    model = build_model(dict(kwargs), "GPT2")
-    model.source_config = extra.get("hf_config") or {}
+    config = checked_model_config(path, schema, kwargs, None, "GPT2", lora=KEY in extra)
+    source = carried_hf_config(path, extra.get("hf_config"), config["vocab_size"])
+    model = build_model(config, "GPT2")
+    model.source_config = source
     attach_stored_lora(model, schema, path)
     return model, extra
+
+
+#: The keys of a checkpoint's stored transformers configuration (``extra["hf_config"]``,
+#: the ``--init`` directory's ``config.json``) that are passed on: the special token ids
+#: generation reads. Every other key is the model's own (``interop.hf.hf_config``) or
+#: one tiegrad's ``GPT2`` does not implement, and is not written.
+CARRIED_HF_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def carried_hf_config(path: Path, stored: Any, vocab_size: int) -> dict[str, Any]:
+    """The ``CARRIED_HF_KEYS`` of a checkpoint's stored transformers configuration
+    (``stored``: a JSON object, or absent); a value other than null or a token id below
+    ``vocab_size`` is a ``CheckpointError`` naming the file and the key."""
+    if stored is None:
+        return {}
+    where = f"{path}: extra['hf_config']"
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {stored!r:.80}")
+    out = {}
+    for key in CARRIED_HF_KEYS:
+        value = stored.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size
+        ):
+            raise CheckpointError(
+                f"{where}: {key} must be null or a token id in [0, {vocab_size}), got {value!r:.40}"
+            )
+        if key in stored:
+            out[key] = value
+    return out
 
 
 def attach_stored_lora(model: Any, schema: Any, path: Path) -> None:

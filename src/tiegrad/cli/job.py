@@ -29,11 +29,17 @@ def join_group(config: dict[str, Any]) -> None:
 
 
 def run_job(
-    config: dict[str, Any], resume: bool, vocab: Any = None, stored_schedule: Any = None
+    config: dict[str, Any],
+    resume: bool,
+    vocab: Any = None,
+    stored_schedule: Any = None,
+    run_id: str | None = None,
 ) -> int:
     """Train (``resume``: continue) the run ``config`` describes; ``vocab``: the run's
     stored vocabulary, ``stored_schedule``: its latest checkpoint's schedule state (printed,
-    as the run keeps it). Returns the exit code."""
+    as the run keeps it), ``run_id``: the run's id (``tiegrad.train.rundir.RUN_ID``),
+    written into ``config.json`` and every checkpoint (``None``: a run made before run
+    ids, which keeps none). Returns the exit code."""
     from ..data import tokenizer_from_dict
     from ..train.job import (
         build_dataset,
@@ -45,7 +51,7 @@ def run_job(
     )
     from ..train.lora import KEY as LORA
     from ..train.lora import parse_lora
-    from ..train.rundir import RunDir
+    from ..train.rundir import RUN_ID, RunDir
     from ..train.trainer import Trainer
 
     run = RunDir(config["run"])
@@ -70,6 +76,8 @@ def run_job(
         extra["hf_config"] = model.source_config
     if config["lora"]:
         extra[LORA] = parse_lora(config["lora"]).text()
+    identity = {RUN_ID: run_id} if run_id is not None else {}
+    extra.update(identity)
     speaks = main_process()
     callbacks = []
     if speaks:
@@ -81,6 +89,7 @@ def run_job(
             init=init,
             vocab_table=dataset.vocab.to_dict(),
             text_sha256=source.sha256,
+            **identity,
         )
         callbacks = [config_writer(run, saved), *job_callbacks(config, run, model, dataset.vocab)]
     trainer = Trainer(

@@ -12,8 +12,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ConfigError, TiegradError
-from .checkpoints import attach_stored_lora, checkpoint_schema, model_config
+from ..errors import ConfigError
+from .checkpoints import attach_stored_lora, checked_model_config, checkpoint_schema, model_config
 from .runs import LATEST, RUNS, newest_run
 
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     model_class = extra["model"].get("class", "TiedLM")
     lora = LORA in extra
     model = build_model(
-        sample_model_config(path, schema, kwargs, vocab.size, model_class, lora), model_class
+        checked_model_config(path, schema, kwargs, vocab.size, model_class, lora), model_class
     )
     attach_stored_lora(model, schema, path)
     load(path, model)
@@ -92,55 +92,6 @@ def run(args: argparse.Namespace) -> int:
     text = vocab.decode(np.asarray(out)[0])
     print(text if args.prompt else text[1:])
     return 0
-
-
-def sample_model_config(
-    path: Path, schema: Any, kwargs: Any, vocab_size: int, model_class: str, lora: bool = False
-) -> dict[str, Any]:
-    """The file's model configuration, checked completely before anything is built (C6).
-
-    The model class's ``check_config`` checks its keys, types and ranges; then the slot count,
-    parameter count and bytes it implies must be the file's own (so a configuration
-    cannot make ``tiegrad sample`` allocate more than the file holds), and its
-    ``vocab_size`` the stored vocabulary's. Any mismatch is a ``CheckpointError``.
-    ``lora``: the file is a LoRA run's, whose adapter slots (``<layer>.lora.<name>.A``
-    and ``.B``) are left out of the count (``load`` checks them against the adapters
-    built).
-    """
-    import math
-
-    import numpy as np
-
-    from .. import models
-    from ..checkpoint.schema import nbytes
-
-    where = f"checkpoint {path}"
-    if model_class not in ("TiedLM", "GPT2"):
-        raise CheckpointError(f"{where}: unknown model class {model_class!r:.80}")
-    cls = getattr(models, model_class)
-    try:
-        config = cls.check_config(kwargs)
-    except TiegradError as e:
-        raise CheckpointError(f"{where}: invalid model configuration: {e}") from None
-    slots, elements = cls.layout_size(config)
-    implied = (slots, elements, elements * np.dtype(config["dtype"]).itemsize)
-    base = [(i, s) for i, s in enumerate(schema.slots) if not (lora and ".lora." in s.path)]
-    stored = [s for i, s in base if s.storage == i]
-    held = (len(base), sum(math.prod(s.shape) for s in stored), sum(map(nbytes, stored)))
-    if implied != held:
-        raise CheckpointError(
-            f"{where}: the model configuration implies {implied[0]} slots and {implied[1]:,} "
-            f"parameters ({implied[2]:,} bytes); the file holds {held[0]} slots and "
-            f"{held[1]:,} parameters ({held[2]:,} bytes)"
-        )
-    if config["vocab_size"] < vocab_size or (
-        model_class == "TiedLM" and config["vocab_size"] != vocab_size
-    ):
-        raise CheckpointError(
-            f"{where}: the model's vocab_size is {config['vocab_size']}, the stored "
-            f"vocabulary has {vocab_size} symbols"
-        )
-    return config
 
 
 def default_prompt(vocab: Any) -> str:

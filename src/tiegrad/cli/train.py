@@ -98,9 +98,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Resolve the configuration, choose the run folder (the same on every rank), train."""
+    """Resolve the configuration, choose the run folder and make the run's id (the same
+    on every rank), train."""
     from ..distributed.group import agree
     from ..train.config import DEFAULTS, resolve
+    from ..train.rundir import new_run_id
 
     overrides = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k, None) is not None}
     labels = {key: flag for flag, key in FLAGS.items()}
@@ -108,4 +110,4 @@ def run(args: argparse.Namespace) -> int:
     join_group(config)
     if not config["run"]:
         config["run"] = agree(fresh_run_folder())
-    return run_job(config, resume=False)
+    return run_job(config, resume=False, run_id=agree(new_run_id()))

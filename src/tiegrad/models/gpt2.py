@@ -42,6 +42,11 @@ def _optional_size(owner: str, name: str, value: Any) -> int | None:
     return None if value is None else hyperparams.size(owner, name, value)
 
 
+def _inner(config: Any) -> int:
+    """The MLP width of a checked configuration: ``n_inner``, or four times the width."""
+    return config["n_inner"] if config["n_inner"] is not None else 4 * config["n_embd"]
+
+
 def _activation(owner: str, name: str, value: Any) -> str:
     if not isinstance(value, str) or value not in ACTIVATIONS:
         raise ConfigError(
@@ -191,14 +196,10 @@ class GPT2(TiedCausalLM):
                 f"{owner}: n_head={args['n_head']} must divide n_embd={args['n_embd']}"
             )
 
-    @classmethod
-    def layout(cls, config: Any) -> list[tuple[str, tuple[int, ...]]]:
-        """``(path, shape)`` of every slot of a model of ``config`` (as ``check_config``
-        returns it), in slot order, computed without building anything: what a weights
-        directory is checked against before a model is allocated (C6)."""
-        d, v, n = config["n_embd"], config["vocab_size"], config["n_layer"]
-        inner = config["n_inner"] if config["n_inner"] is not None else 4 * d
-        block = [
+    @staticmethod
+    def _block_layout(d: int, inner: int) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of the slots of one block, in slot order."""
+        return [
             ("ln_1.weight", (d,)), ("ln_1.bias", (d,)),
             ("attn.c_attn.weight", (d, 3 * d)), ("attn.c_attn.bias", (3 * d,)),
             ("attn.c_proj.weight", (d, d)), ("attn.c_proj.bias", (d,)),
@@ -206,6 +207,14 @@ class GPT2(TiedCausalLM):
             ("mlp.c_fc.weight", (d, inner)), ("mlp.c_fc.bias", (inner,)),
             ("mlp.c_proj.weight", (inner, d)), ("mlp.c_proj.bias", (d,)),
         ]  # fmt: skip
+
+    @classmethod
+    def layout(cls, config: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """``(path, shape)`` of every slot of a model of ``config`` (as ``check_config``
+        returns it), in slot order, computed without building anything: what a weights
+        directory is checked against before a model is allocated (C6)."""
+        d, v, n = config["n_embd"], config["vocab_size"], config["n_layer"]
+        block = cls._block_layout(d, _inner(config))
         return [
             ("transformer.wte.weight", (v, d)),
             ("transformer.wpe.weight", (config["n_positions"], d)),
@@ -218,11 +227,15 @@ class GPT2(TiedCausalLM):
     @classmethod
     def layout_size(cls, config: Any) -> tuple[int, int]:
         """``(slots, elements)`` of a model of ``config`` (``TiedCausalLM.layout_size``):
-        the tied ``lm_head.weight`` is one storage with ``transformer.wte.weight``."""
-        slots = cls.layout(config)
-        tied = config["tie_word_embeddings"]
-        elements = sum(math.prod(shape) for path, shape in slots if not (tied and path == hf.HEAD))
-        return len(slots), elements
+        the tied ``lm_head.weight`` is one storage with ``transformer.wte.weight``.
+        Computed from one block's layout, so a configuration of 10**9 layers costs no
+        more than one of 1 (what a file is checked against before anything is built)."""
+        d, v, n = config["n_embd"], config["vocab_size"], config["n_layer"]
+        block = cls._block_layout(d, _inner(config))
+        head = 0 if config["tie_word_embeddings"] else v * d
+        per_block = sum(math.prod(shape) for _, shape in block)
+        elements = v * d + config["n_positions"] * d + n * per_block + 2 * d + head
+        return 5 + len(block) * n, elements
 
     def __init__(
         self,

@@ -9,7 +9,11 @@ Nothing already written is lost. Each record is appended to both files with
 unbuffered writes, so a crash loses at most the line being written. On resume the
 files are cut (truncated in place, never rewritten) before the first record past
 the resumed step, which was written after the checkpoint the run continues from; a
-torn last line (a kill or a full disk mid-write) is cut too, with a warning. A write
+torn last line (a kill or a full disk mid-write) is cut too, with a warning. A line
+before the last that is damaged, or whose ``step`` is not an integer >= 0 or whose
+other fields are not numbers, is refused, a ``ConfigError`` naming the file and line
+before either file is cut: skipping it would leave a file that says less than it did,
+and cutting there would drop the valid rows after it; the user repairs the line. A write
 that fails raises ``OSError`` naming the file. The writer keeps no records in memory:
 readers stream the file (``read_metrics``).
 """
@@ -42,6 +46,11 @@ JSONL_NAME = "metrics.jsonl"
 CSV_NAME = "metrics.csv"
 
 
+#: The numeric fields of a record: a number, or the name of a non-finite one ("nan").
+_NUMBERS = frozenset(CSV_COLUMNS) - {"step"}
+_NON_FINITE = ("nan", "inf", "-inf")
+
+
 def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
     """``(offset, line number, line)`` of each line of ``path``, ending newline kept."""
     offset = 0
@@ -51,26 +60,72 @@ def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
             offset += len(line)
 
 
-def _scan(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
-    """``(offset, record)`` per line of a ``metrics.jsonl``; a torn last line (no newline,
-    or not JSON) gives ``record=None``. A damaged line before the last is a ``ConfigError``."""
-    pending: tuple[int, int] | None = None  # a bad line, fatal unless it is the last
+def _damaged(path: Path, number: int, what: str) -> ConfigError:
+    return ConfigError(
+        f"{path}: line {number} {what} (the file is damaged before its end); repair or "
+        "remove that line, or move the file away to start the metrics afresh"
+    )
+
+
+def _json_record(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """A ``metrics.jsonl`` line as a record, or ``None`` and what is wrong with it."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None, "is not a JSON record"
+    if not isinstance(record, dict):
+        return None, "is not a JSON record"
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None, f"has step {step!r:.40}, expected an integer >= 0"
+    for key in _NUMBERS.intersection(record):
+        value = record[key]
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) or value in _NON_FINITE):
+            return None, f"has {key} {value!r:.40}, expected a number"
+    return record, ""
+
+
+def _csv_record(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """A ``metrics.csv`` row as ``{"step": int}``, or ``None`` and what is wrong with it."""
+    try:
+        cells = next(csv.reader([line.decode("utf-8")]))
+    except (UnicodeDecodeError, csv.Error, StopIteration):
+        return None, "is not a CSV row"
+    if len(cells) != len(CSV_COLUMNS):
+        return (
+            None,
+            f"has {len(cells)} cells, expected {len(CSV_COLUMNS)} ({','.join(CSV_COLUMNS)})",
+        )
+    if not cells[0].isascii() or not cells[0].isdigit():
+        return None, f"has step {cells[0]!r:.40}, expected an integer >= 0"
+    for key, cell in zip(CSV_COLUMNS[1:], cells[1:]):
+        try:
+            float(cell or 0)
+        except ValueError:
+            return None, f"has {key} {cell!r:.40}, expected a number or an empty cell"
+    return {"step": int(cells[0])}, ""
+
+
+def _scan(
+    path: Path, parse: Callable[[bytes], tuple[dict[str, Any] | None, str]], header: bytes = b""
+) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """``(offset, record)`` per line of a metrics file read by ``parse``, after its
+    ``header`` line (if any), blank lines skipped. A torn or damaged last line (no
+    newline, or not a record) gives ``record=None``; a damaged line before the last is
+    a ``ConfigError`` naming the file, the line and what is wrong."""
+    pending: tuple[int, int, str] | None = None  # a bad line, fatal unless it is the last
     for offset, number, line in _lines(path):
         if pending is not None:
-            raise ConfigError(
-                f"{path}: line {pending[1]} is not a JSON record (the file is damaged "
-                "before its end); move the file away to start the metrics afresh"
-            )
-        record = None
-        if line.endswith(b"\n"):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if not line.strip():
-                continue
-        if not isinstance(record, dict):
-            pending = (offset, number)
+            raise _damaged(path, pending[1], pending[2])
+        if header and number == 1:
+            if line != header:
+                pending = (offset, number, f"is not the header {header.decode().strip()!r}")
+            continue
+        if not line.strip() and line.endswith(b"\n"):
+            continue
+        record, what = parse(line) if line.endswith(b"\n") else (None, "is cut off")
+        if record is None:
+            pending = (offset, number, what)
             continue
         yield offset, record
     if pending is not None:
@@ -79,11 +134,12 @@ def _scan(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` file (an absent file has none; a torn last
-    line is left out)."""
+    line is left out; a damaged or wrong-typed line before the last is a ``ConfigError``
+    naming the line)."""
     path = Path(path)
     if not path.exists():
         return []
-    return [r for _, r in _scan(path) if r is not None]
+    return [r for _, r in _scan(path, _json_record) if r is not None]
 
 
 def _json_value(v: Any) -> Any:
@@ -103,32 +159,31 @@ def _csv_row(record: dict[str, Any] | None) -> bytes:
     return buf.getvalue().encode("utf-8")
 
 
-def _cut_jsonl(path: Path, resume_step: int, notify: Callable[[str], None]) -> None:
-    """Truncate ``path`` before its first record past ``resume_step`` or its torn last line."""
-    if not path.exists():
-        return
-    for offset, record in _scan(path):
-        if record is None:
-            notify(f"{path}: dropped a torn last line (a write was cut off)")
-        elif record.get("step", 0) <= resume_step:
+def _cuts(folder: Path, resume_step: int) -> list[tuple[Path, int, bool]]:
+    """Where a resume from ``resume_step`` cuts the metrics files of ``folder``:
+    ``(path, offset, torn)`` of each file's first record past ``resume_step`` or its torn
+    last line (``torn``); a file kept whole is not listed. Reads only; a damaged line
+    before the last, in either file, is a ``ConfigError``."""
+    out = []
+    for path, lines in (
+        (folder / JSONL_NAME, lambda p: _scan(p, _json_record)),
+        (folder / CSV_NAME, lambda p: _scan(p, _csv_record, _csv_row(None))),
+    ):
+        if not path.exists():
             continue
-        os.truncate(path, offset)
-        return
+        for offset, record in lines(path):
+            if record is None or record["step"] > resume_step:
+                out.append((path, offset, record is None))
+                break
+    return out
 
 
-def _cut_csv(path: Path, resume_step: int) -> bool:
-    """Truncate ``path`` before its first row past ``resume_step`` or a torn last row;
-    returns whether the file holds the header (``False``: absent or empty)."""
-    if not path.exists():
-        return False
-    for offset, number, line in _lines(path):
-        if number == 1:
-            continue
-        step = line.split(b",", 1)[0]
-        if not line.endswith(b"\n") or not step.isdigit() or int(step) > resume_step:
-            os.truncate(path, offset)
-            break
-    return path.stat().st_size > 0
+def check_metrics(folder: str | os.PathLike, resume_step: int) -> None:
+    """Refuse a run folder whose ``metrics.jsonl`` or ``metrics.csv`` a resume from
+    ``resume_step`` could not keep whole: a damaged or wrong-typed line before the last
+    is a ``ConfigError`` naming the file and line. Reads only (``tiegrad resume`` checks
+    before it builds anything; ``MetricsWriter`` checks again before it cuts)."""
+    _cuts(Path(folder), resume_step)
 
 
 class MetricsWriter:
@@ -152,8 +207,11 @@ class MetricsWriter:
         notify = notify or (lambda m: warnings.warn(m, RuntimeWarning, stacklevel=3))
         header = False
         if resume_step is not None:
-            _cut_jsonl(self.jsonl_path, resume_step, notify)
-            header = _cut_csv(self.csv_path, resume_step)
+            for path, offset, torn in _cuts(self.folder, resume_step):  # both checked first
+                if torn:
+                    notify(f"{path}: dropped a torn last line (a write was cut off)")
+                os.truncate(path, offset)
+            header = self.csv_path.exists() and self.csv_path.stat().st_size > 0
         mode = "ab" if resume_step is not None else "wb"
         self._files: list[tuple[Path, BinaryIO]] = []
         for path in (self.jsonl_path, self.csv_path):

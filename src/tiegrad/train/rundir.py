@@ -10,8 +10,10 @@
       loss.png                    train and validation loss
 
 The latest checkpoint is the periodic one with the highest step; a run resumes from
-it. Pruning keeps the newest ``keep_last`` periodic checkpoints and never touches
-``best``.
+it. A run made by ``tiegrad train`` has an id (``new_run_id``), stored under ``RUN_ID`` in
+its ``config.json`` and in the ``extra`` of every checkpoint it writes, so that
+``tiegrad resume`` can tell the run's own checkpoints from another run's. Pruning
+keeps the newest ``keep_last`` periodic checkpoints and never touches ``best``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,14 @@ from ..errors import ConfigError
 from .metrics import CSV_NAME, JSONL_NAME
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.safetensors$")
+
+#: The key of a run's id in its ``config.json`` and in its checkpoints' ``extra``.
+RUN_ID = "run_id"
+
+
+def new_run_id() -> str:
+    """A fresh run id: 32 random hexadecimal digits (``uuid4``)."""
+    return uuid.uuid4().hex
 
 
 class RunDir:
