@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..checkpoint.fileio import MAX_JSON_BYTES, read_limited
+from ..errors import ConfigError, shown_list
 from .vocab import Vocab, check_text, check_token_ids, utf8
 
 #: The tokenizer files transformers writes next to a model, copied along on export.
@@ -61,7 +62,9 @@ class HFTokenizer:
             raise ConfigError("tokenizer: expected the text of a tokenizer.json")
         unknown = sorted(set(files) - set(TOKENIZER_FILES))
         if unknown or not all(isinstance(v, str) for v in files.values()):
-            raise ConfigError(f"tokenizer: unexpected files {unknown} or non-text contents")
+            raise ConfigError(
+                f"tokenizer: unexpected files {shown_list(unknown)} or non-text contents"
+            )
         try:
             self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
         except Exception as e:  # tokenizers raises its own Exception type
@@ -80,7 +83,7 @@ class HFTokenizer:
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
                 try:
-                    files[name] = (folder / name).read_text(encoding="utf-8")
+                    files[name] = read_limited(folder / name, MAX_JSON_BYTES, ConfigError).decode()
                 except (OSError, UnicodeDecodeError) as e:
                     raise ConfigError(f"{folder / name}: cannot be read: {e}") from None
         return cls(files)

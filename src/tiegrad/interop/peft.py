@@ -57,7 +57,13 @@ from ..adapters.lora import (
     check_name,
     matches,
 )
-from ..checkpoint.fileio import SafetensorsFile, parse_json, read_safetensors, write_safetensors
+from ..checkpoint.fileio import (
+    SafetensorsFile,
+    parse_json,
+    read_json,
+    read_safetensors,
+    write_safetensors,
+)
 from ..errors import CheckpointError, HyperparameterError, SlotError
 from ..models.gpt2 import Conv1D
 from ..nn.layers import Embedding
@@ -187,7 +193,7 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {CONFIG} (not a PEFT adapter directory)")
     try:
-        config = parse_json(path.read_bytes(), f"{path}")
+        config = read_json(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from None
     if config.get("peft_type") != "LORA":
@@ -378,7 +384,7 @@ def _shared_groups(
     shared: list[list[str]] = []
     if raw is not None:
         try:
-            shared = json.loads(raw)
+            shared = parse_json(raw, f"{where}: metadata {SHARED}", list)
         except ValueError:
             shared = None
         if not isinstance(shared, list) or not all(

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..checkpoint.fileio import MAX_JSON_BYTES, parse_json
 from ..errors import ConfigError
 
 CSV_COLUMNS = (
@@ -43,10 +44,12 @@ CSV_NAME = "metrics.csv"
 
 
 def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
-    """``(offset, line number, line)`` of each line of ``path``, ending newline kept."""
+    """``(offset, line number, line)`` of each line of ``path``, ending newline kept; a
+    line longer than ``MAX_JSON_BYTES`` comes in pieces (none a record), so no line is
+    read whole past what a record may take."""
     offset = 0
     with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(iter(lambda: f.readline(MAX_JSON_BYTES), b""), 1):
             yield offset, number, line
             offset += len(line)
 
@@ -64,7 +67,7 @@ def _scan(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
         record = None
         if line.endswith(b"\n"):
             try:
-                record = json.loads(line)
+                record = parse_json(line, f"{path}: line {number}", error=ConfigError)
             except ValueError:
                 record = None
             if not line.strip():
