@@ -320,6 +320,22 @@ def test_a_sparse_3gb_safetensors_whose_header_tells_less_is_refused_unread(sour
     )
 
 
+@pytest.mark.parametrize("damage", ["deep", "sparse", "list"])
+def test_a_bad_tokenizer_json_is_refused_naming_its_folder(tmp_path, damage):
+    """The tokenizer ``train --init DIR`` reads beside the model."""
+    from tiegrad.data import directory_tokenizer
+
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "tokenizer.json"
+    if damage == "sparse":
+        path.write_text("{}")
+        sparse(path)
+    else:
+        path.write_text(DEEP_OBJECT if damage == "deep" else "[1, 2]")
+    fragment = {"sparse": f"{SPARSE} bytes, more than the"}.get(damage, "tokenizer.json")
+    refused(lambda: directory_tokenizer(tmp_path), ConfigError, f"{tmp_path}", fragment)
+
+
 # -- a JSON document of another type ----------------------------------------------------------
 @pytest.mark.parametrize("doc, kind", [([1, 2], "list"), (7, "number"), ("gpt2", "string")])
 def test_a_json_document_of_another_type_is_named_as_what_it_is(sources, tmp_path, doc, kind):

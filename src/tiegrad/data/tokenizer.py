@@ -75,7 +75,9 @@ class HFTokenizer:
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike[str]) -> HFTokenizer | None:
-        """The tokenizer of a model directory, or None when it has no ``tokenizer.json``."""
+        """The tokenizer of a model directory, or None when it has no ``tokenizer.json``;
+        a file too large (``MAX_JSON_BYTES``), unreadable or refused by ``tokenizers`` is
+        a ``ConfigError`` naming the folder."""
         folder = check_path("HFTokenizer.from_directory", "directory", directory)
         if not (folder / "tokenizer.json").is_file():
             return None
@@ -86,7 +88,10 @@ class HFTokenizer:
                     files[name] = read_limited(folder / name, MAX_JSON_BYTES, ConfigError).decode()
                 except (OSError, UnicodeDecodeError) as e:
                     raise ConfigError(f"{folder / name}: cannot be read: {e}") from None
-        return cls(files)
+        try:
+            return cls(files)
+        except ConfigError as e:  # the files' own errors, named by their folder
+            raise ConfigError(f"{folder}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "files": dict(self.files)}

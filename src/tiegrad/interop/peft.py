@@ -383,11 +383,8 @@ def _shared_groups(
     raw = file.metadata.get(SHARED)
     shared: list[list[str]] = []
     if raw is not None:
-        try:
-            shared = parse_json(raw, f"{where}: metadata {SHARED}", list)
-        except ValueError:
-            shared = None
-        if not isinstance(shared, list) or not all(
+        shared = parse_json(raw, f"{where}: metadata {SHARED}", list)
+        if not all(
             isinstance(g, list) and len(g) > 1 and all(p in factors for p in g) for g in shared
         ):
             raise CheckpointError(f"{where}: metadata {SHARED} must list groups of its modules")
