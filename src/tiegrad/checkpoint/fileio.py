@@ -333,38 +333,46 @@ def read_safetensors(path: str) -> SafetensorsFile:
     """
     where = f"checkpoint {path}"
     with open_regular(path, where, CheckpointError) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise CheckpointError(f"{where}: {size} bytes, too short for a safetensors header")
+        n = int.from_bytes(_read_exactly(f, 8, where), "little")
+        if n > size - 8:
+            raise CheckpointError(
+                f"{where}: header length {n} is larger than the {size - 8} bytes after it "
+                f"(truncated or damaged file)"
+            )
+        data_len = size - 8 - n
+        check_header_length(where, n, data_len)
+        header = parse_json(_read_exactly(f, n, where), f"{where}: the header")
+        count = len(header) - ("__metadata__" in header)
+        check_entries(where, "tensors in the header", count, data_len)
+        metadata: dict[str, str] = {}
+        entries: dict[str, TensorEntry] = {}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                metadata = _metadata(spec, where)
+            else:
+                entries[name] = _entry(name, spec, data_len, where)
+        _check_tiling(entries, data_len, where)
         try:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise CheckpointError(f"{where}: {size} bytes, too short for a safetensors header")
-            n = int.from_bytes(f.read(8), "little")
-            if n > size - 8:
-                raise CheckpointError(
-                    f"{where}: header length {n} is larger than the {size - 8} bytes after it "
-                    f"(truncated or damaged file)"
-                )
-            check_header_length(where, n, size - 8 - n)
-            raw = f.read(n)
-            if len(raw) != n:
-                raise CheckpointError(f"{where}: the file changed size while it was read")
-            data_len = size - 8 - n
-            header = parse_json(raw, f"{where}: the header")
-            count = len(header) - ("__metadata__" in header)
-            check_entries(where, "tensors in the header", count, data_len)
-            metadata: dict[str, str] = {}
-            entries: dict[str, TensorEntry] = {}
-            for name, spec in header.items():
-                if name == "__metadata__":
-                    metadata = _metadata(spec, where)
-                else:
-                    entries[name] = _entry(name, spec, data_len, where)
-            _check_tiling(entries, data_len, where)
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if data_len else b""
-        except (OSError, ValueError) as e:  # mmap: ValueError for a file emptied meanwhile
-            raise CheckpointError(f"{where}: cannot read: {e}") from None
+        except (OSError, ValueError) as e:  # ValueError: the file was emptied meanwhile
+            raise CheckpointError(f"{where}: cannot map the data: {e}") from None
     if data_len and len(mapped) != size:
         raise CheckpointError(f"{where}: the file changed size while it was read")
     return SafetensorsFile(path, size, metadata, entries, memoryview(mapped)[8 + n :])
+
+
+def _read_exactly(f: BinaryIO, n: int, where: str) -> bytes:
+    """The next ``n`` bytes of ``f``; fewer is a file that shrank while it was read."""
+    try:
+        raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read: {e.strerror or e}") from None
+    if len(raw) != n:
+        raise CheckpointError(f"{where}: the file changed size while it was read")
+    return raw
 
 
 def open_regular(path: str | os.PathLike[str], where: str, error: type[TiegradError]) -> BinaryIO:
@@ -394,10 +402,10 @@ def read_limited(
     holds more than ``limit`` bytes; ``error`` names ``where`` (the path by default)."""
     where = os.fspath(path) if where is None else where
     with open_regular(path, where, error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise error(f"{where}: {size} bytes, more than the {limit} this file may hold")
         try:
-            size = os.fstat(f.fileno()).st_size
-            if size > limit:
-                raise error(f"{where}: {size} bytes, more than the {limit} this file may hold")
             raw = f.read(limit + 1)
         except OSError as e:
             raise error(f"{where}: cannot read: {e.strerror or e}") from None
