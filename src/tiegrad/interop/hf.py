@@ -165,7 +165,8 @@ def check_sizes(
     the one the tensors of ``shapes`` hold, naming the keys of ``path`` and both values;
     arithmetic only, so a configuration of a million layers costs nothing. What this
     leaves (a smaller size, a stray block) the names and shapes checks name by tensor,
-    and the configuration no longer describes more than the folder holds (C6)."""
+    and the configuration no longer describes more than the folder holds (C6). ``n_head``,
+    which no shape shows, is bounded by ``n_embd``, which it must divide."""
     implied, held = cls.sizes(args), cls.sizes_held(shapes)
     wrong = [
         f"{k}={implied[k]} but the weights hold {held[k]}" for k in held if implied[k] > held[k]
