@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tiegrad import CheckpointError, EagerSession  # noqa: E402
+from tiegrad.errors import shown_list  # noqa: E402
 from tiegrad.models import GPT2  # noqa: E402
 from tiegrad.optim import AdamW  # noqa: E402
 
@@ -243,8 +244,8 @@ def test_bad_files_change_nothing(saved, tmp_path, defect):
     model = GPT2(**TINY, **NO_DROPOUT, seed=3)
     before = values(model)
     expected = {
-        "missing": r"missing \['transformer.h.1.mlp.c_fc.weight'\], unexpected \[\]",
-        "extra": r"missing \[\], unexpected \['transformer.h.2.ln_1.weight'\]",
+        "missing": r"missing 'transformer.h.1.mlp.c_fc.weight'; unexpected none",
+        "extra": r"missing none; unexpected 'transformer.h.2.ln_1.weight'",
         "shape": r"'transformer.h.0.ln_1.bias' has shape \(33,\)",
     }[defect]
     with pytest.raises(CheckpointError, match=expected):
@@ -280,17 +281,31 @@ def test_from_pretrained_names_missing_and_unexpected_tensors_before_counting(
     with pytest.raises(CheckpointError) as err:
         GPT2.from_pretrained(tmp_path)
     message = str(err.value)
-    assert f"missing {missing}, unexpected {unexpected}" in message
+    assert f"missing {shown_list(missing)}; unexpected {shown_list(unexpected)}" in message
     assert "the GPT2 of its config.json" in message and "elements" not in message
 
 
 def test_from_pretrained_counts_elements_where_every_name_is_there(saved, tmp_path):  # C6
     _, folder = saved
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+
+    def narrow_second_block(t):  # the sizes the first block shows match the config
+        t["transformer.h.1.mlp.c_fc.weight"] = np.zeros((32, 1), np.float32)
+
+    _rewrite(tmp_path, narrow_second_block)
+    with pytest.raises(CheckpointError, match=r"describes a model of \d+ elements.*other shapes"):
+        GPT2.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_checks_the_sizes_of_config_json_against_the_tensors(saved, tmp_path):
+    _, folder = saved
     (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     config = json.loads((folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, n_embd=64)))
-    with pytest.raises(CheckpointError, match=r"describes a model of \d+ elements.*other shapes"):
+    with pytest.raises(CheckpointError) as err:  # C6: before any layout or array
         GPT2.from_pretrained(tmp_path)
+    assert "config.json: n_embd=64 but the weights hold 32; n_inner=256" in str(err.value)
 
 
 def test_attention_dropout_path_matches_fused_in_eval_and_trains():

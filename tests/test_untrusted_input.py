@@ -84,8 +84,8 @@ def sample_file(tmp_path, config: dict, vocab: Vocab = VOCAB):
 @pytest.mark.parametrize(
     "change, fragment",
     [
-        ({"evil": 1}, "unknown argument(s) ['evil']"),
-        ({"vocab_size": None}, "missing argument(s) ['vocab_size']"),
+        ({"evil": 1}, "unknown argument(s) 'evil'"),
+        ({"vocab_size": None}, "missing argument(s) 'vocab_size'"),
         ({"d_model": "16"}, "d_model must be an integer"),
         ({"d_model": -16}, "d_model must be >= 1"),
         ({"n_heads": 3}, "must be a multiple of n_heads=3"),

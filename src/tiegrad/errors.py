@@ -1,10 +1,14 @@
 """The error hierarchy. Every error tiegrad raises on bad input is a ``TiegradError``.
 
 Messages name the slot, op or file involved and both the expected and the actual
-value (contract C6). Raising one of these guarantees nothing was mutated.
+value (contract C6). Raising one of these guarantees nothing was mutated. A message is
+bounded whatever the input: values go through ``shown`` and lists of names through
+``shown_list``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 class TiegradError(Exception):
@@ -64,3 +68,23 @@ class ConfigError(TiegradError, ValueError):
 
 class DistributedError(TiegradError):
     """A process group cannot start, the ranks disagree (layout, checksum), or a rank failed."""
+
+
+def shown(value: object, width: int = 60) -> str:
+    """``repr(value)`` cut to ``width`` characters, so that an error message naming a value
+    read from a file stays short; an integer too long for ``repr`` is given by its size."""
+    try:
+        r = repr(value)
+    except ValueError:  # an int beyond Python's digit limit for conversion to text
+        return f"an integer of {value.bit_length()} bits"  # type: ignore[attr-defined]
+    return r if len(r) <= width else r[: width - 3] + "..."
+
+
+def shown_list(items: Iterable[object], limit: int = 3) -> str:
+    """At most ``limit`` of ``items`` (an iterable), each ``shown``, then how many more:
+    ``'a', 'b', 'c' and 7 more``; ``none`` when there are none. Every list of names that
+    goes into an error message goes through here, so a file of a million names gives a
+    message of a line."""
+    names = list(items)
+    head = ", ".join(shown(n) for n in names[:limit]) or "none"
+    return head if len(names) <= limit else f"{head} and {len(names) - limit} more"

@@ -17,6 +17,14 @@ __all__ = [
     "tune_process",
 ]
 
+#: How to install the PyTorch that device sessions and data-parallel training need: the
+#: CPU build that ``constraints.txt`` pins (an unpinned ``torch`` pulls a multi-GB CUDA
+#: build); a CUDA device needs PyTorch's CUDA build instead.
+TORCH_HINT = (
+    "pip install -c constraints.txt 'torch==2.13.0', the CPU build tiegrad pins (an "
+    "unpinned torch pulls a multi-GB CUDA build; cuda needs PyTorch's CUDA build)"
+)
+
 
 def dtype_name(x: Array) -> str:
     """The NumPy-style dtype name of a NumPy array or torch tensor (``"float32"``)."""
@@ -48,9 +56,7 @@ def device_backend(device: str) -> Backend:
     try:
         from .torch_backend import TorchBackend, torch_device_of
     except ImportError as e:
-        raise DeviceError(
-            f"device {device!r} needs PyTorch (pip install 'tiegrad[torch]'): {e}"
-        ) from None
+        raise DeviceError(f"device {device!r} needs PyTorch ({e}): {TORCH_HINT}") from None
     tdev = torch_device_of(device)
     key = str(tdev)
     bk = _DEVICE_BACKENDS.get(key)

@@ -1,4 +1,5 @@
-"""The checkpoint file: an atomic safetensors writer and a strict safetensors reader.
+"""The checkpoint file: an atomic safetensors writer, a strict safetensors reader and
+the bounded readers of every file a user hands in.
 
 A checkpoint is one plain safetensors file (C9): an 8-byte little-endian header
 length, a JSON header naming every tensor's dtype, shape and byte range plus string
@@ -7,6 +8,13 @@ reading parses the header here, with every field checked, so that a damaged file
 any kind (truncated, flipped bytes, lengths or offsets out of range, overlaps, holes)
 is a ``CheckpointError`` naming the file and never another exception type. Nothing
 in the file is ever executed (no pickle).
+
+Reading is bounded by what the format allows, checked before the bytes are read: a
+safetensors header by its first 8 bytes and the file's size, its tensor data mapped
+rather than read; a JSON file (``read_json``) by ``MAX_JSON_BYTES`` and every JSON
+document (``parse_json``) by ``MAX_JSON_DEPTH`` levels of nesting. An unreadable,
+missing or non-regular file is the caller's library error naming it, never a bare
+``OSError`` (C6: nothing has been read into anything).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import secrets
@@ -21,12 +30,12 @@ import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import safetensors.numpy
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TiegradError, shown
 
 #: The largest JSON header read (the limit safetensors itself applies).
 MAX_HEADER_BYTES = 100_000_000
@@ -36,6 +45,12 @@ HEADER_ALLOWANCE = 1 << 22
 #: Tensors or slots allowed whatever the data, and the data bytes that pay for each more.
 ENTRY_ALLOWANCE = 4096
 BYTES_PER_ENTRY = 64
+#: The largest JSON file read: a configuration or an index takes kilobytes, a run's
+#: ``config.json`` holds its tokenizer's files (megabytes).
+MAX_JSON_BYTES = 64 << 20
+#: The deepest nesting of arrays and objects in a JSON document (configurations and
+#: schemas nest a few levels); deeper is refused before parsing, which recurses.
+MAX_JSON_DEPTH = 100
 
 _WRITE_CHUNK = 1 << 22
 #: Bytes of a temporary name's stem: the suffix ``.<pid>.<8 hex>.tmp`` needs at most 24
@@ -60,6 +75,17 @@ _DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
+#: JSON's names of the types a document can hold at its top.
+_JSON_KINDS = {dict: "object", list: "list", str: "string", int: "number", float: "number",
+               bool: "boolean", type(None): "null"}  # fmt: skip
+#: A JSON string (escapes included) and the bytes that are not brackets: what the depth
+#: scan removes, leaving the brackets of arrays and objects.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = np.zeros(256, np.int8)
+_BRACKET_STEP[list(b"[{")], _BRACKET_STEP[list(b"]}")] = 1, -1
+_DEPTH_CHUNK = 1 << 20
+
 #: Read only, widened exactly: bfloat16 (transformers' usual export dtype) is the upper
 #: half of a float32, so its 16 stored bits are read as a float32 (never written).
 _BF16 = "BF16"
@@ -97,7 +123,8 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class SafetensorsFile:
-    """A parsed, fully validated safetensors file held in memory.
+    """A parsed, fully validated safetensors file, its tensor data mapped from the file
+    (read as ``array`` asks for each tensor, never whole).
 
     ``tensors`` maps each name to its header entry; ``metadata`` is the header's
     string map; ``size`` is the file's length in bytes.
@@ -301,82 +328,161 @@ def read_safetensors(path: str) -> SafetensorsFile:
     Checks: the path is a regular file (a FIFO, a device or a folder is refused before
     reading); the 8-byte length fits the file and at most ``HEADER_ALLOWANCE`` plus the
     data's length (and ``MAX_HEADER_BYTES``), so the work done is bounded by the file's
-    size; the header is UTF-8 JSON object without duplicate keys or lone surrogates,
-    describing at most ``entry_limit`` tensors; ``__metadata__`` maps strings to
-    strings; every tensor has exactly ``dtype``, ``shape`` and ``data_offsets`` with a
-    known dtype, a shape of non-negative integers and a byte range whose length is the
-    shape's; the ranges tile the data exactly (no overlap, no hole, no trailing bytes).
+    size and a lying length is refused from the first 8 bytes; the header is UTF-8 JSON
+    object without duplicate keys or lone surrogates (``parse_json``), describing at
+    most ``entry_limit`` tensors; ``__metadata__`` maps strings to strings; every
+    tensor has exactly ``dtype``, ``shape`` and ``data_offsets`` with a known dtype, a
+    shape of non-negative integers and a byte range whose length is the shape's; the
+    ranges tile the data exactly (no overlap, no hole, no trailing bytes). The data is
+    mapped, not read: only the header has been read when this returns.
     """
     where = f"checkpoint {path}"
+    with open_regular(path, where, CheckpointError) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise CheckpointError(f"{where}: {size} bytes, too short for a safetensors header")
+        n = int.from_bytes(_read_exactly(f, 8, where), "little")
+        if n > size - 8:
+            raise CheckpointError(
+                f"{where}: header length {n} is larger than the {size - 8} bytes after it "
+                f"(truncated or damaged file)"
+            )
+        data_len = size - 8 - n
+        check_header_length(where, n, data_len)
+        header = parse_json(_read_exactly(f, n, where), f"{where}: the header")
+        count = len(header) - ("__metadata__" in header)
+        check_entries(where, "tensors in the header", count, data_len)
+        metadata: dict[str, str] = {}
+        entries: dict[str, TensorEntry] = {}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                metadata = _metadata(spec, where)
+            else:
+                entries[name] = _entry(name, spec, data_len, where)
+        _check_tiling(entries, data_len, where)
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if data_len else b""
+        except (OSError, ValueError) as e:  # ValueError: the file was emptied meanwhile
+            raise CheckpointError(f"{where}: cannot map the data: {e}") from None
+    if data_len and len(mapped) != size:
+        raise CheckpointError(f"{where}: the file changed size while it was read")
+    return SafetensorsFile(path, size, metadata, entries, memoryview(mapped)[8 + n :])
+
+
+def _read_exactly(f: BinaryIO, n: int, where: str) -> bytes:
+    """The next ``n`` bytes of ``f``; fewer is a file that shrank while it was read."""
+    try:
+        raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read: {e.strerror or e}") from None
+    if len(raw) != n:
+        raise CheckpointError(f"{where}: the file changed size while it was read")
+    return raw
+
+
+def open_regular(path: str | os.PathLike[str], where: str, error: type[TiegradError]) -> BinaryIO:
+    """``path`` opened for reading (binary, unbuffered) when it is a regular file; else
+    ``error`` naming ``where`` and why it cannot be opened (no such file, permissions),
+    or that it is not a regular file (a FIFO, a device, a folder: refused before
+    anything is read or waited for)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
-        raise CheckpointError(f"{where}: cannot read: {e}") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise error(f"{where}: cannot read: {e.strerror or e}") from None
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError as e:
         os.close(fd)
-        raise CheckpointError(f"{where}: not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
-        if size < 8:
-            raise CheckpointError(f"{where}: {size} bytes, too short for a safetensors header")
+        raise error(f"{where}: cannot read: {e.strerror or e}") from None
+    if not regular:
+        os.close(fd)
+        raise error(f"{where}: not a regular file")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_limited(
+    path: str | os.PathLike[str], limit: int, error: type[TiegradError], where: str | None = None
+) -> bytes:
+    """The bytes of the regular file ``path`` (``open_regular``), refused unread when it
+    holds more than ``limit`` bytes; ``error`` names ``where`` (the path by default)."""
+    where = os.fspath(path) if where is None else where
+    with open_regular(path, where, error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise error(f"{where}: {size} bytes, more than the {limit} this file may hold")
         try:
-            n = int.from_bytes(f.read(8), "little")
-            if n > size - 8:
-                raise CheckpointError(
-                    f"{where}: header length {n} is larger than the {size - 8} bytes after it "
-                    f"(truncated or damaged file)"
-                )
-            check_header_length(where, n, size - 8 - n)
-            blob = f.read()
+            raw = f.read(limit + 1)
         except OSError as e:
-            raise CheckpointError(f"{where}: cannot read: {e}") from e
-    if len(blob) != size - 8:
-        raise CheckpointError(f"{where}: the file changed size while it was read")
-    header = parse_json(blob[:n], f"{where}: the header")
-    data = memoryview(blob)[n:]
-    count = len(header) - ("__metadata__" in header)
-    check_entries(where, "tensors in the header", count, len(data))
-    metadata: dict[str, str] = {}
-    entries: dict[str, TensorEntry] = {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            metadata = _metadata(spec, where)
-        else:
-            entries[name] = _entry(name, spec, len(data), where)
-    _check_tiling(entries, len(data), where)
-    return SafetensorsFile(path, size, metadata, entries, data)
+            raise error(f"{where}: cannot read: {e.strerror or e}") from None
+    if len(raw) > limit:
+        raise error(f"{where}: the file grew past {limit} bytes while it was read")
+    return raw
 
 
-def parse_json(raw: bytes | str, what: str) -> dict[str, Any]:
-    """A JSON object from ``raw`` (UTF-8 bytes or text), or a ``CheckpointError`` naming
-    ``what``: invalid JSON, a repeated key, a lone surrogate (``"\\ud800"``, which no
-    UTF-8 text holds) or another value than an object."""
+def read_json(
+    path: str | os.PathLike[str],
+    expect: type = dict,
+    error: type[TiegradError] = CheckpointError,
+    limit: int = MAX_JSON_BYTES,
+) -> Any:
+    """The JSON document of the file ``path``: read by ``read_limited`` (at most
+    ``limit`` bytes), parsed by ``parse_json`` (``expect`` at its top); every defect is
+    ``error`` naming the file."""
+    where = os.fspath(path)
+    return parse_json(read_limited(path, limit, error, where), where, expect, error)
+
+
+def parse_json(
+    raw: bytes | str,
+    what: str,
+    expect: type = dict,
+    error: type[TiegradError] = CheckpointError,
+) -> Any:
+    """A JSON document of type ``expect`` (``dict``: an object; ``list``) from ``raw``
+    (UTF-8 bytes or text), or ``error`` naming ``what``: nesting deeper than
+    ``MAX_JSON_DEPTH`` (refused before parsing), invalid JSON, an integer beyond
+    Python's digit limit, a repeated key, a lone surrogate (``"\\ud800"``, which no
+    UTF-8 text holds), or a document of another type (``holds a JSON list, expected an
+    object``)."""
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in pairs:
             if k in out:
-                raise CheckpointError(f"{what} repeats the key {_shown(k)}")
+                raise error(f"{what} repeats the key {shown(k)}")
             out[k] = v
         return out
 
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH:  # else too few to nest deeper
+        depth = json_depth(data)
+        if depth > MAX_JSON_DEPTH:
+            raise error(f"{what} nests {depth} levels deep, more than the {MAX_JSON_DEPTH} allowed")
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
         doc = json.loads(text, object_pairs_hook=no_duplicates)
         json.dumps(doc, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise CheckpointError(f"{what} holds a lone surrogate (not valid Unicode)") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{what} is not valid UTF-8 JSON: {_shown(str(e))}") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{what} is a JSON {type(doc).__name__}, not an object")
+        raise error(f"{what} holds a lone surrogate (not valid Unicode)") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise error(f"{what} is not valid UTF-8 JSON: {shown(str(e))}") from None
+    if not isinstance(doc, expect):
+        wanted = "an object" if expect is dict else f"a {_JSON_KINDS[expect]}"
+        raise error(f"{what} holds a JSON {_JSON_KINDS[type(doc)]}, expected {wanted}")
     return doc
 
 
-def _shown(text: str, width: int = 60) -> str:
-    """``repr(text)`` cut to ``width`` characters (error messages stay short)."""
-    r = repr(text)
-    return r if len(r) <= width else r[: width - 3] + "..."
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text ``raw``, found without
+    parsing (the strings removed, the brackets counted in chunks: linear time, bounded
+    memory). Invalid JSON can count deeper than a parser would reach; never shallower."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    level = deepest = 0
+    for start in range(0, len(brackets), _DEPTH_CHUNK):
+        chunk = np.frombuffer(brackets, np.uint8, min(_DEPTH_CHUNK, len(brackets) - start), start)
+        levels = np.cumsum(_BRACKET_STEP[chunk], dtype=np.int64) + level
+        deepest, level = max(deepest, int(levels.max())), int(levels[-1])
+    return deepest
 
 
 def _metadata(spec: Any, where: str) -> dict[str, str]:

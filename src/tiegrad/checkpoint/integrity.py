@@ -24,12 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown_list
 from .fileio import SafetensorsFile, _is_int
 
 ALGORITHM = "crc32"
-#: Damaged tensors named in an error before "and N more".
-SHOWN = 3
 
 
 def tensor_checksum(array: np.ndarray) -> int:
@@ -65,7 +63,7 @@ def parse_checksums(raw: Any, tensors: Iterable[str], where: str) -> dict[str, i
         ("a checksum for tensors not in the file:", sorted(set(table) - names)),
     ):
         if keys:
-            raise CheckpointError(f"{where}: the schema has {problem} {_listed(keys)}")
+            raise CheckpointError(f"{where}: the schema has {problem} {shown_list(keys)}")
     for name, crc in table.items():
         if not _is_int(crc) or not 0 <= crc < 1 << 32:
             raise CheckpointError(
@@ -98,14 +96,8 @@ def verify(file: SafetensorsFile, checksums: Mapping[str, int] | None, where: st
     ]
     if damaged:
         name, crc, actual = damaged[0]
-        others = f"; damaged too: {_listed([n for n, _, _ in damaged[1:]])}" if damaged[1:] else ""
+        others = f"; damaged too: {shown_list(n for n, _, _ in damaged[1:])}" if damaged[1:] else ""
         raise CheckpointError(
             f"{where}: tensor {name!r} is damaged: its bytes have CRC-32 {actual:#010x}, the "
             f"schema records {crc:#010x}{others}"
         )
-
-
-def _listed(names: list[str]) -> str:
-    """``names`` quoted, at most ``SHOWN`` of them, then how many more."""
-    shown = ", ".join(map(repr, names[:SHOWN]))
-    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shown_list
 from ..params import ParamList
 from .fileio import SafetensorsFile, _is_int, entry_limit, parse_json, supported_dtype
 from .integrity import checksums_json, parse_checksums
@@ -348,8 +348,7 @@ def _check_tensors(schema: Schema, file: SafetensorsFile, where: str) -> None:
     extra = sorted(set(file.tensors) - set(expected))
     if extra:
         raise CheckpointError(
-            f"{where}: tensors not described by the schema: {', '.join(map(repr, extra[:5]))}"
-            + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            f"{where}: tensors not described by the schema: {shown_list(extra, 5)}"
         )
 
 

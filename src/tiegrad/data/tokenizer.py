@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..checkpoint.fileio import MAX_JSON_BYTES, read_limited
+from ..errors import ConfigError, shown_list
 from .vocab import Vocab, check_text, check_token_ids, utf8
 
 #: The tokenizer files transformers writes next to a model, copied along on export.
@@ -61,7 +62,9 @@ class HFTokenizer:
             raise ConfigError("tokenizer: expected the text of a tokenizer.json")
         unknown = sorted(set(files) - set(TOKENIZER_FILES))
         if unknown or not all(isinstance(v, str) for v in files.values()):
-            raise ConfigError(f"tokenizer: unexpected files {unknown} or non-text contents")
+            raise ConfigError(
+                f"tokenizer: unexpected files {shown_list(unknown)} or non-text contents"
+            )
         try:
             self._tokenizer = Tokenizer.from_str(files["tokenizer.json"])
         except Exception as e:  # tokenizers raises its own Exception type
@@ -72,7 +75,9 @@ class HFTokenizer:
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike[str]) -> HFTokenizer | None:
-        """The tokenizer of a model directory, or None when it has no ``tokenizer.json``."""
+        """The tokenizer of a model directory, or None when it has no ``tokenizer.json``;
+        a file too large (``MAX_JSON_BYTES``), unreadable or refused by ``tokenizers`` is
+        a ``ConfigError`` naming the folder."""
         folder = check_path("HFTokenizer.from_directory", "directory", directory)
         if not (folder / "tokenizer.json").is_file():
             return None
@@ -80,10 +85,13 @@ class HFTokenizer:
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
                 try:
-                    files[name] = (folder / name).read_text(encoding="utf-8")
+                    files[name] = read_limited(folder / name, MAX_JSON_BYTES, ConfigError).decode()
                 except (OSError, UnicodeDecodeError) as e:
                     raise ConfigError(f"{folder / name}: cannot be read: {e}") from None
-        return cls(files)
+        try:
+            return cls(files)
+        except ConfigError as e:  # the files' own errors, named by their folder
+            raise ConfigError(f"{folder}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "files": dict(self.files)}

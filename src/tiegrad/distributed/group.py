@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..backend import TORCH_HINT
 from ..errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -77,8 +78,7 @@ def require_torch(what: str) -> None:
         import torch.distributed  # noqa: F401
     except ImportError as e:
         raise DistributedError(
-            f"{what}: data-parallel training needs torch.distributed ({e}); install torch "
-            "(the README's test command pins the version)"
+            f"{what}: data-parallel training needs torch.distributed ({e}): {TORCH_HINT}"
         ) from None
 
 

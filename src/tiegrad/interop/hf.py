@@ -1,12 +1,12 @@
 """Hugging Face GPT-2 directories in and out, without torch or transformers.
 
-A directory of transformers' ``save_pretrained`` holds ``config.json`` (JSON, read with
-``json``) and either ``model.safetensors`` or shards listed by
-``model.safetensors.index.json`` (read with tiegrad's strict safetensors reader,
-``checkpoint.fileio``). Tensor names may carry the ``transformer.`` prefix or not (the
-hub's files have none); the causal-mask buffers old files hold (``h.N.attn.bias``,
-``h.N.attn.masked_bias``) are constants of the architecture and skipped, as
-transformers skips them.
+A directory of transformers' ``save_pretrained`` holds ``config.json`` and either
+``model.safetensors`` or shards listed by ``model.safetensors.index.json``, all read
+with ``checkpoint.fileio``'s bounded readers (JSON of a capped size and depth; the
+strict safetensors reader, which reads headers and maps the data). Tensor names may
+carry the ``transformer.`` prefix or not (the hub's files have none); the causal-mask
+buffers old files hold (``h.N.attn.bias``, ``h.N.attn.masked_bias``) are constants of
+the architecture and skipped, as transformers skips them.
 
 The tie (C1): a file without ``lm_head.weight`` (what transformers writes, and the
 hub's files) gets the head tied to ``transformer.wte.weight`` when
@@ -14,8 +14,9 @@ hub's files) gets the head tied to ``transformer.wte.weight`` when
 are equal and is refused when they differ, unless ``tie_word_embeddings`` is false, in
 which case the two are loaded untied. Every tensor's presence, shape and dtype is
 checked before any value is written (C6); missing or unexpected names are one
-``CheckpointError`` listing them, and they are checked first, so that the error names
-the tensor rather than a count.
+``CheckpointError`` naming a few of them and counting the rest, and they are checked
+first, so that the error names the tensor rather than a count. A folder that cannot
+be listed or a file that cannot be read is a ``CheckpointError`` naming it.
 
 The functions take the model (or, to build one, its class: ``GPT2``) as an argument and
 import nothing from ``tiegrad.models``: ``GPT2``'s ``from_pretrained``/``save_pretrained``
@@ -33,9 +34,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..checkpoint.fileio import SafetensorsFile, read_safetensors, write_safetensors
+from ..checkpoint.fileio import SafetensorsFile, read_json, read_safetensors, write_safetensors
 from ..checkpoint.finite import finite_cast
-from ..errors import CheckpointError, ConfigError, HyperparameterError
+from ..errors import CheckpointError, ConfigError, HyperparameterError, shown, shown_list
 from ..nn.module import Module
 
 #: The model class ``load_gpt2`` builds (``GPT2``: ``check_config``, ``layout``).
@@ -74,21 +75,38 @@ _UNSUPPORTED = {"add_cross_attention": False}
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``config.json`` of a GPT-2 directory as a dict (``model_type`` must be gpt2)."""
-    path = Path(directory) / CONFIG
-    if not path.is_file():
+    """The ``config.json`` of a GPT-2 directory as a dict (``model_type`` must be gpt2):
+    a folder that cannot be listed, no ``config.json``, or one that is not a JSON
+    object of a bounded size and depth (``fileio.read_json``) is a ``CheckpointError``
+    naming it."""
+    if CONFIG not in listing(directory):
         raise CheckpointError(f"{directory}: no {CONFIG} (not a transformers model directory)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read the model configuration: {e}") from None
-    if not isinstance(config, dict) or config.get("model_type", "gpt2") != "gpt2":
-        kind = config.get("model_type") if isinstance(config, dict) else type(config).__name__
-        raise CheckpointError(f"{path}: model_type {kind!r}, expected 'gpt2'")
+    path = Path(directory) / CONFIG
+    config = read_json(path)
+    kind = config.get("model_type", "gpt2")
+    if kind != "gpt2":
+        raise CheckpointError(f"{path}: model_type {shown(kind)}, expected 'gpt2'")
     for key, value in _UNSUPPORTED.items():
         if config.get(key, value) != value:
-            raise ConfigError(f"{path}: {key}={config[key]!r} is not supported by tiegrad's GPT2")
+            raise ConfigError(
+                f"{path}: {key}={shown(config[key])} is not supported by tiegrad's GPT2"
+            )
     return config
+
+
+def listing(directory: str | os.PathLike[str]) -> set[str]:
+    """The names in ``directory``; a path that is no folder or cannot be listed is a
+    ``CheckpointError`` naming it."""
+    try:
+        return set(os.listdir(directory))
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no such folder") from None
+    except NotADirectoryError:
+        raise CheckpointError(
+            f"{directory}: not a folder (expected a transformers model directory)"
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"{directory}: cannot list the folder: {e.strerror or e}") from None
 
 
 def model_kwargs(config: dict[str, Any]) -> dict[str, Any]:
@@ -107,25 +125,33 @@ def load_gpt2(
     weights loaded (``load_weights``, which refuses NaN and infinite values unless
     ``allow_nonfinite``).
 
-    Before anything is built, the tensors are checked against ``cls.layout`` of the
-    configuration: first the names (missing and unexpected ones listed), then the element
-    count, which catches what names cannot (a configuration of another width), so a
-    ``config.json`` from elsewhere cannot make it allocate more than its weights (C6).
+    Before anything is built, the configuration is checked against the tensors, whose
+    shapes the safetensors headers give without reading data: first no size it implies
+    (``cls.sizes``: layers, width, vocabulary, positions, inner width) may exceed the
+    one the tensors hold (``cls.sizes_held``), which bounds the layout; then
+    against ``cls.layout``: the names (a few missing and unexpected ones named), then
+    the element count, which catches what names cannot (blocks of other shapes). So a
+    ``config.json`` from elsewhere cannot make it allocate more than its weights, nor
+    build a layout or a message larger than the folder (C6).
     """
     config = read_config(directory)
+    path = Path(directory) / CONFIG
     try:
         args = cls.check_config(dict(model_kwargs(config), dtype=dtype))
     except (ConfigError, HyperparameterError) as e:  # check_config's verdicts
-        raise ConfigError(f"{Path(directory) / CONFIG}: {e}") from None
+        raise ConfigError(f"{path}: {e}") from None
     tensors = read_tensors(directory)
-    paths = [path for path, _ in cls.layout(args)]
+    check_sizes(
+        cls, path, args, {full: file.tensors[name].shape for full, (file, name) in tensors.items()}
+    )
+    paths = [p for p, _ in cls.layout(args)]
     tied_head = bool(args["tie_word_embeddings"])
     check_names(directory, f"the {cls.__name__} of its {CONFIG}", paths, tensors, tied_head)
     held = sum(math.prod(file.tensors[name].shape) for file, name in tensors.values())
     needed = cls.layout_size(args)[1]
     if needed > held:
         raise CheckpointError(
-            f"{Path(directory) / CONFIG}: describes a model of {needed} elements, but the "
+            f"{path}: describes a model of {needed} elements, but the "
             f"weights in {directory} hold {held} (every tensor is there: the configuration "
             "gives them other shapes)"
         )
@@ -133,6 +159,26 @@ def load_gpt2(
     model.source_config = config
     load_weights(model, directory, tensors, allow_nonfinite=allow_nonfinite)
     return model
+
+
+def check_sizes(
+    cls: Any,
+    path: str | os.PathLike[str],
+    args: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> None:
+    """Refuse a configuration ``args`` (``cls.check_config``'s) any of whose sizes exceeds
+    the one the tensors of ``shapes`` hold, naming the keys of ``path`` and both values;
+    arithmetic only, so a configuration of a million layers costs nothing. What this
+    leaves (a smaller size, a stray block) the names and shapes checks name by tensor,
+    and the configuration no longer describes more than the folder holds (C6). ``n_head``,
+    which no shape shows, is bounded by ``n_embd``, which it must divide."""
+    implied, held = cls.sizes(args), cls.sizes_held(shapes)
+    wrong = [
+        f"{k}={implied[k]} but the weights hold {held[k]}" for k in held if implied[k] > held[k]
+    ]
+    if wrong:
+        raise CheckpointError(f"{path}: {'; '.join(wrong)}")
 
 
 def check_names(
@@ -143,29 +189,27 @@ def check_names(
     tied_head: bool,
 ) -> None:
     """Refuse tensors that are not exactly ``paths`` (a tied ``lm_head.weight`` may be
-    absent), naming every missing and unexpected one (C6)."""
+    absent), naming a few missing and unexpected ones and counting the rest (C6)."""
     missing = [p for p in paths if p not in tensors and not (tied_head and p == HEAD)]
     allowed = set(paths)
     unexpected = [n for n in tensors if n not in allowed]
     if missing or unexpected:
         raise CheckpointError(
             f"{directory}: the weights do not match {owner}: "
-            f"missing {missing}, unexpected {unexpected}"
+            f"missing {shown_list(missing)}; unexpected {shown_list(unexpected)}"
         )
 
 
 def _tensor_files(directory: Path) -> list[SafetensorsFile]:
     """The safetensors files of a directory: the single file or every shard of the index,
     each name in the shard the index names for it."""
-    single, index = directory / WEIGHTS, directory / INDEX
-    if single.is_file():
-        return [read_safetensors(os.fspath(single))]
-    if not index.is_file():
+    names = listing(directory)
+    if WEIGHTS in names:
+        return [read_safetensors(os.fspath(directory / WEIGHTS))]
+    if INDEX not in names:
         raise CheckpointError(f"{directory}: neither {WEIGHTS} nor {INDEX}")
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+    index = directory / INDEX
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(
         isinstance(v, str) and v == os.path.basename(v) and v for v in weight_map.values()
     ):
@@ -178,7 +222,7 @@ def _tensor_files(directory: Path) -> list[SafetensorsFile]:
         if strays or listed:
             raise CheckpointError(
                 f"{directory / shard}: does not match {INDEX} (in the file but not listed "
-                f"for it: {strays[:5]}; listed but absent: {listed[:5]})"
+                f"for it: {shown_list(strays)}; listed but absent: {shown_list(listed)})"
             )
         files.append(file)
     return files

@@ -77,7 +77,13 @@ from ..adapters.lora import (
     check_model,
     check_name,
 )
-from ..checkpoint.fileio import SafetensorsFile, parse_json, read_safetensors, write_safetensors
+from ..checkpoint.fileio import (
+    SafetensorsFile,
+    parse_json,
+    read_json,
+    read_safetensors,
+    write_safetensors,
+)
 from ..checkpoint.finite import finite_cast
 from ..errors import CheckpointError, HyperparameterError, SlotError
 from ..models.gpt2 import Conv1D
@@ -250,7 +256,7 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {CONFIG} (not a PEFT adapter directory)")
     try:
-        config = parse_json(path.read_bytes(), f"{path}")
+        config = read_json(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from None
     if config.get("peft_type") != "LORA":
@@ -599,11 +605,8 @@ def _shared_groups(
     raw = file.metadata.get(SHARED)
     shared: list[list[str]] = []
     if raw is not None:
-        try:
-            shared = json.loads(raw)
-        except ValueError:
-            shared = None
-        if not isinstance(shared, list) or not all(
+        shared = parse_json(raw, f"{where}: metadata {SHARED}", list)
+        if not all(
             isinstance(g, list) and len(g) > 1 and all(p in factors for p in g) for g in shared
         ):
             raise CheckpointError(f"{where}: metadata {SHARED} must list groups of its modules")

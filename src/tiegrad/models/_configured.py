@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown_list
 from ..nn import init
 from ..nn.layers import get_activation
 from ..nn.module import Module
@@ -70,11 +70,12 @@ class ConfiguredModel(Module):
         unknown = sorted(map(str, set(config) - known))
         if unknown:
             raise ConfigError(
-                f"{owner}: unknown argument(s) {unknown[:10]!r:.300}; it takes {sorted(known)}"
+                f"{owner}: unknown argument(s) {shown_list(unknown)}; it takes "
+                f"{', '.join(sorted(known))}"
             )
         missing = [p.name for p in params if p.default is p.empty and p.name not in config]
         if missing:
-            raise ConfigError(f"{owner}: missing argument(s) {missing}")
+            raise ConfigError(f"{owner}: missing argument(s) {shown_list(missing)}")
         checks: dict[str, hyperparams.Checker] = {
             **cls.ARGS,
             "seed": hyperparams.seed,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,19 @@ from ._causal_lm import EMBED_STD, TiedCausalLM
 
 #: ``activation_function`` values of transformers' GPT-2 and the matching GELU form.
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+#: The tensors whose shapes give the sizes of a configuration: ``{path: (key of the first
+#: dimension, key of the second)}`` (``GPT2.sizes_held``).
+_SIZE_TENSORS = {
+    "transformer.wte.weight": ("vocab_size", "n_embd"),
+    "transformer.wpe.weight": ("n_positions", None),
+    "transformer.h.0.mlp.c_fc.weight": (None, "n_inner"),
+}
+_BLOCK = re.compile(r"transformer\.h\.(0|[1-9][0-9]*)\.")
+
+
+def _block_numbers(paths: Iterable[str]) -> set[str]:
+    """The distinct block numbers ``N`` of the paths ``transformer.h.N....``."""
+    return {m.group(1) for m in map(_BLOCK.match, paths) if m is not None}
 
 
 def _optional_size(owner: str, name: str, value: Any) -> int | None:
@@ -195,6 +210,30 @@ class GPT2(TiedCausalLM):
             raise ConfigError(
                 f"{owner}: n_head={args['n_head']} must divide n_embd={args['n_embd']}"
             )
+
+    @classmethod
+    def sizes(cls, config: Any) -> dict[str, int]:
+        """The sizes of a model of ``config`` (as ``check_config`` returns it) that its
+        tensors' shapes show: ``vocab_size``, ``n_positions``, ``n_embd``, ``n_layer``
+        and ``n_inner`` (four times the width when unset), by arithmetic alone."""
+        keys = ("vocab_size", "n_positions", "n_embd", "n_layer")
+        return {**{k: config[k] for k in keys}, "n_inner": _inner(config)}
+
+    @classmethod
+    def sizes_held(cls, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+        """The ``sizes`` that tensors of these shapes (``{path: shape}``) hold: the
+        vocabulary and width from ``transformer.wte.weight``, the positions from
+        ``transformer.wpe.weight``, the inner width from the first block's
+        ``mlp.c_fc.weight`` (each where present with two dimensions) and ``n_layer``,
+        the count of distinct blocks ``transformer.h.N``. What a configuration is checked
+        against before its ``layout`` is built (C6): a ``config.json`` of a million
+        layers is refused by a count, not a list."""
+        out: dict[str, int] = {"n_layer": len(_block_numbers(shapes))}
+        for path, keys in _SIZE_TENSORS.items():
+            shape = tuple(shapes.get(path, ()))
+            if len(shape) == 2:
+                out.update((k, n) for k, n in zip(keys, shape) if k is not None)
+        return out
 
     @staticmethod
     def _block_layout(d: int, inner: int) -> list[tuple[str, tuple[int, ...]]]:

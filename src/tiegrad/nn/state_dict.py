@@ -13,11 +13,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import AliasError, SlotError
+from ..errors import AliasError, SlotError, shown_list
 from ..params import Param
 from ..params.storage import check_host_array
-
-_SHOWN = 5  # paths named in a message before "and N more"
 
 
 class IncompatibleKeys(NamedTuple):
@@ -39,11 +37,6 @@ def state_dict(slots: Sequence[tuple[str, Param]]) -> dict[str, np.ndarray]:
     return out
 
 
-def _listed(paths: Sequence[str]) -> str:
-    shown = ", ".join(map(repr, paths[:_SHOWN]))
-    return shown + (f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
-
-
 def load_state_dict(
     label: str,
     slots: Sequence[tuple[str, Param]],
@@ -60,8 +53,8 @@ def load_state_dict(
     missing = [path for path, _ in slots if path not in state]
     unexpected = [key for key in state if key not in paths]
     if strict and (missing or unexpected):
-        parts = [f"missing keys {_listed(missing)}"] if missing else []
-        parts += [f"unexpected keys {_listed(unexpected)}"] if unexpected else []
+        parts = [f"missing keys {shown_list(missing)}"] if missing else []
+        parts += [f"unexpected keys {shown_list(unexpected)}"] if unexpected else []
         raise SlotError(
             f"{label}.load_state_dict: {'; '.join(parts)} (strict=False loads the paths that match)"
         )

@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from ..errors import CheckpointError, HyperparameterError
+from ..errors import CheckpointError, HyperparameterError, shown_list
 from .hyperparams import (
     at_least_zero,
     count,
@@ -155,7 +155,8 @@ class Schedule:
         keys = ["kind", "last_epoch", "base_lrs", *self.config]
         if sorted(map(str, state_dict)) != sorted(keys):
             raise CheckpointError(
-                f"{where}: keys {sorted(map(str, state_dict))}, expected {sorted(keys)}"
+                f"{where}: keys {shown_list(sorted(map(str, state_dict)), 8)}, expected "
+                f"{sorted(keys)}"
             )
         epoch = count(where, "last_epoch", state_dict["last_epoch"])
         base = state_dict["base_lrs"]

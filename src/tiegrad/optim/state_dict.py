@@ -17,7 +17,14 @@ import numpy as np
 from ..checkpoint.loading import check_strict_layout
 from ..checkpoint.schema import SlotRecord, layout_table, parse_slots
 from ..checkpoint.schema import check_layout as check_slot_records
-from ..errors import AliasError, CheckpointError, DTypeError, HyperparameterError, ShapeError
+from ..errors import (
+    AliasError,
+    CheckpointError,
+    DTypeError,
+    HyperparameterError,
+    ShapeError,
+    shown_list,
+)
 from .hyperparams import count
 from .state import SlotSpec
 
@@ -128,8 +135,8 @@ def exact_keys(where: str, what: str, value: Mapping[str, Any], keys: Sequence[s
     unexpected = sorted(str(k) for k in value if k not in keys)
     if missing or unexpected:
         raise CheckpointError(
-            f"{where}: {what} has keys {sorted(map(str, value))}, expected {list(keys)} "
-            f"(missing {missing}, unexpected {unexpected})"
+            f"{where}: {what} has keys other than {list(keys)}: missing "
+            f"{shown_list(missing)}; unexpected {shown_list(unexpected)}"
         )
 
 

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.fileio import MAX_JSON_BYTES, read_limited
 from ..errors import ConfigError
 from ..optim.hyperparams import INT64_LIMIT
 from .lora import parse_lora
@@ -190,22 +191,34 @@ def check_value(key: str, value: Any, where: str = "", label: str | None = None)
     return value
 
 
-def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Check every key of a complete configuration and the rules between keys."""
+def check_config(
+    config: Mapping[str, Any], labels: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Check every key of a complete configuration and the rules between keys; a rule's
+    message names each key by its flag in ``labels`` (``--heads``) where it has one
+    (the command line set it), else by the key."""
     missing = sorted(set(DEFAULTS) - set(config))
     if missing:
         raise ConfigError(f"configuration lacks keys {missing}")
     out = {k: check_value(k, v) for k, v in config.items()}
+    labels = labels or {}
+
+    def named(key: str) -> str:
+        return labels.get(key, key)
+
     if out["d_model"] % out["n_heads"]:
         raise ConfigError(
-            f"config: n_heads ({out['n_heads']}) must divide d_model ({out['d_model']})"
+            f"config: {named('n_heads')} ({out['n_heads']}) must divide {named('d_model')} "
+            f"({out['d_model']})"
         )
     if out["lora"] and not out["init"]:
         raise ConfigError(
             "config: lora (--lora) adapts the GPT-2 of init: give --init DIR with --lora"
         )
     if out["min_lr"] > out["lr"]:
-        raise ConfigError(f"config: min_lr ({out['min_lr']}) exceeds lr ({out['lr']})")
+        raise ConfigError(
+            f"config: {named('min_lr')} ({out['min_lr']}) exceeds {named('lr')} ({out['lr']})"
+        )
     return out
 
 
@@ -230,7 +243,7 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist or is not a file")
     try:
-        raw = path.read_text(encoding="utf-8")
+        raw = read_limited(path, MAX_JSON_BYTES, ConfigError, f"config file {str(path)!r}").decode()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
     data = _parse_toml(raw, str(path))
@@ -249,7 +262,7 @@ def _parse_toml(raw: str, where: str) -> dict[str, Any]:
 
         try:
             return tomllib.loads(raw)
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, RecursionError) as e:  # nesting past the stack
             raise ConfigError(f"config file {where!r} is not valid TOML: {e}") from None
     return parse_flat_toml(raw, where)
 
@@ -333,4 +346,4 @@ def resolve(
     labels = labels or {}
     for key, value in (overrides or {}).items():
         config[key] = check_value(key, value, "the command line", labels.get(key))
-    return check_config(config)
+    return check_config(config, {k: labels[k] for k in overrides or {} if k in labels})

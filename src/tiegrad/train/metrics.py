@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..checkpoint.fileio import MAX_JSON_BYTES, parse_json
 from ..errors import ConfigError
 
 CSV_COLUMNS = (
@@ -52,10 +53,12 @@ _NON_FINITE = ("nan", "inf", "-inf")
 
 
 def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
-    """``(offset, line number, line)`` of each line of ``path``, ending newline kept."""
+    """``(offset, line number, line)`` of each line of ``path``, ending newline kept; a
+    line longer than ``MAX_JSON_BYTES`` comes in pieces (none a record), so no line is
+    read whole past what a record may take."""
     offset = 0
     with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(iter(lambda: f.readline(MAX_JSON_BYTES), b""), 1):
             yield offset, number, line
             offset += len(line)
 
@@ -70,7 +73,7 @@ def _damaged(path: Path, number: int, what: str) -> ConfigError:
 def _json_record(line: bytes) -> tuple[dict[str, Any] | None, str]:
     """A ``metrics.jsonl`` line as a record, or ``None`` and what is wrong with it."""
     try:
-        record = json.loads(line)
+        record = parse_json(line, "a metrics.jsonl line", error=ConfigError)
     except ValueError:
         return None, "is not a JSON record"
     if not isinstance(record, dict):

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.fileio import read_json
 from ..errors import ConfigError
 from .metrics import CSV_NAME, JSONL_NAME
 
@@ -125,7 +126,7 @@ class RunDir:
         if not self.config_path.is_file():
             raise ConfigError(f"{str(self.path)!r} is not a run folder: it has no config.json")
         try:
-            data = json.loads(self.config_path.read_text(encoding="utf-8"))
+            data = read_json(self.config_path, error=ConfigError)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{str(self.config_path)!r} cannot be read: {e}") from None
         if not isinstance(data, dict):
