@@ -152,6 +152,11 @@ CASES = {
     "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b), [_r(2, 3, 6), _r(6), _r(6)]),
     "layer_norm:plain": (lambda x: ops.layer_norm(x, eps=0.1), [_r(4, 5) * 3]),
     "layer_norm:weight": (lambda x, w: ops.layer_norm(x, w), [_r(3, 7), _r(7)]),
+    # the ops of Llama-family decoders (issue 48)
+    "silu": (lambda a: ops.silu(a), [_r(3, 4) * 5]),
+    "rsqrt": (lambda a: ops.rsqrt(a), [_r(3, 4, positive=True)]),
+    "cos": (lambda a: ops.cos(a), [_r(3, 4) * 3]),
+    "sin": (lambda a: ops.sin(a), [_r(3, 4) * 3]),
 }
 
 

@@ -435,3 +435,13 @@ def test_array_inputs_with_ref_parameters():
     img = rnd(1, 2, 4, 4)
     check_grad(lambda w: T.conv2d(img, w, padding=1), [rnd(3, 2, 3, 3, seed=1)])
     check_grad(lambda k, v: T.scaled_dot_product_attention(x, k, v), [rnd(3, 5), rnd(3, 2)])
+
+
+# -- the ops of Llama-family decoders (issue 48) ------------------------------------------
+@pytest.mark.parametrize("op", ["silu", "cos", "sin"])
+def test_smooth_unary_of_decoders(op):
+    check_grad(getattr(T, op), [rnd(3, 4) * 2])
+
+
+def test_rsqrt():
+    check_grad(T.rsqrt, [positive(3, 4)])

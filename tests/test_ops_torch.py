@@ -357,3 +357,18 @@ def test_where_with_a_python_number_keeps_the_tensors_dtype():
         assert_close(out.value, theirs, "where")
     ints = s.constant(np.array([1, 2, 3]))
     assert T.where(mask, ints, 0.5).value.dtype == np.float64  # a float is not cut to an int
+
+
+# -- the ops of Llama-family decoders (issue 48) ------------------------------------------
+@pytest.mark.parametrize(
+    "name, ours, theirs, low",
+    [
+        ("silu", T.silu, F.silu, None),
+        ("rsqrt", T.rsqrt, torch.rsqrt, 0.1),
+        ("cos", T.cos, torch.cos, None),
+        ("sin", T.sin, torch.sin, None),
+    ],
+)
+def test_unary_of_decoders(name, ours, theirs, low):
+    x = rnd(5, 7, low=low) * (1.0 if low else 3.0)
+    compare(ours, theirs, [x])

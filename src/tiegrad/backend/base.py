@@ -132,6 +132,16 @@ class Backend:
     def tanh(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def cos(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def sin(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def rsqrt(self, x: Array) -> Array:
+        """``1 / sqrt(x)``; a backend with its own kernel (torch's ``rsqrt``) uses it."""
+        return 1.0 / self.sqrt(x)
+
     def erf(self, x: Array) -> Array:
         raise NotImplementedError
 

@@ -202,6 +202,15 @@ class TorchBackend(Backend):
     def tanh(self, x: Array) -> Array:
         return torch.tanh(x)
 
+    def cos(self, x: Array) -> Array:
+        return torch.cos(x)
+
+    def sin(self, x: Array) -> Array:
+        return torch.sin(x)
+
+    def rsqrt(self, x: Array) -> Array:
+        return torch.rsqrt(x)
+
     def erf(self, x: Array) -> Array:
         return torch.erf(x)
 

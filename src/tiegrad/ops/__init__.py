@@ -13,7 +13,7 @@ from .arithmetic import add, div, matmul, mul, neg, pow, sub
 from .attention import scaled_dot_product_attention, self_attention
 from .conv import conv2d, max_pool2d
 from .dropout import dropout
-from .elementwise import exp, gelu, log, relu, sigmoid, sqrt, tanh
+from .elementwise import cos, exp, gelu, log, relu, rsqrt, sigmoid, silu, sin, sqrt, tanh
 from .embedding import embedding
 from .linear import affine, linear
 from .loss import cross_entropy, mse_loss
@@ -27,6 +27,7 @@ __all__ = [
     "affine",
     "concat",
     "conv2d",
+    "cos",
     "cross_entropy",
     "div",
     "dropout",
@@ -49,9 +50,12 @@ __all__ = [
     "pow",
     "relu",
     "reshape",
+    "rsqrt",
     "scaled_dot_product_attention",
     "self_attention",
     "sigmoid",
+    "silu",
+    "sin",
     "softmax",
     "sqrt",
     "stack",
