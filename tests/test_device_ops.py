@@ -157,6 +157,9 @@ CASES = {
     "rsqrt": (lambda a: ops.rsqrt(a), [_r(3, 4, positive=True)]),
     "cos": (lambda a: ops.cos(a), [_r(3, 4) * 3]),
     "sin": (lambda a: ops.sin(a), [_r(3, 4) * 3]),
+    "rms_norm": (lambda x, w: ops.rms_norm(x, w), [_r(2, 3, 6), _r(6)]),
+    "rms_norm:gemma": (lambda x, w: ops.rms_norm(x, w, eps=1e-3, offset=1.0), [_r(4, 5), _r(5)]),
+    "rms_norm:plain": (lambda x: ops.rms_norm(x), [_r(4, 5) * 3]),
 }
 
 

@@ -393,3 +393,39 @@ def test_max_over_an_axis_with_no_element_names_the_op_and_the_shape(s):
     assert T.max(x, axis=1).shape == (0,)
     with pytest.raises(ShapeError, match=re.escape("max: axis 0 of the input's shape (0, 3)")):
         T.max(x, axis=0)
+
+
+# -- the ops of Llama-family decoders (issue 48) ------------------------------------------
+def test_rms_norm(s):
+    x, scalar = leaf(s, 2, 4), leaf(s)
+    ints = s.constant(np.ones((2, 4), np.int64))
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"rms_norm: weight has shape \(3,\), expected \(4,\) for input of shape \(2, 4\)",
+        lambda: T.rms_norm(x, np.ones(3)),
+    )
+    raises_and_records_nothing(
+        s,
+        DTypeError,
+        "rms_norm: input has dtype int64, expected a floating dtype",
+        lambda: T.rms_norm(ints, np.ones(4)),
+    )
+    raises_and_records_nothing(
+        s,
+        DTypeError,
+        "rms_norm: weight has dtype int32, expected a floating dtype",
+        lambda: T.rms_norm(x, np.ones(4, np.int32)),
+    )
+    raises_and_records_nothing(
+        s, HyperparameterError, "rms_norm: eps must be > 0", lambda: T.rms_norm(x, eps=0.0)
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "rms_norm: offset must be finite",
+        lambda: T.rms_norm(x, offset=float("nan")),
+    )
+    raises_and_records_nothing(
+        s, ShapeError, r"rms_norm: input must have at least one axis", lambda: T.rms_norm(scalar)
+    )

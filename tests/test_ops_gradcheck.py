@@ -445,3 +445,15 @@ def test_smooth_unary_of_decoders(op):
 
 def test_rsqrt():
     check_grad(T.rsqrt, [positive(3, 4)])
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("xshape", [(5,), (2, 3, 5)])
+def test_rms_norm(offset, xshape):
+    check_grad(lambda a, w: T.rms_norm(a, w, offset=offset), [rnd(*xshape), rnd(5, seed=1)])
+    check_grad(lambda a: T.rms_norm(a, None, eps=1e-2, offset=offset), [rnd(*xshape)])
+
+
+def test_rms_norm_with_only_the_weight_trainable():
+    x = rnd(3, 4)
+    check_grad(lambda w: T.rms_norm(x, w), [rnd(4, seed=1)])

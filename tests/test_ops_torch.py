@@ -372,3 +372,16 @@ def test_where_with_a_python_number_keeps_the_tensors_dtype():
 def test_unary_of_decoders(name, ours, theirs, low):
     x = rnd(5, 7, low=low) * (1.0 if low else 3.0)
     compare(ours, theirs, [x])
+
+
+def test_rms_norm():
+    x, w = rnd(2, 3, 8), rnd(8, seed=1)
+    compare(
+        lambda a, w: T.rms_norm(a, w, eps=1e-5), lambda a, w: F.rms_norm(a, (8,), w, 1e-5), [x, w]
+    )
+    compare(T.rms_norm, lambda a: F.rms_norm(a, (8,), eps=1e-6), [x])
+    compare(
+        lambda a, w: T.rms_norm(a, w, offset=1.0),
+        lambda a, w: F.rms_norm(a, (8,), 1.0 + w, 1e-6),
+        [x, w],
+    )

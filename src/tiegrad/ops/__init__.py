@@ -17,7 +17,7 @@ from .elementwise import cos, exp, gelu, log, relu, rsqrt, sigmoid, silu, sin, s
 from .embedding import embedding
 from .linear import affine, linear
 from .loss import cross_entropy, mse_loss
-from .norm import layer_norm
+from .norm import layer_norm, rms_norm
 from .reduce import max, mean, sum
 from .shape import concat, getitem, permute, reshape, stack, transpose, where
 from .softmax import log_softmax, softmax
@@ -50,6 +50,7 @@ __all__ = [
     "pow",
     "relu",
     "reshape",
+    "rms_norm",
     "rsqrt",
     "scaled_dot_product_attention",
     "self_attention",
