@@ -160,6 +160,18 @@ CASES = {
     "rms_norm": (lambda x, w: ops.rms_norm(x, w), [_r(2, 3, 6), _r(6)]),
     "rms_norm:gemma": (lambda x, w: ops.rms_norm(x, w, eps=1e-3, offset=1.0), [_r(4, 5), _r(5)]),
     "rms_norm:plain": (lambda x: ops.rms_norm(x), [_r(4, 5) * 3]),
+    "rotary": (
+        lambda x: ops.rotary(x, *ops.rope_tables(np.arange(4), 4, dtype=np.float64)),
+        [_r(2, 3, 4, 6)],
+    ),
+    "rotary:tables": (
+        lambda x, c, s: ops.rotary(x, c, s),
+        [_r(2, 3, 4, 6), _r(2, 1, 4, 4), _r(2, 1, 4, 4)],
+    ),
+    "rope_tables:continued": (
+        lambda x: ops.rotary(x, *ops.rope_tables(np.arange(7, 10), 8, 500.0, dtype=np.float64)),
+        [_r(1, 2, 3, 8)],
+    ),
 }
 
 

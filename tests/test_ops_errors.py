@@ -10,6 +10,7 @@ import pytest
 
 import tiegrad.ops as T
 from tiegrad import (
+    ConfigError,
     DTypeError,
     EagerSession,
     HyperparameterError,
@@ -429,3 +430,78 @@ def test_rms_norm(s):
     raises_and_records_nothing(
         s, ShapeError, r"rms_norm: input must have at least one axis", lambda: T.rms_norm(scalar)
     )
+
+
+def test_rotary(s):
+    x, vector = leaf(s, 2, 3, 4, 6), leaf(s, 6)
+    table = np.ones((4, 6), np.float32)
+    for cos, what in [
+        (np.ones((4, 5)), r"\(4, 5\)"),  # R odd
+        (np.ones((4, 8)), r"\(4, 8\)"),  # R > D
+        (np.ones((3, 6)), r"\(3, 6\)"),  # another T
+        (np.ones((5, 2, 3, 4, 6)), r"\(5, 2, 3, 4, 6\)"),  # would enlarge x
+    ]:
+        raises_and_records_nothing(
+            s,
+            ShapeError,
+            rf"rotary: cos and sin have shape {what}, expected \(T, R\) .* x of shape "
+            r"\(2, 3, 4, 6\)",
+            lambda cos=cos: T.rotary(x, cos, cos),
+        )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"rotary: sin has shape \(4, 4\), expected cos's shape \(4, 6\)",
+        lambda: T.rotary(x, table, np.ones((4, 4))),
+    )
+    raises_and_records_nothing(
+        s,
+        DTypeError,
+        "rotary: sin has dtype int64, expected a floating dtype",
+        lambda: T.rotary(x, table, np.ones((4, 6), np.int64)),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"rotary: x has shape \(6,\), expected \(\.\.\., T, D\)",
+        lambda: T.rotary(vector, table, table),
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn' is not supported"),
+        ({"scaling": {"rope_type": "linear"}}, "rope type 'linear' needs 'factor'"),
+        ({"scaling": {"rope_type": "linear", "factor": 0}}, "factor must be a finite number > 0"),
+        (
+            {"scaling": {"rope_type": "linear", "factor": 2.0, "beta_fast": 32, "mscale": 1}},
+            "unknown key.*'beta_fast', 'mscale'",
+        ),
+        (
+            {
+                "scaling": {
+                    **{"rope_type": "llama3", "factor": 8.0},
+                    "low_freq_factor": 4.0,
+                    "high_freq_factor": 1.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "low_freq_factor < high_freq_factor, got 4.0 and 1.0",
+        ),
+        ({"scaling": {"rope_type": "default", "rope_theta": 500.0}}, "rope_theta=500.0"),
+        ({"partial_rotary_factor": 0.5}, "rotates 7 features, expected an even number"),
+        ({"partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
+        ({"dim": 0}, "dim must be an integer > 0, got 0"),
+        ({"scaling": ["linear"]}, "scaling must be a dict or None, got list"),
+    ],
+)
+def test_rope_tables_refuse_configs_they_cannot_follow(kwargs, match):
+    args = {"positions": np.arange(4), "dim": 14, **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        T.rope_tables(**args)
+
+
+def test_rope_tables_need_integer_positions():
+    with pytest.raises(DTypeError, match="rope_tables: positions must have an integer dtype"):
+        T.rope_tables(np.arange(4.0), 8)

@@ -457,3 +457,18 @@ def test_rms_norm(offset, xshape):
 def test_rms_norm_with_only_the_weight_trainable():
     x = rnd(3, 4)
     check_grad(lambda w: T.rms_norm(x, w), [rnd(4, seed=1)])
+
+
+@pytest.mark.parametrize(
+    "xshape, tshape",
+    [
+        ((2, 3, 4, 6), (4, 6)),  # (B, H, T, D) with (T, R): every feature rotates
+        ((2, 3, 4, 6), (4, 4)),  # partial rotary: the last 2 features pass through
+        ((2, 3, 4, 6), (2, 1, 4, 2)),  # per-batch tables, as transformers' (B, 1, T, R)
+        ((4, 2), (1, 2)),
+    ],
+)
+def test_rotary(xshape, tshape):
+    c, s = rnd(*tshape, seed=1), rnd(*tshape, seed=2)
+    check_grad(lambda x: T.rotary(x, c, s), [rnd(*xshape)])
+    check_grad(T.rotary, [rnd(*xshape), c, s])  # tables that take a gradient

@@ -385,3 +385,20 @@ def test_rms_norm():
         lambda a, w: F.rms_norm(a, (8,), 1.0 + w, 1e-6),
         [x, w],
     )
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+@pytest.mark.parametrize("rotated", [8, 4])
+def test_rotary(rotated):
+    # transformers' apply_rotary_pos_emb, with partial rotary as its models write it
+    def theirs(x, c, s):
+        x_rot, x_pass = x[..., :rotated], x[..., rotated:]
+        return torch.cat((x_rot * c + _rotate_half(x_rot) * s, x_pass), dim=-1)
+
+    angles = rnd(5, rotated // 2, seed=3) * 3
+    c, s = np.cos(np.tile(angles, 2)), np.sin(np.tile(angles, 2))
+    compare(T.rotary, theirs, [rnd(2, 3, 5, 8), c, s])

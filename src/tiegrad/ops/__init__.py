@@ -19,6 +19,7 @@ from .linear import affine, linear
 from .loss import cross_entropy, mse_loss
 from .norm import layer_norm, rms_norm
 from .reduce import max, mean, sum
+from .rope import rope_tables, rotary
 from .shape import concat, getitem, permute, reshape, stack, transpose, where
 from .softmax import log_softmax, softmax
 
@@ -51,6 +52,8 @@ __all__ = [
     "relu",
     "reshape",
     "rms_norm",
+    "rope_tables",
+    "rotary",
     "rsqrt",
     "scaled_dot_product_attention",
     "self_attention",
