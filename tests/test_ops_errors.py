@@ -505,3 +505,27 @@ def test_rope_tables_refuse_configs_they_cannot_follow(kwargs, match):
 def test_rope_tables_need_integer_positions():
     with pytest.raises(DTypeError, match="rope_tables: positions must have an integer dtype"):
         T.rope_tables(np.arange(4.0), 8)
+
+
+def test_grouped_query_attention_and_causal_modes(s):
+    q, k, qkv = leaf(s, 2, 6, 3, 4), leaf(s, 2, 4, 5, 4), leaf(s, 1, 2, 6)
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"leading axes of q \(2, 6, 3, 4\), k \(2, 4, 5, 4\) and v \(2, 4, 5, 4\) do not "
+        r"broadcast \(nor are they grouped-query heads",
+        lambda: T.scaled_dot_product_attention(q, k, k),
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "scaled_dot_product_attention: causal must be False, True, 'top_left' or "
+        "'bottom_right', got 'lower_right'",
+        lambda: T.scaled_dot_product_attention(q, q, q, causal="lower_right"),
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "self_attention: causal must be",
+        lambda: T.self_attention(qkv, 1, causal=1),
+    )

@@ -472,3 +472,24 @@ def test_rotary(xshape, tshape):
     c, s = rnd(*tshape, seed=1), rnd(*tshape, seed=2)
     check_grad(lambda x: T.rotary(x, c, s), [rnd(*xshape)])
     check_grad(T.rotary, [rnd(*xshape), c, s])  # tables that take a gradient
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_query_attention(causal, padded):
+    # 6 query heads over 2 key/value heads, 3 queries at the end of 5 keys (a KV cache)
+    mask = np.array([[False, True, False, False, False], [False] * 4 + [True]]) if padded else None
+    check_grad(
+        lambda q, k, v: T.scaled_dot_product_attention(
+            q, k, v, causal=causal, key_padding_mask=mask
+        ),
+        [rnd(2, 6, 3, 4), rnd(2, 2, 5, 4, seed=1), rnd(2, 2, 5, 3, seed=2)],
+    )
+
+
+def test_bottom_right_causal_attention_with_more_queries_than_keys():
+    # query i sees keys j <= i - 2: the first two see none (zeros, no gradient)
+    check_grad(
+        lambda q, k, v: T.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
+        [rnd(1, 2, 5, 3), rnd(1, 2, 3, 3, seed=1), rnd(1, 2, 3, 2, seed=2)],
+    )

@@ -402,3 +402,41 @@ def test_rotary(rotated):
     angles = rnd(5, rotated // 2, seed=3) * 3
     c, s = np.cos(np.tile(angles, 2)), np.sin(np.tile(angles, 2))
     compare(T.rotary, theirs, [rnd(2, 3, 5, 8), c, s])
+
+
+def _gqa_reference(q, k, v, causal, pad=None):
+    """torch's attention of K and V repeated per query head, with an explicit mask."""
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    tq, tk = q.shape[-2], k.shape[-2]
+    seen = torch.ones(tq, tk, dtype=torch.bool)
+    if causal == "bottom_right":
+        seen = seen.tril(tk - tq)
+    elif causal:
+        seen = seen.tril()
+    if pad is not None:
+        seen = seen & ~torch.tensor(pad)[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1), (3, 3)])
+@pytest.mark.parametrize("tq", [1, 4])
+def test_grouped_query_attention(causal, heads, tq):
+    hq, hkv = heads
+    compare(
+        lambda q, k, v: T.scaled_dot_product_attention(q, k, v, causal=causal),
+        lambda q, k, v: _gqa_reference(q, k, v, causal),
+        [rnd(2, hq, tq, 4), rnd(2, hkv, 6, 4, seed=1), rnd(2, hkv, 6, 5, seed=2)],
+    )
+
+
+def test_grouped_query_attention_with_padding():
+    pad = np.array([[False, True, False, False, False, False], [False] * 5 + [True]])
+    compare(
+        lambda q, k, v: T.scaled_dot_product_attention(
+            q, k, v, causal="bottom_right", key_padding_mask=pad
+        ),
+        lambda q, k, v: _gqa_reference(q, k, v, "bottom_right", pad),
+        [rnd(2, 4, 3, 4), rnd(2, 2, 6, 4, seed=1), rnd(2, 2, 6, 5, seed=2)],
+    )
