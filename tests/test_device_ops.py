@@ -192,6 +192,13 @@ CASES = {
         lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
         [_r(1, 4, 3, 4), _r(1, 2, 64, 4, seed=1), _r(1, 2, 64, 3)],
     ),
+    "unsqueeze": (lambda a: ops.unsqueeze(a, 1) * a.unsqueeze(-1), [_r(2, 3)]),
+    "squeeze": (lambda a: ops.squeeze(a, 1) + a.squeeze()[:, None], [_r(3, 1)]),
+    "expand": (lambda a: ops.expand(a, (2, 3, 4)) * a.expand(-1, 4), [_r(3, 1)]),
+    "repeat_interleave": (lambda a: ops.repeat_interleave(a, 2, 1), [_r(3, 2)]),
+    "repeat_interleave:counts": (lambda a: ops.repeat_interleave(a, [0, 3, 1], 0), [_r(3, 2)]),
+    "chunk": (lambda a: ops.concat([p * 2.0 for p in ops.chunk(a, 2, 1)], 1), [_r(2, 5)]),
+    "split": (lambda a: ops.concat(ops.split(a, [1, 3], 0)[::-1], 0), [_r(4, 2)]),
 }
 
 

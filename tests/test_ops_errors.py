@@ -529,3 +529,59 @@ def test_grouped_query_attention_and_causal_modes(s):
         "self_attention: causal must be",
         lambda: T.self_attention(qkv, 1, causal=1),
     )
+
+
+def test_shape_ops_of_decoders(s):
+    x = leaf(s, 2, 1, 3)
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"unsqueeze: axis 4 is out of range for an array of rank 3, expected an integer in "
+        r"\[-4, 3\]",
+        lambda: x.unsqueeze(4),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"squeeze: axis 2 of shape \(2, 1, 3\) has size 3, expected 1",
+        lambda: x.squeeze((1, 2)),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"expand: cannot expand shape \(2, 1, 3\) to \(2, 4, 4\)",
+        lambda: x.expand(2, 4, 4),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"expand: cannot expand shape \(2, 1, 3\) to \(-1, 2, 1, 3\)",
+        lambda: x.expand(-1, 2, 1, 3),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"repeat_interleave: 2 repeats for axis 2 of size 3 in shape \(2, 1, 3\), expected 3",
+        lambda: x.repeat_interleave([1, 2], 2),
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "repeat_interleave: repeats must be an integer >= 0, got -1",
+        lambda: x.repeat_interleave(-1, 0),
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "chunk: chunks must be an integer >= 1, got 0",
+        lambda: x.chunk(0, 2),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"split: sizes add up to 4, expected the size 3 of axis 2 of shape \(2, 1, 3\)",
+        lambda: x.split([1, 3], 2),
+    )
+    raises_and_records_nothing(
+        s, ShapeError, "split: axis 3 is out of range", lambda: x.split(1, 3)
+    )

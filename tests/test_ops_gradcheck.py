@@ -493,3 +493,29 @@ def test_bottom_right_causal_attention_with_more_queries_than_keys():
         lambda q, k, v: T.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
         [rnd(1, 2, 5, 3), rnd(1, 2, 3, 3, seed=1), rnd(1, 2, 3, 2, seed=2)],
     )
+
+
+def test_unsqueeze_squeeze_expand():
+    x = rnd(3, 1, 2)
+    check_grad(lambda a: T.unsqueeze(a, 0), [x])
+    check_grad(lambda a: a.unsqueeze(-1), [x])
+    check_grad(lambda a: T.squeeze(a, 1), [x])
+    check_grad(lambda a: a.squeeze(), [x])
+    check_grad(lambda a: T.expand(a, (2, 3, 4, 2)), [x])
+    check_grad(lambda a: a.expand(3, 5, -1), [x])
+
+
+@pytest.mark.parametrize("repeats, axis", [(2, 1), (3, -1), (0, 0), ([2, 0, 1], 0), (2, None)])
+def test_repeat_interleave(repeats, axis):
+    check_grad(lambda a: T.repeat_interleave(a, repeats, axis), [rnd(3, 4)])
+
+
+def test_chunk_and_split_pieces_each_take_their_gradient():
+    x = rnd(5, 7)
+
+    def joined(pieces):
+        return T.concat([p * (i + 1.0) for i, p in enumerate(pieces)], axis=1)
+
+    check_grad(lambda a: joined(T.chunk(a, 3, axis=1)), [x])
+    check_grad(lambda a: joined(a.split(2, 1)), [x])
+    check_grad(lambda a: joined(T.split(a, [4, 0, 3], axis=-1)), [x])

@@ -440,3 +440,34 @@ def test_grouped_query_attention_with_padding():
         lambda q, k, v: _gqa_reference(q, k, v, "bottom_right", pad),
         [rnd(2, 4, 3, 4), rnd(2, 2, 6, 4, seed=1), rnd(2, 2, 6, 5, seed=2)],
     )
+
+
+def test_shape_ops_of_decoders():
+    x = rnd(3, 1, 4)
+    compare(lambda a: a.unsqueeze(1), lambda a: a.unsqueeze(1), [x])
+    compare(lambda a: T.squeeze(a, 1), lambda a: a.squeeze(1), [x])
+    compare(lambda a: a.squeeze(), lambda a: a.squeeze(), [x])
+    compare(lambda a: a.expand(2, 3, 5, -1), lambda a: a.expand(2, 3, 5, -1), [x])
+    compare(lambda a: a.repeat_interleave(3, 2), lambda a: a.repeat_interleave(3, 2), [x])
+    compare(lambda a: a.repeat_interleave(2), lambda a: a.repeat_interleave(2), [x])
+    counts = [1, 0, 3, 2]
+    compare(
+        lambda a: T.repeat_interleave(a, counts, -1),
+        lambda a: a.repeat_interleave(torch.tensor(counts), -1),
+        [x],
+    )
+    for ours, theirs in (
+        (lambda a: a.chunk(3, -1), lambda a: a.chunk(3, -1)),
+        (lambda a: T.split(a, [1, 3], -1), lambda a: a.split([1, 3], -1)),
+        (lambda a: a.split(3, 2), lambda a: a.split(3, 2)),
+    ):
+        compare(
+            lambda a, ours=ours: T.concat([p * (i + 1.0) for i, p in enumerate(ours(a))], -1),
+            lambda a, theirs=theirs: torch.cat(
+                [p * (i + 1.0) for i, p in enumerate(theirs(a))], -1
+            ),
+            [x],
+        )
+    assert [p.shape for p in T.chunk(EagerSession().leaf(x), 3, -1)] == [
+        tuple(p.shape) for p in torch.tensor(x).chunk(3, -1)
+    ]

@@ -18,14 +18,27 @@ from .embedding import embedding
 from .linear import affine, linear
 from .loss import cross_entropy, mse_loss
 from .norm import layer_norm, rms_norm
+from .pieces import chunk, repeat_interleave, split
 from .reduce import max, mean, sum
 from .rope import rope_tables, rotary
-from .shape import concat, getitem, permute, reshape, stack, transpose, where
+from .shape import (
+    concat,
+    expand,
+    getitem,
+    permute,
+    reshape,
+    squeeze,
+    stack,
+    transpose,
+    unsqueeze,
+    where,
+)
 from .softmax import log_softmax, softmax
 
 __all__ = [
     "add",
     "affine",
+    "chunk",
     "concat",
     "conv2d",
     "cos",
@@ -34,6 +47,7 @@ __all__ = [
     "dropout",
     "embedding",
     "exp",
+    "expand",
     "gelu",
     "getitem",
     "layer_norm",
@@ -50,6 +64,7 @@ __all__ = [
     "permute",
     "pow",
     "relu",
+    "repeat_interleave",
     "reshape",
     "rms_norm",
     "rope_tables",
@@ -61,12 +76,15 @@ __all__ = [
     "silu",
     "sin",
     "softmax",
+    "split",
     "sqrt",
+    "squeeze",
     "stack",
     "sub",
     "sum",
     "tanh",
     "transpose",
+    "unsqueeze",
     "where",
 ]
 
@@ -95,6 +113,14 @@ def _install_operators() -> None:
     t.permute = lambda self, *axes: permute(
         self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
     )
+    t.unsqueeze = unsqueeze
+    t.squeeze = squeeze
+    t.expand = lambda self, *shape: expand(
+        self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+    )
+    t.repeat_interleave = repeat_interleave
+    t.chunk = chunk
+    t.split = split
     t.sum = sum
     t.mean = mean
     t.max = max
