@@ -152,6 +152,53 @@ CASES = {
     "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b), [_r(2, 3, 6), _r(6), _r(6)]),
     "layer_norm:plain": (lambda x: ops.layer_norm(x, eps=0.1), [_r(4, 5) * 3]),
     "layer_norm:weight": (lambda x, w: ops.layer_norm(x, w), [_r(3, 7), _r(7)]),
+    # the ops of Llama-family decoders (issue 48)
+    "silu": (lambda a: ops.silu(a), [_r(3, 4) * 5]),
+    "rsqrt": (lambda a: ops.rsqrt(a), [_r(3, 4, positive=True)]),
+    "cos": (lambda a: ops.cos(a), [_r(3, 4) * 3]),
+    "sin": (lambda a: ops.sin(a), [_r(3, 4) * 3]),
+    "rms_norm": (lambda x, w: ops.rms_norm(x, w), [_r(2, 3, 6), _r(6)]),
+    "rms_norm:gemma": (lambda x, w: ops.rms_norm(x, w, eps=1e-3, offset=1.0), [_r(4, 5), _r(5)]),
+    "rms_norm:plain": (lambda x: ops.rms_norm(x), [_r(4, 5) * 3]),
+    "rotary": (
+        lambda x: ops.rotary(x, *ops.rope_tables(np.arange(4), 4, dtype=np.float64)),
+        [_r(2, 3, 4, 6)],
+    ),
+    "rotary:tables": (
+        lambda x, c, s: ops.rotary(x, c, s),
+        [_r(2, 3, 4, 6), _r(2, 1, 4, 4), _r(2, 1, 4, 4)],
+    ),
+    "rope_tables:continued": (
+        lambda x: ops.rotary(x, *ops.rope_tables(np.arange(7, 10), 8, 500.0, dtype=np.float64)),
+        [_r(1, 2, 3, 8)],
+    ),
+    "scaled_dot_product_attention:gqa-causal": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal=True),
+        [_r(2, 6, 3, 4), _r(2, 2, 5, 4, seed=1), _r(2, 2, 5, 3)],
+    ),
+    "scaled_dot_product_attention:gqa-bottom-right": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
+        [_r(2, 4, 3, 4), _r(2, 2, 5, 4, seed=1), _r(2, 2, 5, 3)],
+    ),
+    "scaled_dot_product_attention:gqa-padding": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, key_padding_mask=PADDING),
+        [_r(2, 4, 3, 4), _r(2, 2, 4, 4, seed=1), _r(2, 2, 4, 3)],
+    ),
+    "scaled_dot_product_attention:more-queries-than-keys": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
+        [_r(1, 2, 5, 3), _r(1, 2, 3, 3, seed=1), _r(1, 2, 3, 2)],
+    ),
+    "scaled_dot_product_attention:gqa-bottom-right-products": (
+        lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
+        [_r(1, 4, 3, 4), _r(1, 2, 64, 4, seed=1), _r(1, 2, 64, 3)],
+    ),
+    "unsqueeze": (lambda a: ops.unsqueeze(a, 1) * a.unsqueeze(-1), [_r(2, 3)]),
+    "squeeze": (lambda a: ops.squeeze(a, 1) + a.squeeze()[:, None], [_r(3, 1)]),
+    "expand": (lambda a: ops.expand(a, (2, 3, 4)) * a.expand(-1, 4), [_r(3, 1)]),
+    "repeat_interleave": (lambda a: ops.repeat_interleave(a, 2, 1), [_r(3, 2)]),
+    "repeat_interleave:counts": (lambda a: ops.repeat_interleave(a, [0, 3, 1], 0), [_r(3, 2)]),
+    "chunk": (lambda a: ops.concat([p * 2.0 for p in ops.chunk(a, 2, 1)], 1), [_r(2, 5)]),
+    "split": (lambda a: ops.concat(ops.split(a, [1, 3], 0)[::-1], 0), [_r(4, 2)]),
 }
 
 
@@ -588,3 +635,41 @@ def test_an_empty_list_index_selects_nothing_on_the_device_as_in_numpy():
     s = EagerSession(device=DEVICE)
     x = s.leaf(np.ones((3, 4)))
     assert tuple(x[[]].shape) == (0, 4)
+
+
+@pytest.mark.skipif(DEVICE != "torch:cpu", reason="the products path is torch's CPU's")
+@pytest.mark.parametrize("causal", [True, "bottom_right"])
+@pytest.mark.parametrize("tk, flash", [(6, True), (64, False)])
+def test_grouped_query_attention_on_the_device_runs_fused_without_repeating_k_and_v(
+    monkeypatch, tk, flash, causal
+):
+    """Grouped heads reach PyTorch's attention with ``enable_gqa`` (few keys) or the
+    batched products (64 keys), never the generic path; a bottom-right causal mask is
+    an explicit mask there. Both agree with torch's attention of repeated K and V."""
+    import torch.nn.functional as F
+
+    device_backend(DEVICE)  # imported before the count: its import probes enable_gqa
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or sdpa(*a, **k)
+    )
+    q0, k0, v0 = (
+        _r(2, h, t, 4, seed=i).astype(np.float32)
+        for i, (h, t) in enumerate([(6, 3), (2, tk), (2, tk)])
+    )
+    s = EagerSession(device=DEVICE)
+    q, k, v = s.leaf(q0), s.leaf(k0), s.leaf(v0)
+    out = ops.scaled_dot_product_attention(q, k, v, causal=causal)
+    grads = s.backward(ops.sum(out * out))
+    assert len(calls) == int(flash)
+    if flash:
+        assert calls[0]["enable_gqa"] is True
+        assert ("attn_mask" in calls[0]) == (causal == "bottom_right")
+    tq_, tk_, tv_ = (torch.tensor(a, requires_grad=True) for a in (q0, k0, v0))
+    seen = torch.ones(3, tk, dtype=torch.bool).tril(tk - 3 if causal == "bottom_right" else 0)
+    want = sdpa(tq_, tk_.repeat_interleave(3, 1), tv_.repeat_interleave(3, 1), attn_mask=seen)
+    (want * want).sum().backward()
+    np.testing.assert_allclose(out.numpy(), want.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for ref, t in ((q, tq_), (k, tk_), (v, tv_)):
+        np.testing.assert_allclose(grads[ref].numpy(), t.grad.numpy(), rtol=1e-4, atol=1e-5)

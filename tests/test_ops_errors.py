@@ -10,6 +10,7 @@ import pytest
 
 import tiegrad.ops as T
 from tiegrad import (
+    ConfigError,
     DTypeError,
     EagerSession,
     HyperparameterError,
@@ -393,3 +394,194 @@ def test_max_over_an_axis_with_no_element_names_the_op_and_the_shape(s):
     assert T.max(x, axis=1).shape == (0,)
     with pytest.raises(ShapeError, match=re.escape("max: axis 0 of the input's shape (0, 3)")):
         T.max(x, axis=0)
+
+
+# -- the ops of Llama-family decoders (issue 48) ------------------------------------------
+def test_rms_norm(s):
+    x, scalar = leaf(s, 2, 4), leaf(s)
+    ints = s.constant(np.ones((2, 4), np.int64))
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"rms_norm: weight has shape \(3,\), expected \(4,\) for input of shape \(2, 4\)",
+        lambda: T.rms_norm(x, np.ones(3)),
+    )
+    raises_and_records_nothing(
+        s,
+        DTypeError,
+        "rms_norm: input has dtype int64, expected a floating dtype",
+        lambda: T.rms_norm(ints, np.ones(4)),
+    )
+    raises_and_records_nothing(
+        s,
+        DTypeError,
+        "rms_norm: weight has dtype int32, expected a floating dtype",
+        lambda: T.rms_norm(x, np.ones(4, np.int32)),
+    )
+    raises_and_records_nothing(
+        s, HyperparameterError, "rms_norm: eps must be > 0", lambda: T.rms_norm(x, eps=0.0)
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "rms_norm: offset must be finite",
+        lambda: T.rms_norm(x, offset=float("nan")),
+    )
+    raises_and_records_nothing(
+        s, ShapeError, r"rms_norm: input must have at least one axis", lambda: T.rms_norm(scalar)
+    )
+
+
+def test_rotary(s):
+    x, vector = leaf(s, 2, 3, 4, 6), leaf(s, 6)
+    table = np.ones((4, 6), np.float32)
+    for cos, what in [
+        (np.ones((4, 5)), r"\(4, 5\)"),  # R odd
+        (np.ones((4, 8)), r"\(4, 8\)"),  # R > D
+        (np.ones((3, 6)), r"\(3, 6\)"),  # another T
+        (np.ones((5, 2, 3, 4, 6)), r"\(5, 2, 3, 4, 6\)"),  # would enlarge x
+    ]:
+        raises_and_records_nothing(
+            s,
+            ShapeError,
+            rf"rotary: cos and sin have shape {what}, expected \(T, R\) .* x of shape "
+            r"\(2, 3, 4, 6\)",
+            lambda cos=cos: T.rotary(x, cos, cos),
+        )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"rotary: sin has shape \(4, 4\), expected cos's shape \(4, 6\)",
+        lambda: T.rotary(x, table, np.ones((4, 4))),
+    )
+    raises_and_records_nothing(
+        s,
+        DTypeError,
+        "rotary: sin has dtype int64, expected a floating dtype",
+        lambda: T.rotary(x, table, np.ones((4, 6), np.int64)),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"rotary: x has shape \(6,\), expected \(\.\.\., T, D\)",
+        lambda: T.rotary(vector, table, table),
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn' is not supported"),
+        ({"scaling": {"rope_type": "linear"}}, "rope type 'linear' needs 'factor'"),
+        ({"scaling": {"rope_type": "linear", "factor": 0}}, "factor must be a finite number > 0"),
+        (
+            {"scaling": {"rope_type": "linear", "factor": 2.0, "beta_fast": 32, "mscale": 1}},
+            "unknown key.*'beta_fast', 'mscale'",
+        ),
+        (
+            {
+                "scaling": {
+                    **{"rope_type": "llama3", "factor": 8.0},
+                    "low_freq_factor": 4.0,
+                    "high_freq_factor": 1.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "low_freq_factor < high_freq_factor, got 4.0 and 1.0",
+        ),
+        ({"scaling": {"rope_type": "default", "rope_theta": 500.0}}, "rope_theta=500.0"),
+        ({"partial_rotary_factor": 0.5}, "rotates 7 features, expected an even number"),
+        ({"partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
+        ({"dim": 0}, "dim must be an integer > 0, got 0"),
+        ({"scaling": ["linear"]}, "scaling must be a dict or None, got list"),
+    ],
+)
+def test_rope_tables_refuse_configs_they_cannot_follow(kwargs, match):
+    args = {"positions": np.arange(4), "dim": 14, **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        T.rope_tables(**args)
+
+
+def test_rope_tables_need_integer_positions():
+    with pytest.raises(DTypeError, match="rope_tables: positions must have an integer dtype"):
+        T.rope_tables(np.arange(4.0), 8)
+
+
+def test_grouped_query_attention_and_causal_modes(s):
+    q, k, qkv = leaf(s, 2, 6, 3, 4), leaf(s, 2, 4, 5, 4), leaf(s, 1, 2, 6)
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"leading axes of q \(2, 6, 3, 4\), k \(2, 4, 5, 4\) and v \(2, 4, 5, 4\) do not "
+        r"broadcast \(nor are they grouped-query heads",
+        lambda: T.scaled_dot_product_attention(q, k, k),
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "scaled_dot_product_attention: causal must be False, True, 'top_left' or "
+        "'bottom_right', got 'lower_right'",
+        lambda: T.scaled_dot_product_attention(q, q, q, causal="lower_right"),
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "self_attention: causal must be",
+        lambda: T.self_attention(qkv, 1, causal=1),
+    )
+
+
+def test_shape_ops_of_decoders(s):
+    x = leaf(s, 2, 1, 3)
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"unsqueeze: axis 4 is out of range for an array of rank 3, expected an integer in "
+        r"\[-4, 3\]",
+        lambda: x.unsqueeze(4),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"squeeze: axis 2 of shape \(2, 1, 3\) has size 3, expected 1",
+        lambda: x.squeeze((1, 2)),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"expand: cannot expand shape \(2, 1, 3\) to \(2, 4, 4\)",
+        lambda: x.expand(2, 4, 4),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"expand: cannot expand shape \(2, 1, 3\) to \(-1, 2, 1, 3\)",
+        lambda: x.expand(-1, 2, 1, 3),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"repeat_interleave: 2 repeats for axis 2 of size 3 in shape \(2, 1, 3\), expected 3",
+        lambda: x.repeat_interleave([1, 2], 2),
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "repeat_interleave: repeats must be an integer >= 0, got -1",
+        lambda: x.repeat_interleave(-1, 0),
+    )
+    raises_and_records_nothing(
+        s,
+        HyperparameterError,
+        "chunk: chunks must be an integer >= 1, got 0",
+        lambda: x.chunk(0, 2),
+    )
+    raises_and_records_nothing(
+        s,
+        ShapeError,
+        r"split: sizes add up to 4, expected the size 3 of axis 2 of shape \(2, 1, 3\)",
+        lambda: x.split([1, 3], 2),
+    )
+    raises_and_records_nothing(
+        s, ShapeError, "split: axis 3 is out of range", lambda: x.split(1, 3)
+    )

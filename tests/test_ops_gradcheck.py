@@ -435,3 +435,87 @@ def test_array_inputs_with_ref_parameters():
     img = rnd(1, 2, 4, 4)
     check_grad(lambda w: T.conv2d(img, w, padding=1), [rnd(3, 2, 3, 3, seed=1)])
     check_grad(lambda k, v: T.scaled_dot_product_attention(x, k, v), [rnd(3, 5), rnd(3, 2)])
+
+
+# -- the ops of Llama-family decoders (issue 48) ------------------------------------------
+@pytest.mark.parametrize("op", ["silu", "cos", "sin"])
+def test_smooth_unary_of_decoders(op):
+    check_grad(getattr(T, op), [rnd(3, 4) * 2])
+
+
+def test_rsqrt():
+    check_grad(T.rsqrt, [positive(3, 4)])
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("xshape", [(5,), (2, 3, 5)])
+def test_rms_norm(offset, xshape):
+    check_grad(lambda a, w: T.rms_norm(a, w, offset=offset), [rnd(*xshape), rnd(5, seed=1)])
+    check_grad(lambda a: T.rms_norm(a, None, eps=1e-2, offset=offset), [rnd(*xshape)])
+
+
+def test_rms_norm_with_only_the_weight_trainable():
+    x = rnd(3, 4)
+    check_grad(lambda w: T.rms_norm(x, w), [rnd(4, seed=1)])
+
+
+@pytest.mark.parametrize(
+    "xshape, tshape",
+    [
+        ((2, 3, 4, 6), (4, 6)),  # (B, H, T, D) with (T, R): every feature rotates
+        ((2, 3, 4, 6), (4, 4)),  # partial rotary: the last 2 features pass through
+        ((2, 3, 4, 6), (2, 1, 4, 2)),  # per-batch tables, as transformers' (B, 1, T, R)
+        ((4, 2), (1, 2)),
+    ],
+)
+def test_rotary(xshape, tshape):
+    c, s = rnd(*tshape, seed=1), rnd(*tshape, seed=2)
+    check_grad(lambda x: T.rotary(x, c, s), [rnd(*xshape)])
+    check_grad(T.rotary, [rnd(*xshape), c, s])  # tables that take a gradient
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_query_attention(causal, padded):
+    # 6 query heads over 2 key/value heads, 3 queries at the end of 5 keys (a KV cache)
+    mask = np.array([[False, True, False, False, False], [False] * 4 + [True]]) if padded else None
+    check_grad(
+        lambda q, k, v: T.scaled_dot_product_attention(
+            q, k, v, causal=causal, key_padding_mask=mask
+        ),
+        [rnd(2, 6, 3, 4), rnd(2, 2, 5, 4, seed=1), rnd(2, 2, 5, 3, seed=2)],
+    )
+
+
+def test_bottom_right_causal_attention_with_more_queries_than_keys():
+    # query i sees keys j <= i - 2: the first two see none (zeros, no gradient)
+    check_grad(
+        lambda q, k, v: T.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
+        [rnd(1, 2, 5, 3), rnd(1, 2, 3, 3, seed=1), rnd(1, 2, 3, 2, seed=2)],
+    )
+
+
+def test_unsqueeze_squeeze_expand():
+    x = rnd(3, 1, 2)
+    check_grad(lambda a: T.unsqueeze(a, 0), [x])
+    check_grad(lambda a: a.unsqueeze(-1), [x])
+    check_grad(lambda a: T.squeeze(a, 1), [x])
+    check_grad(lambda a: a.squeeze(), [x])
+    check_grad(lambda a: T.expand(a, (2, 3, 4, 2)), [x])
+    check_grad(lambda a: a.expand(3, 5, -1), [x])
+
+
+@pytest.mark.parametrize("repeats, axis", [(2, 1), (3, -1), (0, 0), ([2, 0, 1], 0), (2, None)])
+def test_repeat_interleave(repeats, axis):
+    check_grad(lambda a: T.repeat_interleave(a, repeats, axis), [rnd(3, 4)])
+
+
+def test_chunk_and_split_pieces_each_take_their_gradient():
+    x = rnd(5, 7)
+
+    def joined(pieces):
+        return T.concat([p * (i + 1.0) for i, p in enumerate(pieces)], axis=1)
+
+    check_grad(lambda a: joined(T.chunk(a, 3, axis=1)), [x])
+    check_grad(lambda a: joined(a.split(2, 1)), [x])
+    check_grad(lambda a: joined(T.split(a, [4, 0, 3], axis=-1)), [x])

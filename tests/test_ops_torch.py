@@ -357,3 +357,117 @@ def test_where_with_a_python_number_keeps_the_tensors_dtype():
         assert_close(out.value, theirs, "where")
     ints = s.constant(np.array([1, 2, 3]))
     assert T.where(mask, ints, 0.5).value.dtype == np.float64  # a float is not cut to an int
+
+
+# -- the ops of Llama-family decoders (issue 48) ------------------------------------------
+@pytest.mark.parametrize(
+    "name, ours, theirs, low",
+    [
+        ("silu", T.silu, F.silu, None),
+        ("rsqrt", T.rsqrt, torch.rsqrt, 0.1),
+        ("cos", T.cos, torch.cos, None),
+        ("sin", T.sin, torch.sin, None),
+    ],
+)
+def test_unary_of_decoders(name, ours, theirs, low):
+    x = rnd(5, 7, low=low) * (1.0 if low else 3.0)
+    compare(ours, theirs, [x])
+
+
+def test_rms_norm():
+    x, w = rnd(2, 3, 8), rnd(8, seed=1)
+    compare(
+        lambda a, w: T.rms_norm(a, w, eps=1e-5), lambda a, w: F.rms_norm(a, (8,), w, 1e-5), [x, w]
+    )
+    compare(T.rms_norm, lambda a: F.rms_norm(a, (8,), eps=1e-6), [x])
+    compare(
+        lambda a, w: T.rms_norm(a, w, offset=1.0),
+        lambda a, w: F.rms_norm(a, (8,), 1.0 + w, 1e-6),
+        [x, w],
+    )
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+@pytest.mark.parametrize("rotated", [8, 4])
+def test_rotary(rotated):
+    # transformers' apply_rotary_pos_emb, with partial rotary as its models write it
+    def theirs(x, c, s):
+        x_rot, x_pass = x[..., :rotated], x[..., rotated:]
+        return torch.cat((x_rot * c + _rotate_half(x_rot) * s, x_pass), dim=-1)
+
+    angles = rnd(5, rotated // 2, seed=3) * 3
+    c, s = np.cos(np.tile(angles, 2)), np.sin(np.tile(angles, 2))
+    compare(T.rotary, theirs, [rnd(2, 3, 5, 8), c, s])
+
+
+def _gqa_reference(q, k, v, causal, pad=None):
+    """torch's attention of K and V repeated per query head, with an explicit mask."""
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    tq, tk = q.shape[-2], k.shape[-2]
+    seen = torch.ones(tq, tk, dtype=torch.bool)
+    if causal == "bottom_right":
+        seen = seen.tril(tk - tq)
+    elif causal:
+        seen = seen.tril()
+    if pad is not None:
+        seen = seen & ~torch.tensor(pad)[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1), (3, 3)])
+@pytest.mark.parametrize("tq", [1, 4])
+def test_grouped_query_attention(causal, heads, tq):
+    hq, hkv = heads
+    compare(
+        lambda q, k, v: T.scaled_dot_product_attention(q, k, v, causal=causal),
+        lambda q, k, v: _gqa_reference(q, k, v, causal),
+        [rnd(2, hq, tq, 4), rnd(2, hkv, 6, 4, seed=1), rnd(2, hkv, 6, 5, seed=2)],
+    )
+
+
+def test_grouped_query_attention_with_padding():
+    pad = np.array([[False, True, False, False, False, False], [False] * 5 + [True]])
+    compare(
+        lambda q, k, v: T.scaled_dot_product_attention(
+            q, k, v, causal="bottom_right", key_padding_mask=pad
+        ),
+        lambda q, k, v: _gqa_reference(q, k, v, "bottom_right", pad),
+        [rnd(2, 4, 3, 4), rnd(2, 2, 6, 4, seed=1), rnd(2, 2, 6, 5, seed=2)],
+    )
+
+
+def test_shape_ops_of_decoders():
+    x = rnd(3, 1, 4)
+    compare(lambda a: a.unsqueeze(1), lambda a: a.unsqueeze(1), [x])
+    compare(lambda a: T.squeeze(a, 1), lambda a: a.squeeze(1), [x])
+    compare(lambda a: a.squeeze(), lambda a: a.squeeze(), [x])
+    compare(lambda a: a.expand(2, 3, 5, -1), lambda a: a.expand(2, 3, 5, -1), [x])
+    compare(lambda a: a.repeat_interleave(3, 2), lambda a: a.repeat_interleave(3, 2), [x])
+    compare(lambda a: a.repeat_interleave(2), lambda a: a.repeat_interleave(2), [x])
+    counts = [1, 0, 3, 2]
+    compare(
+        lambda a: T.repeat_interleave(a, counts, -1),
+        lambda a: a.repeat_interleave(torch.tensor(counts), -1),
+        [x],
+    )
+    for ours, theirs in (
+        (lambda a: a.chunk(3, -1), lambda a: a.chunk(3, -1)),
+        (lambda a: T.split(a, [1, 3], -1), lambda a: a.split([1, 3], -1)),
+        (lambda a: a.split(3, 2), lambda a: a.split(3, 2)),
+    ):
+        compare(
+            lambda a, ours=ours: T.concat([p * (i + 1.0) for i, p in enumerate(ours(a))], -1),
+            lambda a, theirs=theirs: torch.cat(
+                [p * (i + 1.0) for i, p in enumerate(theirs(a))], -1
+            ),
+            [x],
+        )
+    assert [p.shape for p in T.chunk(EagerSession().leaf(x), 3, -1)] == [
+        tuple(p.shape) for p in torch.tensor(x).chunk(3, -1)
+    ]

@@ -132,6 +132,16 @@ class Backend:
     def tanh(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def cos(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def sin(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def rsqrt(self, x: Array) -> Array:
+        """``1 / sqrt(x)``; a backend with its own kernel (torch's ``rsqrt``) uses it."""
+        return 1.0 / self.sqrt(x)
+
     def erf(self, x: Array) -> Array:
         raise NotImplementedError
 
@@ -253,13 +263,23 @@ class Backend:
         return None
 
     def fused_attention(
-        self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        causal: bool,
+        scale: float,
+        want: bool,
+        query_offset: int = 0,
     ) -> tuple[Array, Any] | None:
         """``softmax(q k^T * scale [+ causal mask]) v`` by the backend's own fused kernel.
 
         ``(out, vjp)`` with ``vjp(g) -> (gq, gk, gv)`` (None when ``want`` is false: no
         gradient needed), or None where the backend has none for these operands.
-        ``causal`` hides key ``j`` from query ``i`` when ``j > i``.
+        ``causal`` hides key ``j`` from query ``i`` when ``j > i + query_offset``
+        (``query_offset >= 0``). k and v may have fewer heads (axis -3) than q, dividing
+        them, with equal other leading axes: grouped-query attention, query head ``h``
+        reading key/value head ``h // (Hq / Hkv)``.
         """
         return None
 

@@ -154,6 +154,8 @@ class NumpyBackend(Backend):
     log = staticmethod(np.log)
     sqrt = staticmethod(np.sqrt)
     tanh = staticmethod(np.tanh)
+    cos = staticmethod(np.cos)
+    sin = staticmethod(np.sin)
     maximum = staticmethod(np.maximum)
     where = staticmethod(np.where)
     matmul = staticmethod(blas.matmul if blas.MAY_LOAD else np.matmul)

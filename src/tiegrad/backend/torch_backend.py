@@ -26,7 +26,13 @@ import torch.nn.functional as F
 
 from ..errors import DeviceError, DTypeError
 from .base import Array, Backend, DType, Shape
-from .torch_attention import in_cache, products_attention, sdpa_attention
+from .torch_attention import (
+    HAS_GQA,
+    grouped_heads,
+    in_cache,
+    products_attention,
+    sdpa_attention,
+)
 from .torch_index import add_at, torch_index, wrap_negative
 from .tracker import TemporaryTracker
 
@@ -202,6 +208,15 @@ class TorchBackend(Backend):
     def tanh(self, x: Array) -> Array:
         return torch.tanh(x)
 
+    def cos(self, x: Array) -> Array:
+        return torch.cos(x)
+
+    def sin(self, x: Array) -> Array:
+        return torch.sin(x)
+
+    def rsqrt(self, x: Array) -> Array:
+        return torch.rsqrt(x)
+
     def erf(self, x: Array) -> Array:
         return torch.erf(x)
 
@@ -339,17 +354,30 @@ class TorchBackend(Backend):
         return loss, vjp
 
     def fused_attention(
-        self, q: Array, k: Array, v: Array, causal: bool, scale: float, want: bool
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        causal: bool,
+        scale: float,
+        want: bool,
+        query_offset: int = 0,
     ) -> tuple[Array, Any] | None:
-        """PyTorch's ``scaled_dot_product_attention``; on torch's CPU, where the scores are
-        small (``in_cache``), batched products and torch's softmax kernels instead."""
-        if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or not (
-            q.dtype == k.dtype == v.dtype
-        ):
+        """PyTorch's ``scaled_dot_product_attention`` (``enable_gqa`` for grouped heads,
+        where this torch has it); on torch's CPU, where the scores are small
+        (``in_cache``), batched products and torch's softmax kernels instead."""
+        if not (q.dtype == k.dtype == v.dtype) or not k.shape[:-2] == v.shape[:-2]:
             return None
+        groups = 1
+        if q.shape[:-2] != k.shape[:-2]:
+            groups = grouped_heads(q, k)
+            if groups == 1:
+                return None
         if self.torch_device.type == "cpu" and in_cache(q, k):
-            return products_attention(q, k, v, causal, scale, want)
-        return sdpa_attention(q, k, v, causal, scale, want)
+            return products_attention(q, k, v, causal, scale, want, query_offset, groups)
+        if groups > 1 and not HAS_GQA:
+            return None
+        return sdpa_attention(q, k, v, causal, scale, want, query_offset, groups > 1)
 
     # -- reductions and shape ----------------------------------------------------------
     def sum(self, x: Array, axis: Any = None, keepdims: bool = False) -> Array:

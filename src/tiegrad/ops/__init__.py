@@ -13,25 +13,41 @@ from .arithmetic import add, div, matmul, mul, neg, pow, sub
 from .attention import scaled_dot_product_attention, self_attention
 from .conv import conv2d, max_pool2d
 from .dropout import dropout
-from .elementwise import exp, gelu, log, relu, sigmoid, sqrt, tanh
+from .elementwise import cos, exp, gelu, log, relu, rsqrt, sigmoid, silu, sin, sqrt, tanh
 from .embedding import embedding
 from .linear import affine, linear
 from .loss import cross_entropy, mse_loss
-from .norm import layer_norm
+from .norm import layer_norm, rms_norm
+from .pieces import chunk, repeat_interleave, split
 from .reduce import max, mean, sum
-from .shape import concat, getitem, permute, reshape, stack, transpose, where
+from .rope import rope_tables, rotary
+from .shape import (
+    concat,
+    expand,
+    getitem,
+    permute,
+    reshape,
+    squeeze,
+    stack,
+    transpose,
+    unsqueeze,
+    where,
+)
 from .softmax import log_softmax, softmax
 
 __all__ = [
     "add",
     "affine",
+    "chunk",
     "concat",
     "conv2d",
+    "cos",
     "cross_entropy",
     "div",
     "dropout",
     "embedding",
     "exp",
+    "expand",
     "gelu",
     "getitem",
     "layer_norm",
@@ -48,17 +64,27 @@ __all__ = [
     "permute",
     "pow",
     "relu",
+    "repeat_interleave",
     "reshape",
+    "rms_norm",
+    "rope_tables",
+    "rotary",
+    "rsqrt",
     "scaled_dot_product_attention",
     "self_attention",
     "sigmoid",
+    "silu",
+    "sin",
     "softmax",
+    "split",
     "sqrt",
+    "squeeze",
     "stack",
     "sub",
     "sum",
     "tanh",
     "transpose",
+    "unsqueeze",
     "where",
 ]
 
@@ -87,6 +113,14 @@ def _install_operators() -> None:
     t.permute = lambda self, *axes: permute(
         self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
     )
+    t.unsqueeze = unsqueeze
+    t.squeeze = squeeze
+    t.expand = lambda self, *shape: expand(
+        self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+    )
+    t.repeat_interleave = repeat_interleave
+    t.chunk = chunk
+    t.split = split
     t.sum = sum
     t.mean = mean
     t.max = max

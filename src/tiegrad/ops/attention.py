@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from .. import _checks
-from ..errors import DTypeError, ShapeError
+from ..errors import DTypeError, HyperparameterError, ShapeError
 from ..tape import TensorRef
 from ._core import (
     lift,
@@ -34,17 +34,40 @@ from ._core import (
 _OP = "scaled_dot_product_attention"
 
 
-def _mask_bias(s, op: str, qs, tk: int, causal: bool, key_padding_mask: Any, dtype) -> Any:
+def _causal_offset(op: str, causal: Any, tq: int, tk: int) -> int | None:
+    """The query offset of a causal mask (query ``i`` sees keys ``j <= i + offset``), or
+    None without one: ``True``/``"top_left"`` 0 (PyTorch's ``is_causal``),
+    ``"bottom_right"`` ``tk - tq`` (the queries are the last ``tq`` positions of ``tk``,
+    as in a KV-cached decode). Any other value is a ``HyperparameterError``."""
+    if causal is None or isinstance(causal, bool):
+        return 0 if causal else None
+    if causal == "top_left":
+        return 0
+    if causal == "bottom_right":
+        return tk - tq
+    raise HyperparameterError(
+        f"{op}: causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}"
+    )
+
+
+def _mask_bias(
+    s, op: str, qs, tk: int, offset: int | None, key_padding_mask: Any, dtype, groups: int = 1
+) -> Any:
     """The additive mask (0 where a key is seen, ``-inf`` where hidden) or None.
 
-    ``causal`` hides key ``j`` from query ``i`` when ``j > i``; ``key_padding_mask`` is a
-    boolean (B, Tk) array, True = hidden, with B the first axis of ``qs``.
+    ``offset`` (``_causal_offset``) hides key ``j`` from query ``i`` when ``j > i +
+    offset``; ``key_padding_mask`` is a boolean (B, Tk) array, True = hidden, with B the
+    first axis of ``qs``. With ``groups`` > 1 the query axis of ``qs`` holds that many
+    heads' ``tq`` queries one after the other (grouped-query attention).
     """
     bk = s.backend
-    tq = qs[-2]
+    rows = qs[-2]
     hidden = None
-    if causal:
-        hidden = bk.expand_dims(bk.arange(tq, bk.int64), -1) < bk.arange(tk, bk.int64)
+    if offset is not None:
+        pos = bk.arange(rows, bk.int64)
+        if groups > 1:
+            pos = pos % (rows // groups)
+        hidden = bk.expand_dims(pos + offset, -1) < bk.arange(tk, bk.int64)
     if key_padding_mask is not None:
         kpm = value_of(s, key_padding_mask)
         if bk.dtype_name(kpm.dtype) != "bool":
@@ -61,21 +84,34 @@ def _mask_bias(s, op: str, qs, tk: int, causal: bool, key_padding_mask: Any, dty
     return bk.astype(bk.where(hidden, -math.inf, 0.0), dtype)
 
 
+def _groups(qs, ks, vs) -> int:
+    """How many query heads share each key/value head: ``Hq / Hkv`` where k and v have
+    fewer heads (axis -3) than q, dividing them, and the same other leading axes
+    (grouped-query attention); else 1."""
+    if not len(qs) == len(ks) == len(vs) >= 3 or not qs[:-3] == ks[:-3] == vs[:-3]:
+        return 1
+    hq, hk = qs[-3], ks[-3]
+    return hq // hk if hk == vs[-3] and 0 < hk < hq and hq % hk == 0 else 1
+
+
 def _default_scale(d: int) -> float:
     """``1 / sqrt(d)``; 1 for features of no element, whose scores are all 0 (PyTorch then
     averages the values, as here)."""
     return 1.0 / math.sqrt(d) if d else 1.0
 
 
-def _fused(bk, qv, kv, vv, causal: bool, key_padding_mask: Any, scale: float, want: bool):
+def _fused(bk, qv, kv, vv, offset, key_padding_mask: Any, scale: float, want: bool):
     """The backend's fused attention ``(out, vjp)``, or None to run ``_attend``.
 
-    Only without a key padding mask and with no empty axis: then every query sees at
-    least one key, where backends' kernels and ``_attend`` agree.
+    Only without a key padding mask, with no empty axis and where every query sees at
+    least one key (``offset`` None or >= 0): there backends' kernels and ``_attend`` agree.
     """
     if key_padding_mask is not None or 0 in tuple(qv.shape) + tuple(kv.shape) + tuple(vv.shape):
         return None
-    return bk.fused_attention(qv, kv, vv, causal, scale, want)
+    if offset is not None and offset < 0:
+        return None
+    causal = offset is not None
+    return bk.fused_attention(qv, kv, vv, causal, scale, want, query_offset=offset or 0)
 
 
 def _attend(bk, qv, kv, vv, bias, scale, want_q: bool, want_k: bool, want_v: bool):
@@ -158,17 +194,27 @@ def scaled_dot_product_attention(
     q: Any,
     k: Any,
     v: Any,
-    causal: bool = False,
+    causal: bool | str = False,
     key_padding_mask: Any = None,
     scale: float | None = None,
 ) -> TensorRef:
     """``softmax(q @ k^T * scale + mask) @ v`` for q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv).
 
-    ``scale`` defaults to ``1 / sqrt(D)``. ``causal`` hides key ``j`` from query ``i``
-    when ``j > i`` (PyTorch's ``is_causal``, top-left aligned). ``key_padding_mask`` is a
-    boolean (B, Tk) array where True hides that key (PyTorch's convention); B is the
-    first axis of q. A query that sees no key gets zeros and no gradient (PyTorch's
-    math kernel gives NaN there). Leading axes broadcast like ``matmul``.
+    ``scale`` defaults to ``1 / sqrt(D)``. ``causal``: ``True`` or ``"top_left"`` hides
+    key ``j`` from query ``i`` when ``j > i`` (PyTorch's ``is_causal``);
+    ``"bottom_right"`` when ``j > i + Tk - Tq``, the queries being the last ``Tq``
+    positions of ``Tk`` (transformers' decode with a KV cache; the same as ``True`` when
+    ``Tq == Tk``). ``key_padding_mask`` is a boolean (B, Tk) array where True hides that
+    key (PyTorch's convention); B is the first axis of q. A query that sees no key gets
+    zeros and no gradient (PyTorch's math kernel gives NaN there). Leading axes broadcast
+    like ``matmul``.
+
+    Grouped-query attention: k and v of shape (B, Hkv, Tk, ...) with fewer heads than q
+    (B, Hq, Tq, D), ``Hq`` a multiple of ``Hkv``, give query head ``h`` key/value head
+    ``h // (Hq / Hkv)``, as PyTorch's ``enable_gqa=True`` (no flag: such shapes do not
+    broadcast otherwise). The queries of each group of heads attend as one block of
+    rows, so no per-head copy of k and v is made, and their gradients are summed over
+    the group.
     """
     s = session_of(q, k, v, key_padding_mask)
     bk = s.backend
@@ -180,17 +226,26 @@ def scaled_dot_product_attention(
             "(expected q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv))"
         )
     scale = _default_scale(qs[-1]) if scale is None else _checks.real(_OP, "scale", scale)
-    for xs, ys in ((qs, ks), (qs, vs), (ks, vs)):
-        for m, n in zip(reversed(xs[:-2]), reversed(ys[:-2])):
-            if m != n and m != 1 and n != 1:
-                raise ShapeError(
-                    f"{_OP}: leading axes of q {qs}, k {ks} and v {vs} do not broadcast"
-                )
+    offset = _causal_offset(_OP, causal, qs[-2], ks[-2])
+    groups = _groups(qs, ks, vs)
+    if groups == 1:
+        for xs, ys in ((qs, ks), (qs, vs), (ks, vs)):
+            for m, n in zip(reversed(xs[:-2]), reversed(ys[:-2])):
+                if m != n and m != 1 and n != 1:
+                    raise ShapeError(
+                        f"{_OP}: leading axes of q {qs}, k {ks} and v {vs} do not broadcast "
+                        "(nor are they grouped-query heads: k and v with Hkv heads on axis -3 "
+                        "dividing q's, the other leading axes equal)"
+                    )
+    # the query heads of a group as one block of rows: (..., Hkv, groups * Tq, D)
+    qg = qv if groups == 1 else bk.reshape(qv, qs[:-3] + (ks[-3], groups * qs[-2], qs[-1]))
     if key_padding_mask is not None:  # checked before anything is recorded (C6)
-        bias = _mask_bias(s, _OP, qs, ks[-2], causal, key_padding_mask, qv.dtype)
+        bias = _mask_bias(
+            s, _OP, tuple(qg.shape), ks[-2], offset, key_padding_mask, qv.dtype, groups
+        )
     q, k, v = lift(s, q, qv), lift(s, k, kv), lift(s, v, vv)
     wants = (needs_grad(s, q), needs_grad(s, k), needs_grad(s, v))
-    fused = _fused(bk, qv, kv, vv, causal, key_padding_mask, scale, any(wants))
+    fused = _fused(bk, qv, kv, vv, offset, key_padding_mask, scale, any(wants))
     if fused is not None:
         out, fused_vjp = fused
 
@@ -199,13 +254,17 @@ def scaled_dot_product_attention(
 
         return s._record(out, (q.id, k.id, v.id), vjp)
     if key_padding_mask is None:
-        bias = _mask_bias(s, _OP, qs, ks[-2], causal, None, qv.dtype)
-    out, attend_vjp = _attend(bk, qv, kv, vv, bias, scale, *wants)
+        bias = _mask_bias(s, _OP, tuple(qg.shape), ks[-2], offset, None, qv.dtype, groups)
+    out, attend_vjp = _attend(bk, qg, kv, vv, bias, scale, *wants)
+    if groups > 1:
+        out = bk.reshape(out, qs[:-1] + (vs[-1],))
 
     def vjp(g):
-        gq, gk, gv = attend_vjp(g)
+        gq, gk, gv = attend_vjp(
+            g if groups == 1 else bk.reshape(g, tuple(qg.shape[:-1]) + (vs[-1],))
+        )
         return (
-            None if gq is None else unbroadcast(bk, gq, qs),
+            None if gq is None else bk.reshape(gq, qs) if groups > 1 else unbroadcast(bk, gq, qs),
             None if gk is None else unbroadcast(bk, gk, ks),
             None if gv is None else unbroadcast(bk, gv, vs),
         )
@@ -216,7 +275,7 @@ def scaled_dot_product_attention(
 def self_attention(
     qkv: TensorRef,
     n_heads: int,
-    causal: bool = False,
+    causal: bool | str = False,
     key_padding_mask: Any = None,
     scale: float | None = None,
 ) -> TensorRef:
@@ -243,12 +302,13 @@ def self_attention(
     d = d3 // 3
     hd = d // n_heads
     scale = _default_scale(hd) if scale is None else _checks.real(op, "scale", scale)
+    offset = _causal_offset(op, causal, t, t)
     heads = (b, n_heads, t, hd)
     split = bk.transpose(bk.reshape(xv, (b, t, 3, n_heads, hd)), (2, 0, 3, 1, 4))
     want = needs_grad(s, qkv)
-    fused = _fused(bk, split[0], split[1], split[2], causal, key_padding_mask, scale, want)
+    fused = _fused(bk, split[0], split[1], split[2], offset, key_padding_mask, scale, want)
     if fused is None:
-        bias = _mask_bias(s, op, heads, t, causal, key_padding_mask, xv.dtype)
+        bias = _mask_bias(s, op, heads, t, offset, key_padding_mask, xv.dtype)
         out, attend_vjp = _attend(bk, split[0], split[1], split[2], bias, scale, want, want, want)
     else:
         out, fused_vjp = fused

@@ -1,4 +1,4 @@
-"""Elementwise functions: exp, log, sqrt, tanh, sigmoid, relu and gelu.
+"""Elementwise functions: exp, log, sqrt, rsqrt, cos, sin, tanh, sigmoid, silu, relu, gelu.
 
 VJPs are module-level functions bound with ``functools.partial`` (one object per node;
 see ``arithmetic``).
@@ -26,6 +26,22 @@ def _over(d, g):
 
 def _sqrt_vjp(out, g):
     return (g * 0.5 / out,)
+
+
+def _rsqrt_vjp(out, g):
+    return (g * (-0.5 * out * out * out),)
+
+
+def _cos_vjp(bk, xv, g):
+    return (-g * bk.sin(xv),)
+
+
+def _sin_vjp(bk, xv, g):
+    return (g * bk.cos(xv),)
+
+
+def _silu_vjp(xv, sig, g):
+    return (g * (sig * (1.0 + xv * (1.0 - sig))),)
 
 
 def _tanh_vjp(out, g):
@@ -70,6 +86,29 @@ def sqrt(x: TensorRef) -> TensorRef:
     return s._record(out, (x.id,), partial(_sqrt_vjp, out))
 
 
+def rsqrt(x: TensorRef) -> TensorRef:
+    """``1 / sqrt(x)`` (PyTorch's ``torch.rsqrt``); VJP: ``g * -0.5 * rsqrt(x)**3``."""
+    s = session_of(x)
+    out = s.backend.rsqrt(x.value)
+    return s._record(out, (x.id,), partial(_rsqrt_vjp, out))
+
+
+def cos(x: TensorRef) -> TensorRef:
+    """Cosine; VJP: ``-g * sin(x)``."""
+    s = session_of(x)
+    bk = s.backend
+    xv = x.value
+    return s._record(bk.cos(xv), (x.id,), partial(_cos_vjp, bk, xv))
+
+
+def sin(x: TensorRef) -> TensorRef:
+    """Sine; VJP: ``g * cos(x)``."""
+    s = session_of(x)
+    bk = s.backend
+    xv = x.value
+    return s._record(bk.sin(xv), (x.id,), partial(_sin_vjp, bk, xv))
+
+
 def tanh(x: TensorRef) -> TensorRef:
     """Hyperbolic tangent; VJP: ``g * (1 - tanh(x)**2)``."""
     s = session_of(x)
@@ -82,6 +121,15 @@ def sigmoid(x: TensorRef) -> TensorRef:
     s = session_of(x)
     out = 0.5 * (1.0 + s.backend.tanh(0.5 * x.value))
     return s._record(out, (x.id,), partial(_sigmoid_vjp, out))
+
+
+def silu(x: TensorRef) -> TensorRef:
+    """SiLU (swish), ``x * sigmoid(x)`` as PyTorch's ``F.silu``, with ``sigmoid``'s form
+    (no overflow); VJP: ``g * y * (1 + x * (1 - y))`` with ``y = sigmoid(x)``."""
+    s = session_of(x)
+    xv = x.value
+    sig = 0.5 * (1.0 + s.backend.tanh(0.5 * xv))
+    return s._record(xv * sig, (x.id,), partial(_silu_vjp, xv, sig))
 
 
 def relu(x: TensorRef) -> TensorRef:

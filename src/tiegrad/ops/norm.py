@@ -1,12 +1,13 @@
-"""Layer normalization over the last axis with an optional affine weight and bias."""
+"""Normalizations over the last axis: layer norm (optional weight and bias) and RMS norm
+(optional weight, Llama's and Gemma's)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from .._checks import positive
-from ..errors import ShapeError
+from .._checks import positive, real
+from ..errors import DTypeError, ShapeError
 from ..tape import TensorRef
 from ._core import lift, needs_grad, session_of, sum_last, sum_rows, value_of, vector_value
 from .reduce import half_to_float32
@@ -152,3 +153,73 @@ def _layer_norm_backward_blocks(bk, g2, wv, xhat, rstd):
 
     bk.blockwise(backward_rows, rows, d)
     return gx
+
+
+def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6, offset: float = 0.0) -> TensorRef:
+    """``x * rsqrt(mean(x**2) + eps) * (offset + weight)`` over the last axis.
+
+    As transformers' ``LlamaRMSNorm`` (``offset=0``, the default) and ``GemmaRMSNorm``
+    (``offset=1.0``, the weight stored as ``w`` scaling by ``1 + w``), in their order of
+    operations: the statistics and the normalized rows ``h`` are computed in at least
+    float32 (float16 and bfloat16 inputs in float32; float64 stays float64, where
+    transformers would drop to float32). With ``offset=0`` the output is
+    ``weight * h.astype(x.dtype)`` (Llama: the dtype of that product); otherwise
+    ``(h * (offset + weight)).astype(x.dtype)`` with the sum in ``h``'s dtype (Gemma:
+    always ``x``'s dtype). ``weight`` has shape ``(x.shape[-1],)`` or is None (no scale
+    but ``offset``, if any). One node; VJP with ``s`` the scale and ``r = rsqrt(...)``:
+    ``gx = r * (gs - h * mean(gs * h))`` with ``gs = g * s``, ``gw`` the sums of
+    ``g * h`` over the rows. Each gradient has its operand's dtype.
+
+    ``x`` and ``weight`` must have floating dtypes (``DTypeError``), ``eps`` is a finite
+    number > 0 and ``offset`` a finite number (``HyperparameterError``). Nothing is
+    recorded when a check fails (C6).
+    """
+    op = "rms_norm"
+    s = session_of(x, weight)
+    bk = s.backend
+    eps = positive(op, "eps", eps)
+    offset = real(op, "offset", offset)
+    xv = value_of(s, x)
+    shape = tuple(xv.shape)
+    if not shape:
+        raise ShapeError(f"{op}: input must have at least one axis, got shape ()")
+    d = shape[-1]
+    wv = None if weight is None else vector_value(s, op, "weight", weight, d, "input", shape)
+    for name, v in (("input", xv), ("weight", wv)):
+        if v is not None and not bk.is_floating(v.dtype):
+            raise DTypeError(
+                f"{op}: {name} has dtype {bk.dtype_name(v.dtype)}, expected a floating dtype"
+            )
+    x = lift(s, x, xv)
+    w = None if weight is None else lift(s, weight, wv)
+    refs = [x] if w is None else [x, w]
+    half = half_to_float32(bk, xv.dtype)
+    h = xv if half is None else bk.astype(xv, half)
+    rstd = bk.rsqrt(sum_last(bk, h * h) / max(d, 1) + eps)
+    h = h * rstd
+    llama = not offset
+    if llama:  # weight * h.to(x.dtype); the weight's gradient sums g * h.to(x.dtype)
+        hw = h if half is None else bk.astype(h, xv.dtype)
+        scale = wv
+        out = hw if w is None else wv * hw
+    else:  # (h * (offset + weight.float())).to(x.dtype); the weight's gradient: g * h
+        hw = h
+        wh = wv if wv is None or half_to_float32(bk, wv.dtype) is None else bk.astype(wv, h.dtype)
+        scale = offset if w is None else offset + wh
+        out = bk.astype(h * scale, xv.dtype)
+    want_x = needs_grad(s, x)
+    want_w = w is not None and needs_grad(s, w)
+    rows = math.prod(shape[:-1])
+
+    def vjp(g):
+        gc = g if half is None or half_to_float32(bk, g.dtype) is None else bk.astype(g, half)
+        gx = gw = None
+        if want_w:  # the rows the weight multiplied, in the statistics' dtype
+            seen = hw if half is None or not llama else bk.astype(hw, half)
+            gw = bk.astype(sum_rows(bk, bk.reshape(gc * seen, (rows, d))), wv.dtype)
+        if want_x:
+            gs = gc if scale is None else gc * scale
+            gx = bk.astype(rstd * (gs - h * (sum_last(bk, gs * h) / max(d, 1))), xv.dtype)
+        return (gx,) if w is None else (gx, gw)
+
+    return s._record(out, tuple(r.id for r in refs), vjp)

@@ -1,4 +1,5 @@
-"""Shape and selection ops: reshape, transpose/permute, indexing, concat, stack, where."""
+"""Shape and selection ops: reshape, unsqueeze/squeeze, expand, transpose/permute,
+indexing, concat, stack, where."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from typing import Any
 
 from ..errors import IndexRangeError, ShapeError
 from ..tape import TensorRef
-from ._core import check_broadcast, lift, scalar_value, session_of, unbroadcast, value_of
+from ._core import (
+    check_broadcast,
+    lift,
+    normalize_axes,
+    scalar_value,
+    session_of,
+    unbroadcast,
+    value_of,
+)
 
 
 def reshape(x: TensorRef, shape: Sequence[int]) -> TensorRef:
@@ -21,6 +30,63 @@ def reshape(x: TensorRef, shape: Sequence[int]) -> TensorRef:
     except (ValueError, RuntimeError, TypeError) as e:
         raise ShapeError(f"reshape: cannot reshape {old} to {tuple(shape)}") from e
     return s._record(out, (x.id,), lambda g: (bk.reshape(g, old),))
+
+
+def unsqueeze(x: TensorRef, axis: int) -> TensorRef:
+    """``x`` with a new axis of size 1 at ``axis`` (PyTorch's ``unsqueeze``): ``axis`` is
+    an integer in ``[-x.ndim - 1, x.ndim]``, counted in the result; a ``reshape`` node."""
+    session_of(x)
+    nd = x.value.ndim
+    if isinstance(axis, bool) or not isinstance(axis, Integral) or not -nd - 1 <= axis <= nd:
+        raise ShapeError(
+            f"unsqueeze: axis {axis!r} is out of range for an array of rank {nd}, expected an "
+            f"integer in [{-nd - 1}, {nd}]"
+        )
+    a = int(axis) % (nd + 1)
+    shape = tuple(x.value.shape)
+    return reshape(x, shape[:a] + (1,) + shape[a:])
+
+
+def squeeze(x: TensorRef, axis: int | Sequence[int] | None = None) -> TensorRef:
+    """``x`` without the size-1 axes ``axis`` (an int or a tuple; None: every size-1
+    axis); a ``reshape`` node. An axis of another size is a ``ShapeError`` naming it, as
+    in NumPy (PyTorch leaves such an axis in place without a word)."""
+    session_of(x)
+    shape = tuple(x.value.shape)
+    if axis is None:
+        axes = tuple(i for i, n in enumerate(shape) if n == 1)
+    else:
+        axes = normalize_axes(axis, len(shape), "squeeze")
+        wide = [a for a in axes if shape[a] != 1]
+        if wide:
+            raise ShapeError(
+                f"squeeze: axis {wide[0]} of shape {shape} has size {shape[wide[0]]}, expected 1"
+            )
+    return reshape(x, tuple(n for i, n in enumerate(shape) if i not in axes))
+
+
+def expand(x: TensorRef, shape: Sequence[int]) -> TensorRef:
+    """``x`` broadcast to ``shape`` without a copy (PyTorch's ``expand``; a view).
+
+    ``shape`` may add leading axes; ``-1`` keeps an existing axis's size; only axes of
+    size 1 stretch. VJP: the cotangent summed over the added and stretched axes.
+    """
+    s = session_of(x)
+    bk = s.backend
+    old = tuple(x.value.shape)
+    want = tuple(shape)
+    lead = len(want) - len(old)
+    ok = lead >= 0 and all(isinstance(n, Integral) and not isinstance(n, bool) for n in want)
+    if ok:
+        new = want[:lead] + tuple(m if n == -1 else n for m, n in zip(old, want[lead:]))
+        ok = all(n >= 0 for n in new) and all(m in (1, n) for m, n in zip(old, new[lead:]))
+    if not ok:
+        raise ShapeError(
+            f"expand: cannot expand shape {old} to {want} (only axes of size 1 stretch, -1 "
+            "keeps an axis, new axes go in front)"
+        )
+    out = bk.broadcast_to(x.value, new)
+    return s._record(out, (x.id,), lambda g: (unbroadcast(bk, g, old),))
 
 
 def permute(x: TensorRef, axes: Sequence[int]) -> TensorRef:
