@@ -253,12 +253,9 @@ def save_adapter(
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``adapter_config.json`` of ``directory``, checked to be a LoRA tiegrad computes."""
     path = Path(directory) / CONFIG
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{directory}: no {CONFIG} (not a PEFT adapter directory)")
-    try:
-        config = read_json(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e}") from None
+    config = read_json(path)
     if config.get("peft_type") != "LORA":
         raise CheckpointError(f"{path}: peft_type {config.get('peft_type')!r}, expected 'LORA'")
     for key, value in config.items():
