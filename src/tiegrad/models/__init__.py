@@ -1,9 +1,19 @@
 """Reference models, each rebuildable from its ``config``: ``type(m)(**m.config)``."""
 
+from .auto import from_pretrained
 from .gpt2 import GPT2
+from .llama import LlamaLM
 from .mlp_classifier import MLPClassifier
 from .shared_block_lm import SharedBlockLM
 from .siamese import SiameseEncoder
 from .tied_lm import TiedLM
 
-__all__ = ["GPT2", "MLPClassifier", "SharedBlockLM", "SiameseEncoder", "TiedLM"]
+__all__ = [
+    "GPT2",
+    "LlamaLM",
+    "MLPClassifier",
+    "SharedBlockLM",
+    "SiameseEncoder",
+    "TiedLM",
+    "from_pretrained",
+]
