@@ -21,8 +21,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiegrad import CheckpointError, ConfigError, EagerSession  # noqa: E402
-from tiegrad import models  # noqa: E402
+from tiegrad import CheckpointError, ConfigError, EagerSession, models  # noqa: E402
 from tiegrad.models import LlamaLM  # noqa: E402
 
 VOCAB = 100
@@ -156,3 +155,148 @@ def test_save_pretrained_loads_in_transformers(saved, tmp_path):
     again = LlamaLM.from_pretrained(tmp_path)
     assert again.aliases() == model.aliases()
     np.testing.assert_array_equal(logits(again, x), logits(model, x))
+
+
+@pytest.fixture(scope="module")
+def tied_folder(tmp_path_factory):
+    """The tied llama3 variant: its transformers model and folder."""
+    folder = tmp_path_factory.mktemp("tied")
+    model = hf_model("llama-tied-llama3")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _copy(folder: Path, to: Path, config_edit=None, tensors_edit=None) -> Path:
+    """``folder``'s config.json and model.safetensors in ``to``, each edited (no torch)."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    if config_edit is not None:
+        config_edit(config)
+    (to / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    if tensors_edit is not None:
+        tensors_edit(tensors)
+    save_file(tensors, to / "model.safetensors", {"format": "pt"})
+    return to
+
+
+def test_bfloat16_and_sharded_folders(tied_folder, tmp_path):
+    hf, _ = tied_folder
+    x = ids()
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    sharded = models.from_pretrained(tmp_path / "sharded")
+    np.testing.assert_allclose(logits(sharded, x), hf_logits(hf, x), rtol=0, atol=1e-5)
+    half = hf_model("llama-tied-llama3").to(torch.bfloat16)
+    half.save_pretrained(tmp_path / "bf16")
+    model = models.from_pretrained(tmp_path / "bf16")
+    assert model.config["dtype"] == "float32"
+    embedding = half.model.embed_tokens.weight.detach().float().numpy()
+    np.testing.assert_array_equal(model.get_parameter("model.embed_tokens.weight").value, embedding)
+    np.testing.assert_allclose(logits(model, x), hf_logits(half.float(), x), rtol=0, atol=1e-5)
+
+
+def test_both_rope_config_forms_load_alike(tied_folder, tmp_path):
+    """transformers 4's rope_theta + rope_scaling reads as transformers 5's rope_parameters."""
+    hf, folder = tied_folder
+
+    def old_form(config):
+        rope = config.pop("rope_parameters")
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = dict(rope, type=rope.pop("rope_type"))
+
+    model = models.from_pretrained(_copy(folder, tmp_path, old_form))
+    assert model.config["rope_parameters"] == dict(LLAMA3)
+    x = ids()
+    np.testing.assert_allclose(logits(model, x), hf_logits(hf, x), rtol=0, atol=1e-5)
+
+
+def test_silent_config_takes_the_architectures_defaults(tmp_path):
+    """SmolLM3 ties its head where config.json says nothing; Llama does not."""
+    hf = hf_model("smollm3-tied-nope")
+    hf.save_pretrained(tmp_path / "src")
+
+    def silent(config):
+        del config["tie_word_embeddings"]
+
+    model = models.from_pretrained(_copy(tmp_path / "src", tmp_path, silent))
+    assert model.aliases() == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    assert model.config["no_rope_layers"] == [1, 0]
+
+
+def _refused(error, match, folder: Path) -> None:
+    """Loading ``folder`` is one ``error`` matching ``match`` and writes nothing there."""
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(error, match=match):
+        models.from_pretrained(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_tied_config_with_a_differing_head_is_refused(tied_folder, tmp_path):
+    _, folder = tied_folder
+
+    def differing_head(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"] + 1.0
+
+    _copy(folder, tmp_path, tensors_edit=differing_head)
+    _refused(
+        CheckpointError, r"'lm_head\.weight' differs from 'model\.embed_tokens\.weight'", tmp_path
+    )
+
+    def untie(config):
+        config["tie_word_embeddings"] = False
+
+    untied = models.from_pretrained(_copy(tmp_path, tmp_path, untie))
+    assert untied.aliases() == {}
+    np.testing.assert_array_equal(
+        untied.get_parameter("lm_head.weight").value,
+        untied.get_parameter("model.embed_tokens.weight").value + 1.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (dict(model_type="gemma"), r"model_type 'gemma' is not supported"),
+        (dict(rope_parameters=dict(rope_type="yarn", factor=2.0)), r"rope_type 'yarn'"),
+        (dict(sliding_window=16, model_type="mistral"), r"sliding_window=16 narrower"),
+        (dict(hidden_act="gelu"), r"hidden_act 'gelu'"),
+        (dict(rope_parameters=dict(LLAMA3, partial_rotary_factor=0.5)), "partial_rotary_factor"),
+        (dict(num_key_value_heads=3), r"num_key_value_heads=3 must divide"),
+    ],
+    ids=["unknown-type", "rope-type", "sliding-window", "activation", "partial-rotary", "heads"],
+)
+def test_unsupported_configurations_are_one_config_error(tied_folder, tmp_path, edit, match):
+    _, folder = tied_folder
+    _copy(folder, tmp_path, lambda config: config.update(edit))
+    _refused(ConfigError, match, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            dict(intermediate_size=48),
+            r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(64, 32\)",
+        ),
+        (dict(num_hidden_layers=3), r"missing \['model\.layers\.2\."),
+        (dict(vocab_size=1000), r"'model\.embed_tokens\.weight' has shape \(100, 32\)"),
+    ],
+    ids=["width", "layers", "vocab"],
+)
+def test_sizes_are_checked_against_the_tensors(tied_folder, tmp_path, edit, match):
+    _, folder = tied_folder
+    _copy(folder, tmp_path, lambda config: config.update(edit))
+    _refused(CheckpointError, match, tmp_path)
+
+
+def test_save_refuses_a_tie_transformers_cannot_express(tied_folder, tmp_path):
+    from tiegrad.nn import tie
+
+    _, folder = tied_folder
+    model = LlamaLM.from_pretrained(folder)
+    tie(model, "model.layers.1.input_layernorm.weight", "model.layers.0.input_layernorm.weight")
+    with pytest.raises(CheckpointError, match="model.layers.1.input_layernorm.weight"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
