@@ -300,3 +300,72 @@ def test_save_refuses_a_tie_transformers_cannot_express(tied_folder, tmp_path):
     with pytest.raises(CheckpointError, match="model.layers.1.input_layernorm.weight"):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def hf_greedy(hf, prompt, new: int, eos=None) -> np.ndarray:
+    hf.generation_config.eos_token_id = eos
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompt), max_new_tokens=new, do_sample=False)
+    return out.numpy()
+
+
+def test_greedy_generation_equals_transformers(saved):
+    """Token for token, with and without the KV cache, and stopping at an eos token."""
+    name, hf, folder = saved
+    model = LlamaLM.from_pretrained(folder)
+    prompt = ids((2, 5), seed=7)
+    cached = model.generate(prompt, 12, temperature=0)
+    np.testing.assert_array_equal(cached, hf_greedy(hf, prompt, 12))
+    np.testing.assert_array_equal(
+        model.generate(prompt, 12, temperature=0, use_cache=False), cached
+    )
+    eos = int(cached[0, 8])  # row 0 ends by there; row 1 goes on until it meets it too
+    stopped = model.generate(prompt, 12, temperature=0, eos_token_id=[eos], pad_token_id=0)
+    np.testing.assert_array_equal(stopped, hf_greedy(hf, prompt, 12, eos=eos))
+    first = 5 + int(np.argmax(cached[0, 5:] == eos))  # where row 0 first produced it
+    assert stopped[0, first] == eos and (stopped[0, first + 1 :] == 0).all()
+
+
+def test_cached_sampling_and_long_generation_match_the_uncached_path(tied_folder):
+    """Past max_position_embeddings (64) both restart from the last 64 tokens."""
+    _, folder = tied_folder
+    model = LlamaLM.from_pretrained(folder)
+    prompt = ids((2, 58), seed=8)
+    options = dict(temperature=0.8, top_k=50, top_p=0.9)
+    runs = [
+        model.generate(prompt, 10, rng=np.random.default_rng(3), use_cache=c, **options)
+        for c in (True, False)
+    ]
+    np.testing.assert_array_equal(*runs)
+    assert runs[0].shape == (2, 68)
+
+
+def test_top_p_keeps_the_fewest_likeliest_tokens():
+    from tiegrad.models._causal_lm import _sample
+
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    rng = np.random.default_rng(0)
+    drawn = {int(_sample(logits, 1.0, None, 0.75, rng)[0, 0]) for _ in range(300)}
+    assert drawn == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
+    drawn = {int(_sample(logits, 1.0, None, 0.45, rng)[0, 0]) for _ in range(50)}
+    assert drawn == {0}
+
+
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        (dict(top_p=0), "top_p must be in"),
+        (dict(top_p=1.5), "top_p must be in"),
+        (dict(eos_token_id=VOCAB), r"eos_token_id\[0\] must be in \[0, 100\)"),
+        (dict(eos_token_id=2.0), "eos_token_id must be a token id"),
+        (dict(eos_token_id=2, pad_token_id=-1), "pad_token_id must be >= 0"),
+    ],
+)
+def test_generation_options_are_checked(tied_folder, option, match):
+    from tiegrad import HyperparameterError
+
+    _, folder = tied_folder
+    model = LlamaLM.from_pretrained(folder)
+    with pytest.raises(HyperparameterError, match=match):
+        model.generate(ids((1, 3)), 2, **option)

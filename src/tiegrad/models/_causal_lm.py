@@ -10,7 +10,8 @@ small logits; every other layer keeps its PyTorch default.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from numbers import Integral
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,10 @@ from ..nn import init
 from ..nn.attention import TransformerBlock
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.tying import tie
-from ..optim.hyperparams import at_least_zero, count, size, unit_interval
+from ..optim.hyperparams import at_least_zero, count, flag, size, unit_interval
 from ..session import EagerSession, TensorRef
 from ._configured import ConfiguredModel
+from ._kv_cache import KVCache
 
 EMBED_STD = 0.02
 
@@ -121,6 +123,11 @@ class TiedCausalLM(ConfiguredModel):
         """Mean cross entropy of the next-token logits against ``targets`` (B, T)."""
         return ops.cross_entropy(self(session, idx), targets, ignore_index=ignore_index)
 
+    def new_cache(self) -> KVCache | None:
+        """An empty KV cache for ``forward(..., cache=)``, or None where the model
+        recomputes every position at each step (this class)."""
+        return None
+
     def generate(
         self,
         idx: Any,
@@ -128,18 +135,33 @@ class TiedCausalLM(ConfiguredModel):
         temperature: float = 1.0,
         rng: np.random.Generator | None = None,
         top_k: int | None = None,
+        *,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        use_cache: bool = True,
     ) -> np.ndarray:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` ((B, T) or (T,)); no gradients.
+        """Append up to ``max_new_tokens`` sampled tokens to ``idx`` ((B, T) or (T,)); no
+        gradients.
 
-        Each step feeds the last ``max_seq_len`` tokens, divides the last logits by
-        ``temperature`` (0 = greedy), keeps the ``top_k`` largest if given and samples
-        with ``rng`` (``None``: ``default_rng(0)``). Runs in eval mode on a host session;
-        the training flag is restored afterwards. Returns the ids as a NumPy array.
+        Each step divides the last logits by ``temperature`` (0 = greedy), keeps the
+        ``top_k`` largest if given, then the fewest most likely tokens whose probability
+        reaches ``top_p`` if given (transformers' order and rules), and samples with
+        ``rng`` (``None``: ``default_rng(0)``). With a KV cache (``new_cache``; unless
+        ``use_cache`` is false) the prompt is fed once and then one token per step;
+        otherwise each step feeds the last ``max_seq_len`` tokens. Both give the same
+        tokens. Past ``max_seq_len`` positions the cache starts again from the last
+        ``max_seq_len`` tokens, as the uncached window does. A row that has produced one
+        of the ``eos_token_id`` tokens gets ``pad_token_id`` (default: the first eos
+        token) from then on, and generation stops early once every row has, as
+        transformers' ``generate`` does. Runs in eval mode on a host session; the
+        training flag is restored afterwards. Returns the ids as a NumPy array.
 
         Checked before any work: ``idx`` holds integers and at least one token per row
         (else ``DTypeError``, ``ShapeError``); ``max_new_tokens`` is an integer >= 0,
-        ``temperature`` a finite real >= 0 and ``top_k`` an integer in [1, vocab_size]
-        (bools refused; else ``HyperparameterError`` naming the argument).
+        ``temperature`` a finite real >= 0, ``top_k`` an integer in [1, vocab_size],
+        ``top_p`` a real in (0, 1] and the token ids integers in [0, vocab_size) (bools
+        refused; else ``HyperparameterError`` naming the argument).
         """
         out = np.asarray(idx)
         single = out.ndim == 1
@@ -160,17 +182,65 @@ class TiedCausalLM(ConfiguredModel):
                 raise HyperparameterError(
                     f"generate: top_k must be in [1, {self.vocab_size}], got {top_k!r}"
                 )
+        if top_p is not None:
+            top_p = unit_interval("generate", "top_p", top_p)
+            if top_p == 0:
+                raise HyperparameterError("generate: top_p must be in (0, 1], got 0")
+        eos = [] if eos_token_id is None else eos_token_id
+        if isinstance(eos, Integral):
+            eos = [eos]
+        if not isinstance(eos, (list, tuple)):
+            raise HyperparameterError(
+                f"generate: eos_token_id must be a token id or a list of them, got {eos!r:.80}"
+            )
+        eos = [self._token_count(f"eos_token_id[{i}]", t) for i, t in enumerate(eos)]
+        pad = eos[0] if pad_token_id is None and eos else pad_token_id
+        pad = None if pad is None else self._token_count("pad_token_id", pad)
         rng = init.generator(rng)
+        cache = self.new_cache() if flag("generate", "use_cache", use_cache) else None
+        done = np.zeros(out.shape[0], dtype=bool)
         with self._inference() as session:
             for _ in range(max_new_tokens):
                 session.reset()
-                logits = self(session, out[:, -self.max_seq_len :]).numpy()[:, -1, :]
-                out = np.concatenate([out, _sample(logits, temperature, top_k, rng)], 1)
+                logits = self._next_logits(session, out, cache)
+                token = _sample(logits, temperature, top_k, top_p, rng)
+                if eos:
+                    token = np.where(done[:, None], pad, token)
+                    done |= np.isin(token[:, 0], eos)
+                out = np.concatenate([out, token], 1)
+                if done.all():
+                    break
         return out[0] if single else out
+
+    def _token_count(self, name: str, value: Any) -> int:
+        """``value`` checked to be a token id, an integer in [0, vocab_size)."""
+        value = count("generate", name, value)
+        if value >= self.vocab_size:
+            raise HyperparameterError(
+                f"generate: {name} must be in [0, {self.vocab_size}), got {value!r}"
+            )
+        return value
+
+    def _next_logits(
+        self, session: EagerSession, ids: np.ndarray, cache: KVCache | None
+    ) -> np.ndarray:
+        """The last position's logits (B, V) after ``ids``: through ``cache`` when given
+        (the prompt on its first call, the newest token after), else from the window of
+        the last ``max_seq_len`` tokens."""
+        if cache is None:
+            return self(session, ids[:, -self.max_seq_len :]).numpy()[:, -1, :]
+        if cache.length + 1 > self.max_seq_len:
+            cache.clear()
+        feed = ids[:, -self.max_seq_len :] if cache.length == 0 else ids[:, -1:]
+        return self(session, feed, cache=cache).numpy()[:, -1, :]
 
 
 def _sample(
-    logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator
+    logits: np.ndarray,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    rng: np.random.Generator,
 ) -> np.ndarray:
     """One token id per row (B, 1) from last-position logits (B, V)."""
     z = logits.astype(np.float64)
@@ -182,6 +252,15 @@ def _sample(
         kth = np.sort(z, axis=-1)[:, -top_k][:, None]
         z = np.where(z < kth, -np.inf, z)
     p = np.exp(z)  # the largest is 0 (above), and top-k keeps it
-    cdf = np.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p is not None:  # keep a token when the mass of the likelier ones is < top_p
+        order = np.argsort(-p, axis=-1, kind="stable")
+        ranked = np.take_along_axis(p, order, axis=-1)
+        before = np.cumsum(ranked, axis=-1) - ranked
+        kept = np.zeros_like(p, dtype=bool)
+        np.put_along_axis(kept, order, before < top_p, axis=-1)
+        p = np.where(kept, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    cdf = np.cumsum(p, axis=-1)
     u = rng.random((z.shape[0], 1))
     return np.minimum((cdf < u).sum(axis=-1), z.shape[1] - 1)[:, None]
