@@ -369,3 +369,58 @@ def test_generation_options_are_checked(tied_folder, option, match):
     model = LlamaLM.from_pretrained(folder)
     with pytest.raises(HyperparameterError, match=match):
         model.generate(ids((1, 3)), 2, **option)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory):
+    """A byte-level BPE tokenizer trained here, with Llama-style special tokens in
+    tokenizer_config.json (bos, eos) and special_tokens_map.json (pad)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["tied weights are one storage"] * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    pad = {"content": "<pad>", "lstrip": False, "rstrip": False, "special": True}
+    config = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": pad}))
+    return folder
+
+
+def test_tokenizer_special_tokens_as_transformers_reads_them(tokenizer_folder):
+    from tiegrad.data.tokenizer import HFTokenizer
+
+    ours = HFTokenizer.from_directory(tokenizer_folder)
+    theirs = transformers.AutoTokenizer.from_pretrained(tokenizer_folder)
+    assert ours.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    text = "one storage, tied"
+    assert ours.encode(text).tolist() == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("tokenizer_config.json", {"eos_token": "<eot>"}, r"eos_token '<eot>' is not in the"),
+        ("special_tokens_map.json", {"bos_token": 7}, "bos_token must be a token's text"),
+        ("tokenizer_config.json", ["<s>"], "expected a JSON object"),
+    ],
+    ids=["unknown-token", "wrong-form", "not-an-object"],
+)
+def test_bad_special_tokens_are_refused(tokenizer_folder, tmp_path, name, content, match):
+    from tiegrad.data.tokenizer import HFTokenizer
+
+    for path in tokenizer_folder.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / name).write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match=f"{name}: {match}"):
+        HFTokenizer.from_directory(tmp_path)

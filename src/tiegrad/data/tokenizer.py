@@ -7,6 +7,7 @@ with nothing else. ``tokenizers`` is imported only when one is built (the ``hf``
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -27,6 +28,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
+#: The special tokens read from ``tokenizer_config.json`` and ``special_tokens_map.json``.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token")
 
 
 def check_path(owner: str, name: str, value: Any) -> Path:
@@ -46,6 +49,15 @@ class HFTokenizer:
     only to be written back by ``save``. Encoding adds no special tokens. ``size`` is the
     largest token id + 1 (added tokens included), so every id ``encode`` gives lies in
     ``[0, size)`` even when the vocabulary's ids have gaps.
+
+    ``special_tokens`` maps ``bos_token``, ``eos_token`` and ``pad_token`` to their text
+    where the files name them: ``tokenizer_config.json`` first, ``special_tokens_map.json``
+    for those it does not name (as transformers reads them; a value is the token's text
+    or an added-token object with its ``content``); ``bos_token_id``, ``eos_token_id``
+    and ``pad_token_id`` are their ids, or None. Both files are checked whole: one that
+    is not a JSON object, a value of another form and a token the vocabulary lacks are
+    each a ``ConfigError`` naming the file, the key and the token, raised before the
+    tokenizer exists (C6).
     """
 
     kind = "hf"
@@ -72,6 +84,53 @@ class HFTokenizer:
         self.files = dict(files)
         ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
         self._size = max(ids) + 1 if ids else 0
+        self.special_tokens = self._special_tokens()
+
+    def _special_tokens(self) -> dict[str, str]:
+        """``{key: token text}`` of ``SPECIAL_TOKENS`` the files name (see the class)."""
+        found: dict[str, str] = {}
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if name not in self.files:
+                continue
+            try:
+                data = json.loads(self.files[name])
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{name}: not JSON ({e})") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"{name}: expected a JSON object, got {type(data).__name__}")
+            for key in SPECIAL_TOKENS:
+                value = data.get(key)
+                if value is None:
+                    continue
+                token = value.get("content") if isinstance(value, dict) else value
+                if not isinstance(token, str):
+                    raise ConfigError(
+                        f"{name}: {key} must be a token's text or an object with its "
+                        f"content, got {value!r:.80}"
+                    )
+                if self._tokenizer.token_to_id(token) is None:
+                    raise ConfigError(f"{name}: {key} {token!r:.80} is not in the vocabulary")
+                found.setdefault(key, token)
+        return found
+
+    def _special_id(self, key: str) -> int | None:
+        token = self.special_tokens.get(key)
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The id of the beginning-of-sequence token, or None when the files name none."""
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of the end-of-sequence token, or None when the files name none."""
+        return self._special_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The id of the padding token, or None when the files name none."""
+        return self._special_id("pad_token")
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike[str]) -> HFTokenizer | None:
