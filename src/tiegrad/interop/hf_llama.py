@@ -82,6 +82,7 @@ class Architecture:
 
 
 _COMMON = {
+    "pad_token_id": None,
     "num_key_value_heads": None,
     "head_dim": None,
     "rms_norm_eps": 1e-6,
@@ -116,6 +117,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             "max_position_embeddings": 32768,
             "rope_theta": 2000000.0,
             "tie_word_embeddings": True,
+            "pad_token_id": 128004,
         },
         mlp_bias=True,
         no_rope_interval=4,
@@ -254,6 +256,11 @@ def check_variant(owner: str, args: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"{owner}: num_key_value_heads={kv} must divide num_attention_heads={heads}"
         )
+    pad = args["pad_token_id"]
+    if pad is not None and pad >= args["vocab_size"]:
+        raise ConfigError(
+            f"{owner}: pad_token_id={pad} must be below vocab_size={args['vocab_size']}"
+        )
     head_dim = args["head_dim"] or args["hidden_size"] // heads
     if head_dim % 2:
         raise ConfigError(f"{owner}: the head width {head_dim} must be even (rotary halves)")
@@ -300,7 +307,7 @@ def model_args(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     _check_window(config, kind, where)
     args = {k: config[k] for k in _SIZES}
     for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                "initializer_range", "tie_word_embeddings"):  # fmt: skip
+                "initializer_range", "tie_word_embeddings", "pad_token_id"):  # fmt: skip
         args[key] = get(key)
     if arch.attention_bias == "config":
         args["attention_bias"] = get("attention_bias")
@@ -467,6 +474,7 @@ def hf_config(model: Module) -> dict[str, Any]:
         rope_theta=v.rope["rope_theta"],
         dtype=args["dtype"],
         tie_word_embeddings=tied(model),
+        pad_token_id=args["pad_token_id"],
     )
     if v.rope["rope_type"] != "default":
         config["rope_scaling"] = {k: x for k, x in v.rope.items() if k != "rope_theta"}

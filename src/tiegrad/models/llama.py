@@ -107,6 +107,29 @@ def inverse_frequencies(rope: Mapping[str, Any], head_dim: int) -> np.ndarray:
     return inv
 
 
+class PaddedEmbedding(Embedding):
+    """``Embedding`` whose ``padding_idx`` rows, as in torch's ``nn.Embedding``, pass no
+    gradient to ``weight`` (their values are the row's, as there); None: a plain one."""
+
+    def __init__(
+        self, num: int, dim: int, padding_idx: int | None, std: float,
+        rng: np.random.Generator, dtype: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(num, dim, rng=rng, dtype=dtype)
+        self.weight = init.normal(rng, (num, dim), std, dtype)
+        self.padding_idx = padding_idx
+
+    def forward(self, session: EagerSession, indices: Any) -> TensorRef:
+        h = super().forward(session, indices)
+        if self.padding_idx is None:
+            return h
+        ids = indices.numpy() if isinstance(indices, TensorRef) else np.asarray(indices)
+        hidden = ids == self.padding_idx
+        if not hidden.any():
+            return h
+        return ops.where(hidden[..., None], session.constant(h.value), h)
+
+
 class RMSNorm(Module):
     """Root-mean-square normalisation over the last axis (size ``dim``); weight ones."""
 
@@ -252,6 +275,11 @@ def _optional_size(owner: str, name: str, value: Any) -> int | None:
     return None if value is None else hyperparams.size(owner, name, value)
 
 
+def _optional_count(owner: str, name: str, value: Any) -> int | None:
+    """``None`` or an integer >= 0."""
+    return None if value is None else hyperparams.count(owner, name, value)
+
+
 def _optional_flag(owner: str, name: str, value: Any) -> bool | None:
     """``None`` (the architecture's default) or a boolean."""
     return None if value is None else hyperparams.flag(owner, name, value)
@@ -279,7 +307,9 @@ class LlamaLM(TiedCausalLM):
 
     ``None`` for ``num_key_value_heads``, ``head_dim``, ``attention_bias``,
     ``no_rope_layers`` and ``rope_parameters`` means the default of that
-    ``model_type``'s transformers class (``hf_llama.ARCHITECTURES``). Initialisation
+    ``model_type``'s transformers class (``hf_llama.ARCHITECTURES``). The rows of
+    ``pad_token_id`` pass no gradient to the embedding through the input use, as
+    transformers' ``embed_tokens`` (``padding_idx``) does. Initialisation
     follows transformers' ``_init_weights``: ``N(0, initializer_range**2)`` for the
     embedding and every projection, zero biases, RMSNorm ones, drawn from
     ``default_rng(seed)``. ``model(session, ids)`` gives logits (B, T, vocab_size);
@@ -309,6 +339,7 @@ class LlamaLM(TiedCausalLM):
         "mlp_bias": hyperparams.flag,
         "no_rope_layers": _no_rope_layers,
         "tie_word_embeddings": hyperparams.flag,
+        "pad_token_id": _optional_count,
     }
 
     @classmethod
@@ -379,6 +410,7 @@ class LlamaLM(TiedCausalLM):
         mlp_bias: bool = False,
         no_rope_layers: list[int] | None = None,
         tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
         seed: int = 0,
         dtype: Any = "float32",
     ) -> None:
@@ -391,13 +423,13 @@ class LlamaLM(TiedCausalLM):
             rms_norm_eps=rms_norm_eps, initializer_range=initializer_range,
             rope_parameters=rope_parameters, attention_bias=attention_bias, mlp_bias=mlp_bias,
             no_rope_layers=no_rope_layers, tie_word_embeddings=tie_word_embeddings,
+            pad_token_id=pad_token_id,
         )  # fmt: skip
         v = hf_llama.variant(self.config)
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_position_embeddings)
         self.inv_freq = inverse_frequencies(v.rope, v.head_dim)
         d, std, eps = int(hidden_size), float(initializer_range), float(rms_norm_eps)
-        embed = Embedding(self.vocab_size, d, rng=rng, dtype=dt)
-        embed.weight = init.normal(rng, (self.vocab_size, d), std, dt)
+        embed = PaddedEmbedding(self.vocab_size, d, pad_token_id, std, rng, dt)
         layers = ModuleList()
         for rotary in v.rotary:
             attn = LlamaAttention(
