@@ -283,9 +283,10 @@ def test_unsupported_configurations_are_one_config_error(tied_folder, tmp_path, 
             r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(64, 32\)",
         ),
         (dict(num_hidden_layers=3), r"missing \['model\.layers\.2\."),
+        (dict(num_hidden_layers=40), r"missing \['model\.layers\.2\.[^]]* and \d+ more\]"),
         (dict(vocab_size=1000), r"'model\.embed_tokens\.weight' has shape \(100, 32\)"),
     ],
-    ids=["width", "layers", "vocab"],
+    ids=["width", "layers", "many-layers", "vocab"],
 )
 def test_sizes_are_checked_against_the_tensors(tied_folder, tmp_path, edit, match):
     _, folder = tied_folder

@@ -47,6 +47,7 @@ from .. import _checks
 from ..checkpoint.fileio import write_safetensors
 from ..errors import CheckpointError, ConfigError, HyperparameterError
 from ..nn.module import Module
+from ..nn.state_dict import _listed
 from . import hf
 
 ModelT = TypeVar("ModelT", bound=Module)
@@ -173,7 +174,7 @@ def rope_parameters(owner: str, value: Any) -> dict[str, Any]:
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown:
         raise ConfigError(
-            f"{owner}: {_few(unknown)} not supported for rope_type {kind!r} (it takes "
+            f"{owner}: {_listed(unknown)} not supported for rope_type {kind!r} (it takes "
             f"{', '.join(sorted(known - {'type'}))})"
         )
     missing = [k for k in ("rope_theta", *needed) if value.get(k) is None]
@@ -189,12 +190,6 @@ def rope_parameters(owner: str, value: Any) -> dict[str, Any]:
             f"low_freq_factor ({out['low_freq_factor']})"
         )
     return out
-
-
-def _few(items: Sequence[Any], limit: int = 5) -> str:
-    """``items`` for a message: at most ``limit`` of them, then "and N more"."""
-    shown = ", ".join(repr(x) for x in items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def variant(args: Mapping[str, Any]) -> Variant:
@@ -299,10 +294,12 @@ def model_args(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"{where}: {', '.join(missing)} missing")
     if get("hidden_act") != "silu":
-        raise ConfigError(f"{where}: hidden_act {get('hidden_act')!r:.40} is not supported (silu)")
+        raise ConfigError(
+            f"{where}: hidden_act {get('hidden_act')!r:.40} is not supported (supported: silu)"
+        )
     if get("attention_dropout"):
         raise ConfigError(
-            f"{where}: attention_dropout {get('attention_dropout')!r:.40} is not supported (0)"
+            f"{where}: attention_dropout {get('attention_dropout')!r:.40} is not supported (only 0)"
         )
     _check_window(config, kind, where)
     args = {k: config[k] for k in _SIZES}
@@ -352,6 +349,8 @@ def _check_window(config: Mapping[str, Any], kind: str, where: str) -> None:
     """Refuse a sliding window that bites: narrower than ``max_position_embeddings`` on
     a layer that uses it, as the ``model_type``'s transformers class decides."""
     layer_types = config.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise ConfigError(f"{where}: layer_types must be a list, got {layer_types!r:.80}")
     if kind == "mistral":
         window, used = config.get("sliding_window", 4096), True
     elif kind in ("qwen2", "qwen3"):
@@ -391,10 +390,18 @@ def check_tensors(
     tied_head: bool,
 ) -> None:
     """Refuse, before anything is built (C6), tensors whose names are not the layout's
-    (a tied ``lm_head.weight`` may be absent; ``hf.check_names``), whose header shape
+    (a tied ``lm_head.weight`` may be absent; the first few missing and unexpected
+    names are listed, then how many more), whose header shape
     differs from the layout's or whose dtype is not floating, and, for a tied head, an
     ``lm_head.weight`` whose values differ from ``model.embed_tokens.weight``."""
-    hf.check_names(directory, owner, [p for p, _ in layout], tensors, tied_head)
+    paths = {p for p, _ in layout}
+    missing = [p for p, _ in layout if p not in tensors and not (tied_head and p == HEAD)]
+    unexpected = [n for n in tensors if n not in paths]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{directory}: the weights do not match {owner}: missing [{_listed(missing)}], "
+            f"unexpected [{_listed(unexpected)}]"
+        )
     for path, shape in layout:
         if path not in tensors:
             continue
@@ -427,9 +434,13 @@ def load(cls: type[ModelT], directory: str | os.PathLike[str], dtype: Any = "flo
     config = read_config(directory)
     where = os.fspath(Path(directory) / hf.CONFIG)
     try:
-        args = cls.check_config(dict(model_args(config, where), dtype=dtype))
-    except (ConfigError, HyperparameterError) as e:
-        raise ConfigError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+        args = model_args(config, where)
+    except HyperparameterError as e:  # a value out of range, named with the file
+        raise ConfigError(str(e)) from None
+    try:
+        args = cls.check_config(dict(args, dtype=dtype))
+    except (ConfigError, HyperparameterError) as e:  # check_config's verdicts
+        raise ConfigError(f"{where}: {e}") from None
     tensors = read_tensors(directory)
     layout = cls.layout(args)
     tied_head = bool(args["tie_word_embeddings"])

@@ -86,7 +86,7 @@ def _repeat_kv(x: TensorRef, groups: int) -> TensorRef:
     return x[:, np.repeat(np.arange(x.shape[1]), groups)]
 
 
-def inverse_frequencies(rope: Mapping[str, Any], head_dim: int) -> np.ndarray:
+def _inverse_frequencies(rope: Mapping[str, Any], head_dim: int) -> np.ndarray:
     """The rotary inverse frequencies (head_dim / 2,) float32 of checked ``rope``
     parameters (``hf_llama.rope_parameters``), as transformers' ``default``, ``linear``
     and ``llama3`` initialisers compute them."""
@@ -427,7 +427,7 @@ class LlamaLM(TiedCausalLM):
         )  # fmt: skip
         v = hf_llama.variant(self.config)
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_position_embeddings)
-        self.inv_freq = inverse_frequencies(v.rope, v.head_dim)
+        self.inv_freq = _inverse_frequencies(v.rope, v.head_dim)
         d, std, eps = int(hidden_size), float(initializer_range), float(rms_norm_eps)
         embed = PaddedEmbedding(self.vocab_size, d, pad_token_id, std, rng, dt)
         layers = ModuleList()
