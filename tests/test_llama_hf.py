@@ -447,3 +447,27 @@ def test_freezing_one_use_of_the_tied_embedding_trains_the_other(tied_folder):
     input_use = embedding_gradient()
     assert not np.allclose(head_use, both) and not np.allclose(input_use, both)
     np.testing.assert_allclose(head_use + input_use, both, rtol=0, atol=1e-6)
+
+
+def test_a_tiegrad_checkpoint_rebuilds_from_config_with_the_tie(tied_folder, tmp_path):
+    """``type(m)(**m.config)`` builds the same layout; the checkpoint restores values
+    and the tie (C9)."""
+    import tiegrad
+
+    _, folder = tied_folder
+    model = LlamaLM.from_pretrained(folder)
+    tiegrad.save(tmp_path / "ckpt.safetensors", model)
+    fresh = LlamaLM(**model.config)
+    assert fresh.aliases() == model.aliases()
+    tiegrad.load(tmp_path / "ckpt.safetensors", fresh)
+    x = ids()
+    np.testing.assert_array_equal(logits(fresh, x), logits(model, x))
+
+
+def test_from_pretrained_picks_gpt2_by_model_type(tmp_path):
+    from tiegrad.models import GPT2
+
+    GPT2(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16).save_pretrained(tmp_path)
+    model = models.from_pretrained(tmp_path)
+    assert type(model) is GPT2
+    assert model.aliases() == {"transformer.wte.weight": ["lm_head.weight"]}
