@@ -471,3 +471,26 @@ def test_from_pretrained_picks_gpt2_by_model_type(tmp_path):
     model = models.from_pretrained(tmp_path)
     assert type(model) is GPT2
     assert model.aliases() == {"transformer.wte.weight": ["lm_head.weight"]}
+
+
+def test_the_torch_backend_computes_what_the_host_does(tied_folder):
+    """Logits and gradients on ``torch:cpu`` (the device code path) equal the host's."""
+    _, folder = tied_folder
+    model = LlamaLM.from_pretrained(folder)
+    x, y = ids(seed=1), ids(seed=2)
+    x[0, 3] = TINY["pad_token_id"]
+
+    def run(device):
+        s = EagerSession(device=device)
+        out = model(s, x).numpy()
+        return out, model.named_gradients(s.backward(model.loss(s, x, y)))
+
+    host, host_grads = run(None)
+    model.to("torch:cpu")
+    device, device_grads = run("torch:cpu")
+    np.testing.assert_allclose(device, host, rtol=0, atol=1e-5)
+    for path, g in host_grads.items():
+        scale = float(np.abs(g).max())
+        np.testing.assert_allclose(
+            np.asarray(device_grads[path]), g, rtol=0, atol=1e-5 * scale + 1e-8, err_msg=path
+        )
