@@ -83,7 +83,9 @@ def _repeat_kv(x: TensorRef, groups: int) -> TensorRef:
     (B, Hkv * groups, T, D): transformers' ``repeat_kv`` (``repeat_interleave`` on axis 1)."""
     if groups == 1:
         return x
-    return x[:, np.repeat(np.arange(x.shape[1]), groups)]
+    b, h, t, d = x.shape
+    copies = ops.concat([x.reshape(b, h, 1, t, d)] * groups, axis=2)
+    return copies.reshape(b, h * groups, t, d)
 
 
 def _inverse_frequencies(rope: Mapping[str, Any], head_dim: int) -> np.ndarray:
