@@ -494,3 +494,20 @@ def test_the_torch_backend_computes_what_the_host_does(tied_folder):
         np.testing.assert_allclose(
             np.asarray(device_grads[path]), g, rtol=0, atol=1e-5 * scale + 1e-8, err_msg=path
         )
+
+
+def test_a_cache_takes_one_token_per_call_after_the_prompt(tied_folder):
+    from tiegrad import ShapeError
+
+    _, folder = tied_folder
+    model = LlamaLM.from_pretrained(folder)
+    cache = model.new_cache()
+    prompt = ids((1, 6))
+    model(EagerSession(), prompt, cache=cache)
+    assert cache.length == 6
+    with pytest.raises(ShapeError, match="a cache of 6 positions takes one token per call"):
+        model(EagerSession(), prompt[:, :2], cache=cache)
+    assert cache.length == 6
+    step = model(EagerSession(), prompt[:, :1], cache=cache).numpy()
+    whole = logits(model, np.concatenate([prompt, prompt[:, :1]], axis=1))
+    np.testing.assert_allclose(step[:, -1], whole[:, -1], rtol=0, atol=1e-5)

@@ -307,9 +307,13 @@ def _rope(owner: str, name: str, value: Any) -> dict[str, Any] | None:
 class LlamaLM(TiedCausalLM):
     """A Llama-family decoder; the constructor takes transformers' config fields.
 
-    ``None`` for ``num_key_value_heads``, ``head_dim``, ``attention_bias``,
-    ``no_rope_layers`` and ``rope_parameters`` means the default of that
-    ``model_type``'s transformers class (``hf_llama.ARCHITECTURES``). The rows of
+    ``None`` means: for ``num_key_value_heads``, as many as query heads; for
+    ``head_dim``, ``hidden_size / num_attention_heads``; for ``attention_bias``, the
+    ``model_type``'s own (Qwen2: on q, k and v; the others: none); for
+    ``no_rope_layers``, every layer rotates (SmolLM3: all but every fourth); for
+    ``rope_parameters``, the default rotation with the ``model_type``'s ``rope_theta``
+    (``hf_llama.ARCHITECTURES``). ``from_pretrained`` fills in the defaults of the
+    transformers class where ``config.json`` is silent. The rows of
     ``pad_token_id`` pass no gradient to the embedding through the input use, as
     transformers' ``embed_tokens`` (``padding_idx``) does. Initialisation
     follows transformers' ``_init_weights``: ``N(0, initializer_range**2)`` for the
