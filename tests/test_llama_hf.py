@@ -183,20 +183,22 @@ def _copy(folder: Path, to: Path, config_edit=None, tensors_edit=None) -> Path:
     return to
 
 
-def test_bfloat16_and_sharded_folders(tied_folder, tmp_path):
+def test_bfloat16_float16_and_sharded_folders(tied_folder, tmp_path):
     hf, _ = tied_folder
     x = ids()
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
     sharded = models.from_pretrained(tmp_path / "sharded")
     np.testing.assert_allclose(logits(sharded, x), hf_logits(hf, x), rtol=0, atol=1e-5)
-    half = hf_model("llama-tied-llama3").to(torch.bfloat16)
-    half.save_pretrained(tmp_path / "bf16")
-    model = models.from_pretrained(tmp_path / "bf16")
-    assert model.config["dtype"] == "float32"
-    embedding = half.model.embed_tokens.weight.detach().float().numpy()
-    np.testing.assert_array_equal(model.get_parameter("model.embed_tokens.weight").value, embedding)
-    np.testing.assert_allclose(logits(model, x), hf_logits(half.float(), x), rtol=0, atol=1e-5)
+    for dtype in (torch.bfloat16, torch.float16):
+        half = hf_model("llama-tied-llama3").to(dtype)
+        half.save_pretrained(tmp_path / str(dtype))
+        model = models.from_pretrained(tmp_path / str(dtype))
+        assert model.config["dtype"] == "float32"
+        embedding = half.model.embed_tokens.weight.detach().float().numpy()
+        loaded = model.get_parameter("model.embed_tokens.weight").value
+        np.testing.assert_array_equal(loaded, embedding)
+        np.testing.assert_allclose(logits(model, x), hf_logits(half.float(), x), rtol=0, atol=1e-5)
 
 
 def test_both_rope_config_forms_load_alike(tied_folder, tmp_path):
@@ -237,6 +239,12 @@ def _refused(error, match, folder: Path) -> None:
 
 def test_a_tied_config_with_a_differing_head_is_refused(tied_folder, tmp_path):
     _, folder = tied_folder
+
+    def equal_head(t):  # a file that writes the tied head out, as some exporters do
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
+
+    equal = models.from_pretrained(_copy(folder, tmp_path, tensors_edit=equal_head))
+    assert equal.aliases() == {"model.embed_tokens.weight": ["lm_head.weight"]}
 
     def differing_head(t):
         t["lm_head.weight"] = t["model.embed_tokens.weight"] + 1.0
