@@ -160,7 +160,7 @@ def rope_parameters(owner: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{owner}: expected a mapping of rotary parameters, got {value!r:.80}")
     kind = value.get("rope_type", value.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise ConfigError(
             f"{owner}: rope_type {kind!r:.80} is not supported (supported: {', '.join(ROPE_TYPES)})"
         )

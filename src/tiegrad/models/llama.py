@@ -161,7 +161,7 @@ class LlamaAttention(Module):
         qk_norm: bool, eps: float, std: float, rng: np.random.Generator, dtype: Any,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.heads, self.kv_heads, self.head_dim, self.qk_norm = heads, kv_heads, head_dim, qk_norm
         self.q_proj = _linear(d, heads * head_dim, qkv_bias, std, rng, dtype)
         self.k_proj = _linear(d, kv_heads * head_dim, qkv_bias, std, rng, dtype)
         self.v_proj = _linear(d, kv_heads * head_dim, qkv_bias, std, rng, dtype)
@@ -186,7 +186,7 @@ class LlamaAttention(Module):
         q = self._heads(session, self.q_proj, x, self.heads)
         k = self._heads(session, self.k_proj, x, self.kv_heads)
         v = self._heads(session, self.v_proj, x, self.kv_heads)
-        if "q_norm" in self._modules:
+        if self.qk_norm:
             q, k = self.q_norm(session, q), self.k_norm(session, k)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
