@@ -519,3 +519,19 @@ def test_a_cache_takes_one_token_per_call_after_the_prompt(tied_folder):
     step = model(EagerSession(), prompt[:, :1], cache=cache).numpy()
     whole = logits(model, np.concatenate([prompt, prompt[:, :1]], axis=1))
     np.testing.assert_allclose(step[:, -1], whole[:, -1], rtol=0, atol=1e-5)
+
+
+def test_non_finite_weights_are_refused_unless_allowed(tied_folder, tmp_path):
+    _, folder = tied_folder
+
+    def poisoned(t):
+        t["model.layers.1.mlp.up_proj.weight"][3, 4] = np.nan
+
+    _copy(folder, tmp_path, tensors_edit=poisoned)
+    _refused(
+        CheckpointError,
+        r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' holds 1 non-finite",
+        tmp_path,
+    )
+    model = models.from_pretrained(tmp_path, allow_nonfinite=True)
+    assert np.isnan(model.get_parameter("model.layers.1.mlp.up_proj.weight").value[3, 4])

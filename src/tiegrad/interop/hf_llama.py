@@ -21,8 +21,9 @@ anything is allocated):
 - a sliding window that bites (one narrower than ``max_position_embeddings`` on some
   layer), an activation other than SiLU and attention dropout are refused.
 
-Weights: every tensor's name and header shape is checked against the model's layout
-before the model is built; a tied configuration whose file holds an
+Weights: every tensor's name and header shape is checked against the model's layout,
+and its values for NaN and infinity (``checkpoint.finite``), before the model is
+built; a tied configuration whose file holds an
 ``lm_head.weight`` that differs from ``model.embed_tokens.weight`` is refused, naming
 the tensor (loading it either way would lose one of them). ``save`` writes
 ``tie_word_embeddings`` as the storages are (C1): one storage, ``true`` and one tensor;
@@ -45,6 +46,7 @@ import numpy as np
 
 from .. import _checks
 from ..checkpoint.fileio import write_safetensors
+from ..checkpoint.finite import finite_cast
 from ..errors import CheckpointError, ConfigError, HyperparameterError
 from ..nn.module import Module
 from ..nn.state_dict import _listed
@@ -382,18 +384,25 @@ def read_tensors(directory: str | os.PathLike[str]) -> hf.Tensors:
     return {name: (file, name) for file, name in hf.read_tensors(directory).values()}
 
 
-def check_tensors(
+def checked_values(
     directory: str | os.PathLike[str],
     owner: str,
     layout: Sequence[tuple[str, tuple[int, ...]]],
     tensors: hf.Tensors,
     tied_head: bool,
-) -> None:
-    """Refuse, before anything is built (C6), tensors whose names are not the layout's
-    (a tied ``lm_head.weight`` may be absent; the first few missing and unexpected
-    names are listed, then how many more), whose header shape
-    differs from the layout's or whose dtype is not floating, and, for a tied head, an
-    ``lm_head.weight`` whose values differ from ``model.embed_tokens.weight``."""
+    dtype: Any,
+    allow_nonfinite: bool = False,
+) -> dict[str, np.ndarray]:
+    """``{path: value}`` of every storage of ``layout`` (a tied head left out), cast to
+    ``dtype``, with everything checked first (C6).
+
+    Refused: tensors whose names are not the layout's (a tied ``lm_head.weight`` may be
+    absent; the first few missing and unexpected names are listed, then how many more),
+    whose header shape differs from the layout's or whose dtype is not floating, a value
+    holding NaN or infinity unless ``allow_nonfinite`` (``checkpoint.finite``), and, for
+    a tied head, an ``lm_head.weight`` whose values differ from
+    ``model.embed_tokens.weight``.
+    """
     paths = {p for p, _ in layout}
     missing = [p for p, _ in layout if p not in tensors and not (tied_head and p == HEAD)]
     unexpected = [n for n in tensors if n not in paths]
@@ -416,21 +425,32 @@ def check_tensors(
             raise CheckpointError(
                 f"{file.path}: tensor {name!r} has dtype {entry.dtype}, expected a float"
             )
-    if tied_head and HEAD in tensors:
-        head, embedding = (tensors[p][0].array(tensors[p][1]) for p in (HEAD, EMBEDDING))
-        if not np.array_equal(head, embedding):
+    values = {}
+    for path, _ in layout:
+        if path in tensors:
+            file, name = tensors[path]
+            what = f"{file.path}: tensor {name!r}"
+            values[path] = finite_cast(file.array(name), dtype, what, allow_nonfinite)
+    if tied_head and HEAD in values:
+        if not np.array_equal(values.pop(HEAD), values[EMBEDDING], equal_nan=True):
             raise CheckpointError(
                 f"{directory}: tensor {HEAD!r} differs from {EMBEDDING!r}, but "
                 "tie_word_embeddings is true (one storage cannot hold both); set it to "
                 "false in config.json to load them untied"
             )
+    return values
 
 
-def load(cls: type[ModelT], directory: str | os.PathLike[str], dtype: Any = "float32") -> ModelT:
+def load(
+    cls: type[ModelT],
+    directory: str | os.PathLike[str],
+    dtype: Any = "float32",
+    allow_nonfinite: bool = False,
+) -> ModelT:
     """A model of class ``cls`` (``LlamaLM``) built from the directory's ``config.json``,
     its weights loaded (see the module docstring). Everything is checked before the model
-    is allocated: the configuration (``ConfigError`` naming the key), then the tensors'
-    names, header shapes and dtypes and the tie (``CheckpointError`` naming the tensor)."""
+    is allocated: the configuration (``ConfigError`` naming the key), then the tensors
+    (``checked_values``: ``CheckpointError`` naming the tensor)."""
     config = read_config(directory)
     where = os.fspath(Path(directory) / hf.CONFIG)
     try:
@@ -441,17 +461,17 @@ def load(cls: type[ModelT], directory: str | os.PathLike[str], dtype: Any = "flo
         args = cls.check_config(dict(args, dtype=dtype))
     except (ConfigError, HyperparameterError) as e:  # check_config's verdicts
         raise ConfigError(f"{where}: {e}") from None
-    tensors = read_tensors(directory)
-    layout = cls.layout(args)
+    owner = f"the {cls.__name__} of its {hf.CONFIG}"
     tied_head = bool(args["tie_word_embeddings"])
-    check_tensors(directory, f"the {cls.__name__} of its {hf.CONFIG}", layout, tensors, tied_head)
+    values = checked_values(
+        directory, owner, cls.layout(args), read_tensors(directory), tied_head,
+        np.dtype(args["dtype"]), allow_nonfinite,
+    )  # fmt: skip
     model = cls(**args)
     model.source_config = config
     slots = dict(model.named_slots())
-    for path, _ in model.named_parameters():
-        file, name = tensors[path]
-        param = slots[path]
-        param.storage.commit_host(np.ascontiguousarray(file.array(name), dtype=param.dtype))
+    for path, value in values.items():
+        slots[path].storage.commit_host(np.ascontiguousarray(value))
     return model
 
 

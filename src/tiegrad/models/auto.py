@@ -25,11 +25,13 @@ CLASSES: dict[str, type[GPT2] | type[LlamaLM]] = {
 }
 
 
-def from_pretrained(directory: str | os.PathLike[str], dtype: Any = "float32") -> TiedCausalLM:
+def from_pretrained(
+    directory: str | os.PathLike[str], dtype: Any = "float32", *, allow_nonfinite: bool = False
+) -> TiedCausalLM:
     """The model of a transformers ``save_pretrained`` directory, of the class its
     ``model_type`` names (``CLASSES``), without torch or transformers. An unknown
     ``model_type`` is a ``ConfigError`` naming it and the supported ones, raised before
-    any weight is read (C6)."""
+    any weight is read (C6); ``allow_nonfinite`` goes to the class's loader."""
     config = hf_llama.read_config(directory)
     kind = config.get("model_type", "gpt2")
     if kind not in CLASSES:
@@ -37,4 +39,4 @@ def from_pretrained(directory: str | os.PathLike[str], dtype: Any = "float32") -
             f"{Path(directory) / hf.CONFIG}: model_type {kind!r:.80} is not supported "
             f"(supported: {', '.join(CLASSES)})"
         )
-    return CLASSES[kind].from_pretrained(directory, dtype)
+    return CLASSES[kind].from_pretrained(directory, dtype, allow_nonfinite=allow_nonfinite)

@@ -487,11 +487,18 @@ class LlamaLM(TiedCausalLM):
         return self.lm_head(session, self.model.norm(session, h))
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: Any = "float32") -> LlamaLM:
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike[str],
+        dtype: Any = "float32",
+        *,
+        allow_nonfinite: bool = False,
+    ) -> LlamaLM:
         """A model from a transformers ``save_pretrained`` directory of the family,
-        without torch or transformers; the configuration and every tensor's name and
-        shape are checked before anything is built (C6, ``tiegrad.interop.hf_llama.load``)."""
-        return hf_llama.load(cls, directory, dtype)
+        without torch or transformers; the configuration and every tensor's name, shape
+        and values (NaN and infinity refused unless ``allow_nonfinite``) are checked
+        before anything is built (C6, ``tiegrad.interop.hf_llama.load``)."""
+        return hf_llama.load(cls, directory, dtype, allow_nonfinite)
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """Write ``config.json`` and ``model.safetensors`` that transformers'
