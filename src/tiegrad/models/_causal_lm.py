@@ -123,6 +123,21 @@ class TiedCausalLM(ConfiguredModel):
         """Mean cross entropy of the next-token logits against ``targets`` (B, T)."""
         return ops.cross_entropy(self(session, idx), targets, ignore_index=ignore_index)
 
+    def _cached_positions(self, idx: Any, cache: KVCache | None) -> int:
+        """How many positions ``cache`` holds before ``idx`` (B, T) (0 without one),
+        checked first: after the prompt a cache takes one token per call, up to
+        ``max_seq_len`` positions in all (``ShapeError``, the cache unchanged)."""
+        if cache is None:
+            return 0
+        seen, t = cache.length, idx.shape[1]
+        if seen and t != 1 or seen + t > self.max_seq_len:
+            raise ShapeError(
+                f"{self.label()}: a cache of {seen} positions takes "
+                f"{'one token' if seen else 'a prompt'} per call, up to {self.max_seq_len} "
+                f"positions in all; got {t} tokens"
+            )
+        return seen
+
     def new_cache(self) -> KVCache | None:
         """An empty KV cache for ``forward(..., cache=)``, or None where the model
         recomputes every position at each step (this class)."""

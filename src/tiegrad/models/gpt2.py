@@ -34,6 +34,7 @@ from ..nn.tying import tie
 from ..optim import hyperparams
 from ..session import EagerSession, TensorRef
 from ._causal_lm import EMBED_STD, TiedCausalLM
+from ._kv_cache import KVCache
 
 #: ``activation_function`` values of transformers' GPT-2 and the matching GELU form.
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -95,7 +96,9 @@ class GPT2Attention(Module):
     Scores are scaled by ``scale`` (``1/sqrt(head_dim)``, further divided by the layer
     number with ``scale_attn_by_inverse_layer_idx``). Without attention dropout (or in
     eval mode) one fused ``ops.self_attention`` node; with it, the probabilities go
-    through ``ops.dropout`` as in transformers' eager attention.
+    through ``ops.dropout`` as in transformers' eager attention. With a ``KVCache`` the
+    new keys and values are appended to its ``layer`` entry and the queries attend over
+    all of them (generation, no dropout).
     """
 
     def __init__(
@@ -108,13 +111,27 @@ class GPT2Attention(Module):
         self.c_proj = Conv1D(d, d, proj_std, rng, dtype)
         self.resid_dropout = Dropout(resid_pdrop)
 
-    def forward(self, session: EagerSession, x: TensorRef) -> TensorRef:
+    def forward(
+        self, session: EagerSession, x: TensorRef, cache: KVCache | None = None, layer: int = 0
+    ) -> TensorRef:
         qkv = self.c_attn(session, x)
-        if self.training and self.attn_pdrop > 0:
+        if cache is not None:
+            y = self._cached_attention(session, qkv, cache, layer)
+        elif self.training and self.attn_pdrop > 0:
             y = self._dropout_attention(session, qkv)
         else:
             y = ops.self_attention(qkv, self.n_heads, causal=True, scale=self.scale)
         return self.resid_dropout(session, self.c_proj(session, y))
+
+    def _cached_attention(
+        self, session: EagerSession, qkv: TensorRef, cache: KVCache, layer: int
+    ) -> TensorRef:
+        b, t, _ = qkv.shape
+        heads = qkv.reshape(b, t, 3, self.n_heads, self.d // self.n_heads).permute(2, 0, 3, 1, 4)
+        causal = cache.length == 0  # the prompt; after it, one token sees every key
+        k, v = cache.append(session, layer, heads[1], heads[2])
+        y = ops.scaled_dot_product_attention(heads[0], k, v, causal=causal, scale=self.scale)
+        return y.permute(0, 2, 1, 3).reshape(b, t, self.d)
 
     def _dropout_attention(self, session: EagerSession, qkv: TensorRef) -> TensorRef:
         b, t, _ = qkv.shape
@@ -156,8 +173,10 @@ class GPT2Block(Module):
         self.ln_2 = LayerNorm(d, eps=eps, dtype=dtype)
         self.mlp = mlp
 
-    def forward(self, session: EagerSession, x: TensorRef) -> TensorRef:
-        x = x + self.attn(session, self.ln_1(session, x))
+    def forward(
+        self, session: EagerSession, x: TensorRef, cache: KVCache | None = None, layer: int = 0
+    ) -> TensorRef:
+        x = x + self.attn(session, self.ln_1(session, x), cache, layer)
         return x + self.mlp(session, self.ln_2(session, x))
 
 
@@ -170,11 +189,16 @@ class GPT2Body(Module):
         super().__init__()
         self.wte, self.wpe, self.drop, self.h, self.ln_f = wte, wpe, drop, h, ln_f
 
-    def forward(self, session: EagerSession, idx: Any) -> TensorRef:
-        t = idx.shape[1]
-        h = self.drop(session, self.wte(session, idx) + self.wpe(session, np.arange(t)))
-        for block in self.h:
-            h = block(session, h)
+    def forward(self, session: EagerSession, idx: Any, cache: KVCache | None = None) -> TensorRef:
+        """Hidden states of ``idx`` (B, T) at positions ``0 .. T-1``, or after the
+        ``cache``'s positions, whose keys and values it then holds."""
+        seen, t = (0 if cache is None else cache.length), idx.shape[1]
+        positions = np.arange(seen, seen + t)
+        h = self.drop(session, self.wte(session, idx) + self.wpe(session, positions))
+        for i, block in enumerate(self.h):
+            h = block(session, h, cache, i)
+        if cache is not None:
+            cache.advance(t)
         return self.ln_f(session, h)
 
 
@@ -339,10 +363,18 @@ class GPT2(TiedCausalLM):
         tied = "" if self.config["tie_word_embeddings"] else ", untied"
         return ", ".join(f"{k}={self.config[k]}" for k in keys) + tied
 
-    def forward(self, session: EagerSession, idx: Any) -> TensorRef:
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for ``forward(..., cache=)`` (one entry per block)."""
+        return KVCache(len(self.transformer.h))
+
+    def forward(self, session: EagerSession, idx: Any, cache: KVCache | None = None) -> TensorRef:
         """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= n_positions
-        (``max_seq_len``)."""
-        return self.lm_head(session, self.transformer(session, self._token_ids(idx)))
+        (``max_seq_len``). With a ``KVCache`` (``new_cache()``) the ids continue its
+        positions and their keys and values are appended to it: the prompt first, then
+        one token per call (``generate`` feeds it so)."""
+        idx = self._token_ids(idx)
+        self._cached_positions(idx, cache)
+        return self.lm_head(session, self.transformer(session, idx, cache))
 
     @classmethod
     def from_pretrained(

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import ConfigError, ShapeError
+from ..errors import ConfigError
 from ..interop import hf_llama
 from ..nn import init
 from ..nn._input import layer_input
@@ -468,14 +468,7 @@ class LlamaLM(TiedCausalLM):
         ``max_position_embeddings`` (``ShapeError``, the cache unchanged).
         """
         idx = self._token_ids(idx)
-        seen = 0 if cache is None else cache.length
-        t = idx.shape[1]
-        if cache is not None and (seen and t != 1 or seen + t > self.max_seq_len):
-            raise ShapeError(
-                f"{self.label()}: a cache of {seen} positions takes "
-                f"{'one token' if seen else 'a prompt'} per call up to max_position_embeddings"
-                f" = {self.max_seq_len} in all, got {t} tokens"
-            )
+        seen, t = self._cached_positions(idx, cache), idx.shape[1]
         cos, sin = _rope_tables(self.inv_freq, np.arange(seen, seen + t))
         dt = self.config["dtype"]
         rope = (session.constant(cos.astype(dt)), session.constant(sin.astype(dt)))
