@@ -1,5 +1,6 @@
 """Reference models, each rebuildable from its ``config``: ``type(m)(**m.config)``."""
 
+from ._kv_cache import KVCache
 from .auto import from_pretrained
 from .gpt2 import GPT2
 from .llama import LlamaLM
@@ -10,6 +11,7 @@ from .tied_lm import TiedLM
 
 __all__ = [
     "GPT2",
+    "KVCache",
     "LlamaLM",
     "MLPClassifier",
     "SharedBlockLM",

@@ -165,12 +165,13 @@ class TiedCausalLM(ConfiguredModel):
         ``rng`` (``None``: ``default_rng(0)``). With a KV cache (``new_cache``; unless
         ``use_cache`` is false) the prompt is fed once and then one token per step;
         otherwise each step feeds the last ``max_seq_len`` tokens. Both give the same
-        tokens. Past ``max_seq_len`` positions the cache starts again from the last
-        ``max_seq_len`` tokens, as the uncached window does. A row that has produced one
-        of the ``eos_token_id`` tokens gets ``pad_token_id`` (default: the first eos
-        token) from then on, and generation stops early once every row has, as
-        transformers' ``generate`` does. Runs in eval mode on a host session; the
-        training flag is restored afterwards. Returns the ids as a NumPy array.
+        tokens (their logits differ by float rounding only). Past ``max_seq_len``
+        positions the cache starts again from the last ``max_seq_len`` tokens, as the
+        uncached window does. A row that has produced one of the ``eos_token_id`` tokens
+        gets ``pad_token_id`` (default: the first eos token) from then on, and generation
+        stops early once every row has, as transformers' ``generate`` does. Runs in eval
+        mode on a host session; the training flag is restored afterwards. Returns the ids
+        as a NumPy array.
 
         Checked before any work: ``idx`` holds integers and at least one token per row
         (else ``DTypeError``, ``ShapeError``); ``max_new_tokens`` is an integer >= 0,
