@@ -45,11 +45,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import _checks
-from ..checkpoint.fileio import write_safetensors
+from ..checkpoint.fileio import read_json, write_safetensors
 from ..checkpoint.finite import finite_cast
-from ..errors import CheckpointError, ConfigError, HyperparameterError
+from ..errors import CheckpointError, ConfigError, HyperparameterError, shown_list
 from ..nn.module import Module
-from ..nn.state_dict import _listed
 from . import hf
 
 ModelT = TypeVar("ModelT", bound=Module)
@@ -176,7 +175,7 @@ def rope_parameters(owner: str, value: Any) -> dict[str, Any]:
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown:
         raise ConfigError(
-            f"{owner}: {_listed(unknown)} not supported for rope_type {kind!r} (it takes "
+            f"{owner}: {shown_list(unknown)} not supported for rope_type {kind!r} (it takes "
             f"{', '.join(sorted(known - {'type'}))})"
         )
     missing = [k for k in ("rope_theta", *needed) if value.get(k) is None]
@@ -264,18 +263,12 @@ def check_variant(owner: str, args: Mapping[str, Any]) -> None:
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``config.json`` of a transformers model directory as a dict (``CheckpointError``
-    when it is absent or not a JSON object)."""
-    path = Path(directory) / hf.CONFIG
-    if not path.is_file():
+    """The ``config.json`` of a transformers model directory as a dict: a folder that
+    cannot be listed, no ``config.json``, or one that is not a JSON object of a bounded
+    size and depth (``fileio.read_json``) is a ``CheckpointError`` naming it."""
+    if hf.CONFIG not in hf.listing(directory):
         raise CheckpointError(f"{directory}: no {hf.CONFIG} (not a transformers model directory)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read the model configuration: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+    return read_json(Path(directory) / hf.CONFIG)
 
 
 def model_args(config: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -397,20 +390,13 @@ def checked_values(
     ``dtype``, with everything checked first (C6).
 
     Refused: tensors whose names are not the layout's (a tied ``lm_head.weight`` may be
-    absent; the first few missing and unexpected names are listed, then how many more),
+    absent; ``hf.check_names`` names a few missing and unexpected ones),
     whose header shape differs from the layout's or whose dtype is not floating, a value
     holding NaN or infinity unless ``allow_nonfinite`` (``checkpoint.finite``), and, for
     a tied head, an ``lm_head.weight`` whose values differ from
     ``model.embed_tokens.weight``.
     """
-    paths = {p for p, _ in layout}
-    missing = [p for p, _ in layout if p not in tensors and not (tied_head and p == HEAD)]
-    unexpected = [n for n in tensors if n not in paths]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{directory}: the weights do not match {owner}: missing [{_listed(missing)}], "
-            f"unexpected [{_listed(unexpected)}]"
-        )
+    hf.check_names(directory, owner, [p for p, _ in layout], tensors, tied_head)
     for path, shape in layout:
         if path not in tensors:
             continue
