@@ -290,11 +290,11 @@ def test_unsupported_configurations_are_one_config_error(tied_folder, tmp_path, 
             dict(intermediate_size=48),
             r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(64, 32\)",
         ),
-        (dict(num_hidden_layers=3), r"missing 'model\.layers\.2\."),
-        (dict(num_hidden_layers=40), r"missing 'model\.layers\.2\.[^;]* and \d+ more;"),
-        (dict(vocab_size=1000), r"'model\.embed_tokens\.weight' has shape \(100, 32\)"),
+        (dict(num_hidden_layers=3), "num_hidden_layers=3 but the weights hold 2"),
+        (dict(vocab_size=1000), "vocab_size=1000 but the weights hold 100"),
+        (dict(vocab_size=50), r"'model\.embed_tokens\.weight' has shape \(100, 32\)"),
     ],
-    ids=["width", "layers", "many-layers", "vocab"],
+    ids=["width", "layers", "vocab", "smaller-vocab"],
 )
 def test_sizes_are_checked_against_the_tensors(tied_folder, tmp_path, edit, match):
     _, folder = tied_folder
@@ -535,3 +535,27 @@ def test_non_finite_weights_are_refused_unless_allowed(tied_folder, tmp_path):
     )
     model = models.from_pretrained(tmp_path, allow_nonfinite=True)
     assert np.isnan(model.get_parameter("model.layers.1.mlp.up_proj.weight").value[3, 4])
+
+
+@pytest.mark.parametrize("layers", [10**6, 10**30])
+def test_a_config_of_absurd_size_is_refused_by_arithmetic(tied_folder, tmp_path, layers):
+    """No layout of a million layers is built: the count of layers the tensors hold
+    refuses it at once (C6)."""
+    _, folder = tied_folder
+    _copy(folder, tmp_path, lambda config: config.update(num_hidden_layers=layers))
+    _refused(CheckpointError, f"num_hidden_layers={layers} but the weights hold 2", tmp_path)
+
+
+def test_missing_tensors_are_named_a_few_at_a_time(tied_folder, tmp_path):
+    _, folder = tied_folder
+
+    def drop_layer_1(t):
+        for name in [n for n in t if n.startswith("model.layers.1.") and "layernorm" not in n]:
+            del t[name]
+
+    _copy(folder, tmp_path, tensors_edit=drop_layer_1)
+    _refused(
+        CheckpointError,
+        r"missing 'model\.layers\.1\.self_attn\.q_proj\.weight', .* and 4 more;",
+        tmp_path,
+    )

@@ -79,8 +79,9 @@ class Architecture:
     mlp_bias: bool = False
     #: An RMSNorm per head on queries and keys before the rotation (Qwen3).
     qk_norm: bool = False
-    #: Every how many layers one goes without rotation by default (SmolLM3), else None.
-    no_rope_interval: int | None = None
+    #: Whether some layers go without rotation (SmolLM3: ``no_rope_layers``, else every
+    #: ``no_rope_layer_interval``-th).
+    no_rope: bool = False
 
 
 _COMMON = {
@@ -122,7 +123,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             "pad_token_id": 128004,
         },
         mlp_bias=True,
-        no_rope_interval=4,
+        no_rope=True,
     ),
     "mistral": Architecture(
         "MistralForCausalLM",
@@ -131,6 +132,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
 }
 MODEL_TYPES = tuple(ARCHITECTURES)
+
+#: SmolLM3's default ``no_rope_layer_interval``.
+NO_ROPE_INTERVAL = 4
 
 #: ``config.json`` keys without a default: the sizes.
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -204,7 +208,7 @@ def variant(args: Mapping[str, Any]) -> Variant:
     o_bias = arch.attention_bias == "config" and bool(bias)
     rotary = args["no_rope_layers"]
     if rotary is None:
-        every = arch.no_rope_interval
+        every = args["no_rope_layer_interval"] if arch.no_rope else None
         rotary = [1 if every is None else int((i + 1) % every != 0) for i in range(n)]
     rope = args["rope_parameters"] or {
         "rope_type": "default",
@@ -233,10 +237,11 @@ def check_variant(owner: str, args: Mapping[str, Any]) -> None:
     if args["mlp_bias"] and not arch.mlp_bias:
         raise ConfigError(f"{owner}: mlp_bias is not a setting of {kind} (its MLP has no bias)")
     nope = args["no_rope_layers"]
-    if nope is not None and arch.no_rope_interval is None:
-        raise ConfigError(
-            f"{owner}: no_rope_layers is not a setting of {kind} (every layer rotates)"
-        )
+    if not arch.no_rope and (
+        nope is not None or args["no_rope_layer_interval"] != NO_ROPE_INTERVAL
+    ):
+        key = "no_rope_layers" if nope is not None else "no_rope_layer_interval"
+        raise ConfigError(f"{owner}: {key} is not a setting of {kind} (every layer rotates)")
     if nope is not None and len(nope) != args["num_hidden_layers"]:
         raise ConfigError(
             f"{owner}: no_rope_layers has {len(nope)} entries, expected one per layer "
@@ -305,20 +310,11 @@ def model_args(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         args["attention_bias"] = get("attention_bias")
     if arch.mlp_bias:
         args["mlp_bias"] = get("mlp_bias")
-    if arch.no_rope_interval is not None:
-        args["no_rope_layers"] = _no_rope_layers(config, arch, where)
+    if arch.no_rope:
+        args["no_rope_layers"] = config.get("no_rope_layers")
+        args["no_rope_layer_interval"] = config.get("no_rope_layer_interval", NO_ROPE_INTERVAL)
     args["rope_parameters"] = _rope_of(config, get("rope_theta"), where)
     return dict(args, model_type=kind)
-
-
-def _no_rope_layers(config: Mapping[str, Any], arch: Architecture, where: str) -> Any:
-    """SmolLM3's ``no_rope_layers``: as given, else from ``no_rope_layer_interval``."""
-    if config.get("no_rope_layers") is not None:
-        return config["no_rope_layers"]
-    every = config.get("no_rope_layer_interval", arch.no_rope_interval)
-    every = _checks.size(where, "no_rope_layer_interval", every)
-    n = _checks.size(where, "num_hidden_layers", config["num_hidden_layers"])
-    return [int((i + 1) % every != 0) for i in range(n)]
 
 
 def _rope_of(config: Mapping[str, Any], theta: Any, where: str) -> dict[str, Any]:
@@ -435,7 +431,9 @@ def load(
 ) -> ModelT:
     """A model of class ``cls`` (``LlamaLM``) built from the directory's ``config.json``,
     its weights loaded (see the module docstring). Everything is checked before the model
-    is allocated: the configuration (``ConfigError`` naming the key), then the tensors
+    is allocated: the configuration (``ConfigError`` naming the key), then the sizes it
+    implies against those the safetensors headers hold (``hf.check_sizes``, by arithmetic:
+    a configuration of a million layers builds no layout), then the tensors
     (``checked_values``: ``CheckpointError`` naming the tensor)."""
     config = read_config(directory)
     where = os.fspath(Path(directory) / hf.CONFIG)
@@ -447,11 +445,13 @@ def load(
         args = cls.check_config(dict(args, dtype=dtype))
     except (ConfigError, HyperparameterError) as e:  # check_config's verdicts
         raise ConfigError(f"{where}: {e}") from None
+    tensors = read_tensors(directory)
+    hf.check_sizes(cls, where, args, {p: f.tensors[n].shape for p, (f, n) in tensors.items()})
     owner = f"the {cls.__name__} of its {hf.CONFIG}"
     tied_head = bool(args["tie_word_embeddings"])
     values = checked_values(
-        directory, owner, cls.layout(args), read_tensors(directory), tied_head,
-        np.dtype(args["dtype"]), allow_nonfinite,
+        directory, owner, cls.layout(args), tensors, tied_head, np.dtype(args["dtype"]),
+        allow_nonfinite,
     )  # fmt: skip
     model = cls(**args)
     model.source_config = config
@@ -499,7 +499,7 @@ def hf_config(model: Module) -> dict[str, Any]:
         config["attention_bias"] = v.qkv_bias
     if arch.mlp_bias:
         config["mlp_bias"] = v.mlp_bias
-    if arch.no_rope_interval is not None:
+    if arch.no_rope:
         config["no_rope_layers"] = [int(r) for r in v.rotary]
     return config
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ from ._kv_cache import KVCache
 
 #: The ``model_type`` values this class implements.
 MODEL_TYPES = hf_llama.MODEL_TYPES
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _rms_norm(x: TensorRef, weight: TensorRef, eps: float) -> TensorRef:
@@ -310,7 +312,8 @@ class LlamaLM(TiedCausalLM):
     ``None`` means: for ``num_key_value_heads``, as many as query heads; for
     ``head_dim``, ``hidden_size / num_attention_heads``; for ``attention_bias``, the
     ``model_type``'s own (Qwen2: on q, k and v; the others: none); for
-    ``no_rope_layers``, every layer rotates (SmolLM3: all but every fourth); for
+    ``no_rope_layers``, every layer rotates (SmolLM3: all but every
+    ``no_rope_layer_interval``-th, by default every fourth); for
     ``rope_parameters``, the default rotation with the ``model_type``'s ``rope_theta``
     (``hf_llama.ARCHITECTURES``). ``from_pretrained`` fills in the defaults of the
     transformers class where ``config.json`` is silent. The rows of
@@ -344,6 +347,7 @@ class LlamaLM(TiedCausalLM):
         "attention_bias": _optional_flag,
         "mlp_bias": hyperparams.flag,
         "no_rope_layers": _no_rope_layers,
+        "no_rope_layer_interval": hyperparams.size,
         "tie_word_embeddings": hyperparams.flag,
         "pad_token_id": _optional_count,
     }
@@ -388,6 +392,32 @@ class LlamaLM(TiedCausalLM):
         ]
 
     @classmethod
+    def sizes(cls, config: Any) -> dict[str, int]:
+        """The sizes of a model of ``config`` (as ``check_config`` returns it) that its
+        tensors' shapes show, by arithmetic alone: ``vocab_size``, ``hidden_size``,
+        ``intermediate_size`` and ``num_hidden_layers``."""
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+        return {k: config[k] for k in keys}
+
+    @classmethod
+    def sizes_held(cls, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+        """The ``sizes`` that tensors of these shapes (``{path: shape}``) hold: the
+        vocabulary and width from ``model.embed_tokens.weight``, the MLP width from the
+        first layer's ``mlp.gate_proj.weight`` (each where present with two dimensions)
+        and ``num_hidden_layers``, the count of distinct ``model.layers.N``. What a
+        configuration is checked against before its ``layout`` is built (C6): a
+        ``config.json`` of a million layers is refused by a count, not a list."""
+        layers = {m.group(1) for m in map(_LAYER.match, shapes) if m is not None}
+        out = {"num_hidden_layers": len(layers)}
+        embedding = tuple(shapes.get(hf_llama.EMBEDDING, ()))
+        if len(embedding) == 2:
+            out.update(vocab_size=embedding[0], hidden_size=embedding[1])
+        gate = tuple(shapes.get("model.layers.0.mlp.gate_proj.weight", ()))
+        if len(gate) == 2:
+            out["intermediate_size"] = gate[0]
+        return out
+
+    @classmethod
     def layout_size(cls, config: Any) -> tuple[int, int]:
         """``(slots, elements)`` of a model of ``config``: a tied ``lm_head.weight`` is
         one storage with ``model.embed_tokens.weight``."""
@@ -415,6 +445,7 @@ class LlamaLM(TiedCausalLM):
         attention_bias: bool | None = None,
         mlp_bias: bool = False,
         no_rope_layers: list[int] | None = None,
+        no_rope_layer_interval: int = 4,
         tie_word_embeddings: bool = False,
         pad_token_id: int | None = None,
         seed: int = 0,
@@ -428,7 +459,8 @@ class LlamaLM(TiedCausalLM):
             head_dim=head_dim, max_position_embeddings=max_position_embeddings,
             rms_norm_eps=rms_norm_eps, initializer_range=initializer_range,
             rope_parameters=rope_parameters, attention_bias=attention_bias, mlp_bias=mlp_bias,
-            no_rope_layers=no_rope_layers, tie_word_embeddings=tie_word_embeddings,
+            no_rope_layers=no_rope_layers, no_rope_layer_interval=no_rope_layer_interval,
+            tie_word_embeddings=tie_word_embeddings,
             pad_token_id=pad_token_id,
         )  # fmt: skip
         v = hf_llama.variant(self.config)
