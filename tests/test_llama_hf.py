@@ -504,21 +504,21 @@ def test_the_torch_backend_computes_what_the_host_does(tied_folder):
         )
 
 
-def test_a_cache_takes_one_token_per_call_after_the_prompt(tied_folder):
+def test_a_cache_continues_the_sequence_it_holds(tied_folder):
     from tiegrad import ShapeError
 
     _, folder = tied_folder
     model = LlamaLM.from_pretrained(folder)
     cache = model.new_cache()
-    prompt = ids((1, 6))
-    model(EagerSession(), prompt, cache=cache)
+    tokens = ids((2, 9))
+    model(EagerSession(), tokens[:, :6], cache=cache)
     assert cache.length == 6
-    with pytest.raises(ShapeError, match="a cache of 6 positions takes one token per call"):
-        model(EagerSession(), prompt[:, :2], cache=cache)
+    with pytest.raises(ShapeError, match="a cache of 6 positions cannot take 59 more tokens"):
+        model(EagerSession(), ids((2, 59)), cache=cache)
     assert cache.length == 6
-    step = model(EagerSession(), prompt[:, :1], cache=cache).numpy()
-    whole = logits(model, np.concatenate([prompt, prompt[:, :1]], axis=1))
-    np.testing.assert_allclose(step[:, -1], whole[:, -1], rtol=0, atol=1e-5)
+    more = model(EagerSession(), tokens[:, 6:], cache=cache).numpy()  # three at once
+    np.testing.assert_allclose(more, logits(model, tokens)[:, 6:], rtol=0, atol=1e-5)
+    assert cache.length == 9
 
 
 def test_non_finite_weights_are_refused_unless_allowed(tied_folder, tmp_path):

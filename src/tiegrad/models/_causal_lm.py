@@ -125,16 +125,15 @@ class TiedCausalLM(ConfiguredModel):
 
     def _cached_positions(self, idx: Any, cache: KVCache | None) -> int:
         """How many positions ``cache`` holds before ``idx`` (B, T) (0 without one),
-        checked first: after the prompt a cache takes one token per call, up to
-        ``max_seq_len`` positions in all (``ShapeError``, the cache unchanged)."""
+        checked first: a cache holds at most ``max_seq_len`` positions (``ShapeError``,
+        the cache unchanged)."""
         if cache is None:
             return 0
         seen, t = cache.length, idx.shape[1]
-        if seen and t != 1 or seen + t > self.max_seq_len:
+        if seen + t > self.max_seq_len:
             raise ShapeError(
-                f"{self.label()}: a cache of {seen} positions takes "
-                f"{'one token' if seen else 'a prompt'} per call, up to {self.max_seq_len} "
-                f"positions in all; got {t} tokens"
+                f"{self.label()}: a cache of {seen} positions cannot take {t} more tokens "
+                f"(max_seq_len = {self.max_seq_len} in all)"
             )
         return seen
 

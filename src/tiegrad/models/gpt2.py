@@ -128,9 +128,10 @@ class GPT2Attention(Module):
     ) -> TensorRef:
         b, t, _ = qkv.shape
         heads = qkv.reshape(b, t, 3, self.n_heads, self.d // self.n_heads).permute(2, 0, 3, 1, 4)
-        causal = cache.length == 0  # the prompt; after it, one token sees every key
         k, v = cache.append(session, layer, heads[1], heads[2])
-        y = ops.scaled_dot_product_attention(heads[0], k, v, causal=causal, scale=self.scale)
+        y = ops.scaled_dot_product_attention(  # the queries are the last positions
+            heads[0], k, v, causal="bottom_right", scale=self.scale
+        )
         return y.permute(0, 2, 1, 3).reshape(b, t, self.d)
 
     def _dropout_attention(self, session: EagerSession, qkv: TensorRef) -> TensorRef:
@@ -370,8 +371,8 @@ class GPT2(TiedCausalLM):
     def forward(self, session: EagerSession, idx: Any, cache: KVCache | None = None) -> TensorRef:
         """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= n_positions
         (``max_seq_len``). With a ``KVCache`` (``new_cache()``) the ids continue its
-        positions and their keys and values are appended to it: the prompt first, then
-        one token per call (``generate`` feeds it so)."""
+        positions and their keys and values are appended to it (``generate`` feeds the
+        prompt, then one token per step)."""
         idx = self._token_ids(idx)
         self._cached_positions(idx, cache)
         return self.lm_head(session, self.transformer(session, idx, cache))

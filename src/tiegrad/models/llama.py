@@ -21,9 +21,11 @@ LoRA targets take the names a transformers user knows. With ``tie_word_embedding
 the head is a second use of the embedding's storage (C1): per-use freezing works as on
 ``GPT2`` (C4, C5). The directory format lives in ``tiegrad.interop.hf_llama``.
 
-The composed pieces (``_rms_norm``, ``_silu``, ``_rotate``, ``_rope_tables``,
-``_repeat_kv``) are one private helper each, so that each can become a fused op by
-changing one line.
+The pieces are tiegrad's fused ops, each transformers' own computation:
+``ops.rms_norm``, ``ops.silu``, ``ops.rope_tables`` and ``ops.rotary``, and
+``ops.scaled_dot_product_attention`` with fewer key-value heads than query heads
+(grouped-query, no copy of K and V per query head) and a bottom-right causal mask
+(the queries are the last positions: a KV-cached step sees every earlier key).
 """
 
 from __future__ import annotations
@@ -52,63 +54,6 @@ from ._kv_cache import KVCache
 #: The ``model_type`` values this class implements.
 MODEL_TYPES = hf_llama.MODEL_TYPES
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _rms_norm(x: TensorRef, weight: TensorRef, eps: float) -> TensorRef:
-    """``weight * x / sqrt(mean(x**2, -1) + eps)``, transformers' ``LlamaRMSNorm``."""
-    return weight * (x * ops.pow(ops.mean(x * x, axis=-1, keepdims=True) + eps, -0.5))
-
-
-def _silu(x: TensorRef) -> TensorRef:
-    """``x * sigmoid(x)`` (SiLU, transformers' ``silu`` activation)."""
-    return x * ops.sigmoid(x)
-
-
-def _rotate(x: TensorRef, cos: TensorRef, sin: TensorRef) -> TensorRef:
-    """``x * cos + rotate_half(x) * sin`` over the last axis, transformers'
-    ``apply_rotary_pos_emb``: ``rotate_half`` is ``concat(-x2, x1)`` of the two halves."""
-    half = x.shape[-1] // 2
-    rotated = ops.concat([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
-def _rope_tables(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(cos, sin)``, each (T, 2 * len(inv_freq)) float32, at integer ``positions``, as
-    transformers' rotary embedding computes them (float32 angles, the frequencies twice)."""
-    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]
-    angles = np.concatenate([angles, angles], axis=-1)
-    return np.cos(angles), np.sin(angles)
-
-
-def _repeat_kv(x: TensorRef, groups: int) -> TensorRef:
-    """Keys or values (B, Hkv, T, D) with each head repeated ``groups`` times in place,
-    (B, Hkv * groups, T, D): transformers' ``repeat_kv`` (``repeat_interleave`` on axis 1)."""
-    if groups == 1:
-        return x
-    b, h, t, d = x.shape
-    copies = ops.concat([x.reshape(b, h, 1, t, d)] * groups, axis=2)
-    return copies.reshape(b, h * groups, t, d)
-
-
-def _inverse_frequencies(rope: Mapping[str, Any], head_dim: int) -> np.ndarray:
-    """The rotary inverse frequencies (head_dim / 2,) float32 of checked ``rope``
-    parameters (``hf_llama.rope_parameters``), as transformers' ``default``, ``linear``
-    and ``llama3`` initialisers compute them."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv = (1.0 / (np.float32(rope["rope_theta"]) ** exponents)).astype(np.float32)
-    kind = rope["rope_type"]
-    if kind == "linear":
-        return (inv / np.float32(rope["factor"])).astype(np.float32)
-    if kind == "llama3":
-        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-        old = rope["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > old / low, inv / factor, inv)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
-    return inv
 
 
 class PaddedEmbedding(Embedding):
@@ -144,7 +89,7 @@ class RMSNorm(Module):
 
     def forward(self, session: EagerSession, x: Any) -> TensorRef:
         x = layer_input(self, session, x, (..., self.dim))
-        return _rms_norm(x, session.use(self.weight), self.eps)
+        return ops.rms_norm(x, session.use(self.weight), self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
@@ -191,16 +136,12 @@ class LlamaAttention(Module):
         if self.qk_norm:
             q, k = self.q_norm(session, q), self.k_norm(session, k)
         if rope is not None:
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
-        seen = 0
+            q, k = ops.rotary(q, *rope), ops.rotary(k, *rope)
         if cache is not None:
-            seen = cache.length
             k, v = cache.append(session, layer, k, v)
-        groups = self.heads // self.kv_heads
-        y = ops.scaled_dot_product_attention(
-            q, _repeat_kv(k, groups), _repeat_kv(v, groups),
-            causal=seen == 0, scale=self.head_dim**-0.5,
-        )  # fmt: skip
+        y = ops.scaled_dot_product_attention(  # grouped-query: k, v with fewer heads
+            q, k, v, causal="bottom_right", scale=self.head_dim**-0.5
+        )
         y = y.permute(0, 2, 1, 3).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(session, y)
 
@@ -217,7 +158,7 @@ class LlamaMLP(Module):
         self.down_proj = _linear(inner, d, bias, std, rng, dtype)
 
     def forward(self, session: EagerSession, x: TensorRef) -> TensorRef:
-        gate = _silu(self.gate_proj(session, x))
+        gate = ops.silu(self.gate_proj(session, x))
         return self.down_proj(session, gate * self.up_proj(session, x))
 
 
@@ -465,7 +406,7 @@ class LlamaLM(TiedCausalLM):
         )  # fmt: skip
         v = hf_llama.variant(self.config)
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_position_embeddings)
-        self.inv_freq = _inverse_frequencies(v.rope, v.head_dim)
+        self.head_dim, self.rope = v.head_dim, v.rope
         d, std, eps = int(hidden_size), float(initializer_range), float(rms_norm_eps)
         embed = PaddedEmbedding(self.vocab_size, d, pad_token_id, std, rng, dt)
         layers = ModuleList()
@@ -495,15 +436,16 @@ class LlamaLM(TiedCausalLM):
 
         Without ``cache`` the ids are positions ``0 .. T-1`` and T <= max_position_embeddings.
         With a ``KVCache`` (``new_cache()``) they continue its ``length`` positions and
-        their keys and values are appended to it: an empty cache takes any T (the
-        prompt), a filled one a single token per call; ``length + T`` may not exceed
+        their keys and values are appended to it; ``length + T`` may not exceed
         ``max_position_embeddings`` (``ShapeError``, the cache unchanged).
         """
         idx = self._token_ids(idx)
         seen, t = self._cached_positions(idx, cache), idx.shape[1]
-        cos, sin = _rope_tables(self.inv_freq, np.arange(seen, seen + t))
-        dt = self.config["dtype"]
-        rope = (session.constant(cos.astype(dt)), session.constant(sin.astype(dt)))
+        tables = ops.rope_tables(
+            np.arange(seen, seen + t), self.head_dim, self.rope["rope_theta"], self.rope,
+            dtype=self.config["dtype"],
+        )  # fmt: skip
+        rope = (session.constant(tables[0]), session.constant(tables[1]))
         h = self.model.embed_tokens(session, idx)
         for i, layer in enumerate(self.model.layers):
             h = layer(session, h, rope, cache, i)
