@@ -360,14 +360,18 @@ class LlamaLM(TiedCausalLM):
 
     @classmethod
     def layout_size(cls, config: Any) -> tuple[int, int]:
-        """``(slots, elements)`` of a model of ``config``: a tied ``lm_head.weight`` is
-        one storage with ``model.embed_tokens.weight``."""
-        slots = cls.layout(config)
-        tied = config["tie_word_embeddings"]
-        elements = sum(
-            math.prod(shape) for path, shape in slots if not (tied and path == hf_llama.HEAD)
-        )
-        return len(slots), elements
+        """``(slots, elements)`` of a model of ``config`` (``TiedCausalLM.layout_size``):
+        a tied ``lm_head.weight`` is one storage with ``model.embed_tokens.weight``.
+        Computed from one layer's layout (the layers differ in rotation alone, which
+        holds no weight), so a configuration of 10**9 layers costs no more than one of 1:
+        what a checkpoint's stored configuration is checked against before anything is
+        built (C6)."""
+        one = cls.layout({**config, "num_hidden_layers": 1, "no_rope_layers": None})
+        layer = [shape for path, shape in one if path.startswith("model.layers.0.")]
+        n, v, d = config["num_hidden_layers"], config["vocab_size"], config["hidden_size"]
+        head = 0 if config["tie_word_embeddings"] else v * d
+        elements = v * d + n * sum(math.prod(s) for s in layer) + d + head
+        return 3 + n * len(layer), elements
 
     def __init__(
         self,
