@@ -153,5 +153,6 @@ def test_export_refuses_a_tiedlm_checkpoint(tmp_path):
     extra = {"model": {"class": "TiedLM", "config": model.config}, "vocab": {"kind": "byte"}}
     save(tmp_path / "tied.safetensors", model, extra=extra)
     proc = cli("export", "tied.safetensors", "out", cwd=tmp_path)
-    assert proc.returncode == 2 and "needs a GPT2 checkpoint" in proc.stderr
+    assert proc.returncode == 2 and "needs a checkpoint of a model fine-tuned" in proc.stderr
+    assert "'TiedLM'" in proc.stderr
     assert not (tmp_path / "out").exists()

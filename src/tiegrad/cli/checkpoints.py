@@ -14,6 +14,9 @@ from typing import Any
 
 from ..errors import CheckpointError, ConfigError, TiegradError
 
+#: The key of a checkpoint's ``extra`` holding the run's ``freeze`` setting (absent: none).
+FREEZE = "freeze"
+
 
 def checkpoint_schema(path: Path) -> Any:
     """The parsed schema of the checkpoint at ``path`` (its header, no tensor read)."""
@@ -62,11 +65,13 @@ def checked_model_config(
 ) -> dict[str, Any]:
     """The file's model configuration, checked completely before anything is built (C6).
 
-    The model class's ``check_config`` checks its keys, types and ranges; then the slot count,
-    parameter count and bytes it implies must be the file's own (so a configuration
-    cannot make ``sample``, ``resume`` or ``export`` allocate more than the file holds),
-    and its ``vocab_size`` fit the stored vocabulary's ``vocab_size`` (``None``: not
-    checked here). Any mismatch is a ``CheckpointError``.
+    ``model_class`` must be one of ``train.job.MODEL_CLASSES``; the class's
+    ``check_config`` checks its keys, types and ranges; then the slot count,
+    parameter count and bytes it implies (the class's ``layout_size``, arithmetic
+    alone) must be the file's own (so a configuration cannot make ``sample``,
+    ``resume`` or ``export`` allocate more than the file holds), and its ``vocab_size``
+    fit the stored vocabulary's ``vocab_size`` (``None``: not checked here; a
+    ``TiedLM``'s is the vocabulary's own). Any mismatch is a ``CheckpointError``.
     ``lora``: the file is a LoRA run's, whose adapter slots (``<layer>.lora.<name>.A``
     and ``.B``) are left out of the count (``load`` checks them against the adapters
     built).
@@ -75,13 +80,14 @@ def checked_model_config(
 
     import numpy as np
 
-    from .. import models
     from ..checkpoint.schema import nbytes
+    from ..train.job import model_class as class_named
 
     where = f"checkpoint {path}"
-    if model_class not in ("TiedLM", "GPT2"):
-        raise CheckpointError(f"{where}: unknown model class {model_class!r:.80}")
-    cls = getattr(models, model_class)
+    try:
+        cls = class_named(model_class)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     try:
         config = cls.check_config(kwargs)
     except TiegradError as e:
@@ -108,35 +114,77 @@ def checked_model_config(
     return config
 
 
-def stored_gpt2(path: Path, what: str) -> tuple[Any, Any]:
-    """The ``GPT2`` a checkpoint describes (its model and transformers configurations, its
-    LoRA adapters), built but not loaded, and the checkpoint's ``extra``; ``what`` names
-    the caller in the error for a checkpoint of another model.
+def stored_model(path: Path, what: str, pretrained: bool = True) -> tuple[Any, Any]:
+    """The model a checkpoint describes, built but not loaded, and the checkpoint's
+    ``extra``; ``what`` names the caller in the error for a checkpoint of no model or,
+    with ``pretrained``, of a model not fine-tuned from a transformers directory
+    (``train.job.PRETRAINED_CLASSES``: ``tiegrad train --init``).
 
-    The stored model configuration is checked against the file's tensors before anything
-    is built (``checked_model_config``); of the stored transformers configuration only
-    ``CARRIED_HF_KEYS`` are kept (``carried_hf_config``), so what ``export`` writes and a
-    resumed run stores again holds the model's own keys and no key the file made up."""
-    from ..train.job import build_model
+    The stored class (``train.job.MODEL_CLASSES``) and configuration are checked against
+    the file's tensors before anything is built (``checked_model_config``; the stored
+    vocabulary's size too, where the file has one), and the model is its class's own
+    rebuild, ``cls(**config)`` (C9), with what the run changed on it: its LoRA adapters
+    (``attach_stored_lora``) and its frozen uses (``apply_stored_freeze``), so the
+    checkpoint loads into it. A model of a transformers directory (``tiegrad train
+    --init``) keeps, of the stored transformers configuration, only
+    ``CARRIED_HF_KEYS`` (``carried_hf_config``), so what ``export`` writes and a resumed
+    run stores again holds the model's own keys and no key the file made up."""
+    from ..data import tokenizer_from_dict
+    from ..train.job import MODEL_CLASS, PRETRAINED_CLASSES, build_model
     from ..train.lora import KEY
 
     schema = checkpoint_schema(path)
     extra = schema.extra
     kwargs = model_config(extra)
-    if kwargs is None or extra["model"].get("class") != "GPT2":
-        raise ConfigError(f"{path}: {what} needs a GPT2 checkpoint (from 'tiegrad train --init')")
-    config = checked_model_config(path, schema, kwargs, None, "GPT2", lora=KEY in extra)
-    source = carried_hf_config(path, extra.get("hf_config"), config["vocab_size"])
-    model = build_model(config, "GPT2")
-    model.source_config = source
+    if kwargs is None:
+        raise ConfigError(f"{path}: {what} needs a checkpoint of 'tiegrad train' (no model in it)")
+    name = extra["model"].get("class", MODEL_CLASS)
+    if pretrained and name not in PRETRAINED_CLASSES:
+        raise ConfigError(
+            f"{path}: {what} needs a checkpoint of a model fine-tuned from a transformers "
+            f"directory ('tiegrad train --init': {' or '.join(PRETRAINED_CLASSES)}); this one "
+            f"holds a {name!r:.40}"
+        )
+    vocab = extra.get("vocab")
+    vocab = tokenizer_from_dict(vocab).size if isinstance(vocab, dict) else None
+    config = checked_model_config(path, schema, kwargs, vocab, name, lora=KEY in extra)
+    source = (
+        carried_hf_config(path, extra.get("hf_config"), config["vocab_size"])
+        if "hf_config" in extra
+        else None
+    )
+    model = build_model(config, name)
+    if source is not None:
+        model.source_config = source
     attach_stored_lora(model, schema, path)
+    apply_stored_freeze(model, extra, path)
     return model, extra
+
+
+def apply_stored_freeze(model: Any, extra: Any, path: Path) -> None:
+    """Freeze the uses of ``model`` that a checkpoint's ``extra[FREEZE]`` names (a
+    ``tiegrad train --freeze`` run's setting; none for another run), so that the
+    checkpoint's trainability is the model's; a malformed setting, or a pattern matching
+    no path, is a ``CheckpointError`` naming the file."""
+    from ..train.job import apply_freeze
+
+    text = extra.get(FREEZE) if isinstance(extra, dict) else None
+    if text is None:
+        return
+    where = f"{path}: extra[{FREEZE!r}]"
+    if not isinstance(text, str):
+        raise CheckpointError(f"{where}: expected a freeze setting string, got {text!r:.80}")
+    try:
+        apply_freeze(model, text, where)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
 
 
 #: The keys of a checkpoint's stored transformers configuration (``extra["hf_config"]``,
 #: the ``--init`` directory's ``config.json``) that are passed on: the special token ids
-#: generation reads. Every other key is the model's own (``interop.hf.hf_config``) or
-#: one tiegrad's ``GPT2`` does not implement, and is not written.
+#: generation reads. Every other key is the model's own (its class's ``save_pretrained``
+#: writes it from ``config``) or one the tiegrad class does not implement, and is not
+#: written.
 CARRIED_HF_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 

@@ -1,8 +1,12 @@
-"""``tiegrad export``: write a GPT-2 run or checkpoint for transformers or PEFT.
+"""``tiegrad export``: write a fine-tuned run or checkpoint for transformers or PEFT.
 
 The source is a run folder (its best checkpoint, else its latest) or a checkpoint
-file; ``--format`` picks the output. ``hf``: what ``GPT2LMHeadModel.from_pretrained``
-loads, with the tokenizer files where the run has a Hugging Face tokenizer; a LoRA run
+file of a model fine-tuned from a transformers directory (``tiegrad train --init``: a
+``GPT2`` or a Llama-family ``LlamaLM``); ``--format`` picks the output. ``hf``: the
+model class's ``save_pretrained`` folder, which transformers'
+``AutoModelForCausalLM.from_pretrained`` loads (a tied head one tensor,
+``tie_word_embeddings`` true), with the tokenizer files where the run has a Hugging
+Face tokenizer; a LoRA run
 (``tiegrad train --lora``) needs ``--merge``, which folds the adapters into the
 weights. ``peft``: a LoRA run's adapter, ``adapter_model.safetensors`` and
 ``adapter_config.json``, which ``peft.PeftModel.from_pretrained`` loads onto the
@@ -19,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .checkpoints import stored_gpt2
+from .checkpoints import stored_model
 
 
 def add_parser(sub: Any) -> None:
     """The ``export`` subcommand: the source, the output directory, the format, ``--merge``."""
     export = sub.add_parser(
-        "export", help="write a GPT-2 run or checkpoint for transformers (hf) or PEFT (peft)"
+        "export",
+        help="write a fine-tuned (--init) run or checkpoint for transformers (hf) or PEFT (peft)",
     )
     export.set_defaults(handler=run)
     export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint")
@@ -44,7 +49,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write a ``GPT2`` run's best (else latest) checkpoint, or a checkpoint file, as
+    """Write a fine-tuned run's best (else latest) checkpoint, or a checkpoint file, as
     ``--format`` says (see the module docstring)."""
     from ..checkpoint import load
     from ..data import HFTokenizer, tokenizer_from_dict
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         path = source
     else:
         raise ConfigError(f"{args.source!r} is neither a run folder nor a checkpoint file")
-    model, extra = stored_gpt2(path, f"export --format {args.format}")
+    model, extra = stored_model(path, f"export --format {args.format}")
     adapted = KEY in extra
     if args.format == "peft" and not adapted:
         raise ConfigError(
@@ -95,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
     model.save_pretrained(args.dir)
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.save(args.dir)
-    print(f"exported {path} to {args.dir} (GPT2LMHeadModel.from_pretrained loads it)")
+    print(
+        f"exported {path} to {args.dir} ({type(model).__name__}; transformers' "
+        "AutoModelForCausalLM.from_pretrained loads it)"
+    )
     return 0
 
 

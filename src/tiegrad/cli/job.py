@@ -13,7 +13,7 @@ import os
 import signal
 from typing import Any
 
-from .checkpoints import stored_gpt2
+from .checkpoints import FREEZE, stored_model
 from .exits import EXIT_INTERRUPTED, EXIT_TERMINATED, main_process
 from .report import print_config, print_summary, quote
 from .runs import check_fresh_run_folder, point_latest
@@ -42,6 +42,7 @@ def run_job(
     ids, which keeps none). Returns the exit code."""
     from ..data import tokenizer_from_dict
     from ..train.job import (
+        apply_freeze,
         build_dataset,
         build_init,
         build_model,
@@ -58,11 +59,13 @@ def run_job(
     source = load_text(config)
     vocab = tokenizer_from_dict(vocab) if vocab else None
     if config["init"]:  # resumed: the checkpoint's model (the --init folder may have moved)
-        stored = stored_gpt2(run.latest(), "resume")[0] if resume else None
+        stored = stored_model(run.latest(), "resume")[0] if resume else None
         model, dataset = build_init(config, source, vocab, stored)
     else:
         dataset = build_dataset(config, source, vocab)
         model = build_model(model_config(config, dataset.vocab_size))
+    if not (resume and config["init"]):  # a stored model has its frozen uses already
+        apply_freeze(model, config["freeze"])
     if not resume:
         check_fresh_run_folder(run, model.config)
     optimizer, schedule = build_optimizer(config, model)
@@ -76,6 +79,8 @@ def run_job(
         extra["hf_config"] = model.source_config
     if config["lora"]:
         extra[LORA] = parse_lora(config["lora"]).text()
+    if config["freeze"]:
+        extra[FREEZE] = config["freeze"]
     identity = {RUN_ID: run_id} if run_id is not None else {}
     extra.update(identity)
     speaks = main_process()

@@ -27,6 +27,7 @@ def print_config(
     """Print the resolved configuration. ``schedule``: a resumed run's stored schedule
     state, whose warmup and length are printed (the run keeps them, whatever ``steps``
     now is); else they follow from ``config``."""
+    from ..errors import shown_list
     from ..train.config import DEFAULTS, warmup_steps
     from ..train.lora import parse_lora
 
@@ -55,6 +56,12 @@ def print_config(
             f"  model    TiedLM d_model={c['d_model']} n_layers={c['n_layers']} "
             f"n_heads={c['n_heads']} seq_len={c['seq_len']} mlp_ratio={c['mlp_ratio']} "
             f"dropout={c['dropout']}; {unique:,} parameters (embedding tied to the output)"
+        )
+    if c["freeze"]:
+        frozen = [path for path, p in model.named_slots() if not p.requires_grad]
+        print(
+            f"  freeze   {c['freeze']}: {shown_list(frozen)} frozen (per use: a tied storage "
+            "trains through its other uses)"
         )
     if c["lora"]:
         trainable = sum(p.size for _, p in model.named_parameters() if p.requires_grad)

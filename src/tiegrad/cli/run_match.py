@@ -9,12 +9,13 @@ another run's checkpoint copied into the folder, is refused instead of continued
 
 - the run id of ``config.json`` must be the checkpoint's (a run made before run ids
   has none in either and is matched by its model alone);
-- the model class (``init``: a fine-tuned GPT-2, else a ``TiedLM``), the vocabulary
-  (``vocab_table``, and ``vocab`` for a ``TiedLM``) and ``lora`` must be the
+- the model class (``init``: one of ``PRETRAINED_CLASSES``, the ``GPT2`` or
+  ``LlamaLM`` of a transformers directory, else a ``TiedLM``), the vocabulary
+  (``vocab_table``, and ``vocab`` for a ``TiedLM``), ``lora`` and ``freeze`` must be the
   checkpoint's;
 - a ``TiedLM``'s constructor arguments (``d_model``, ``n_layers``, ``n_heads``,
-  ``seq_len``, ``mlp_ratio``, ``dropout``, ``seed``) must be the checkpoint's; a GPT-2
-  run's model is the checkpoint's own;
+  ``seq_len``, ``mlp_ratio``, ``dropout``, ``seed``) must be the checkpoint's; a
+  fine-tuned run's model is the checkpoint's own;
 - the stored model configuration must be that of the file's tensors
   (``checked_model_config``), so a crafted size is refused before it is allocated.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError
-from .checkpoints import checked_model_config, model_config
+from .checkpoints import FREEZE, checked_model_config, model_config
 
 #: Config keys whose ``TiedLM`` constructor argument has another name.
 _ARGUMENT_KEYS = {"max_seq_len": "seq_len", "vocab_size": "vocab_table"}
@@ -43,6 +44,7 @@ def check_checkpoint(
     run of ``config_path``: ``raw`` is that file's contents, ``config`` the resolved,
     checked configuration (see the module docstring). Returns the run's id, or ``None``
     for a run made before run ids. Reads nothing but the two headers; changes nothing."""
+    from ..train.job import MODEL_CLASSES, PRETRAINED_CLASSES
     from ..train.lora import KEY
     from ..train.rundir import RUN_ID
 
@@ -51,14 +53,16 @@ def check_checkpoint(
     kwargs = model_config(extra)
     model = extra.get("model")
     stored_class = model.get("class") if kwargs is not None else None
-    if stored_class not in ("TiedLM", "GPT2"):
+    if stored_class not in MODEL_CLASSES:
         raise CheckpointError(
             f"{path}: holds no model configuration of 'tiegrad train' (class "
             f"{stored_class!r:.40}), so it cannot be matched to the run of {config_path}"
         )
-    fine_tuned = stored_class == "GPT2"
+    fine_tuned = stored_class in PRETRAINED_CLASSES
     if bool(config["init"]) != fine_tuned:
-        theirs = "a GPT-2 fine-tuned from an --init directory" if fine_tuned else "a TiedLM"
+        theirs = (
+            f"a {stored_class} fine-tuned from an --init directory" if fine_tuned else "a TiedLM"
+        )
         raise ConfigError(
             f"{config_path}: init (--init) is {config['init']!r}, but the checkpoint {path} "
             f"holds {theirs}: it is not this run's model"
@@ -73,8 +77,9 @@ def check_checkpoint(
             f"with {_vocabulary(vocab)}{_first_difference(raw.get('vocab_table'), vocab)}"
         )
     _check_lora(config_path, config["lora"], path, extra.get(KEY))
+    _check_freeze(config_path, config["freeze"], path, extra.get(FREEZE))
     if fine_tuned:
-        checked_model_config(path, schema, kwargs, None, "GPT2", lora=KEY in extra)
+        checked_model_config(path, schema, kwargs, None, stored_class, lora=KEY in extra)
         return run_id
     if vocab.get("kind") != config["vocab"]:
         raise ConfigError(
@@ -152,6 +157,28 @@ def _check_lora(config_path: Path, text: str, path: Path, stored: Any) -> None:
         f"{config_path}: lora (--lora) differs from the adapters the checkpoint {path} was "
         f"trained with: {named}"
     )
+
+
+def _check_freeze(config_path: Path, text: str, path: Path, stored: Any) -> None:
+    """``freeze`` of the configuration (checked; empty: none) is the checkpoint's setting
+    (``None``: none), compared as lists of patterns, so spacing does not count; else the
+    error naming both."""
+    from ..train.config import parse_freeze
+
+    if stored is not None and not isinstance(stored, str):
+        raise CheckpointError(
+            f"{path}: extra[{FREEZE!r}]: expected a freeze setting string, got {stored!r:.80}"
+        )
+    ours = parse_freeze(text) if text else []
+    try:
+        theirs = parse_freeze(stored, f"{path}: extra[{FREEZE!r}]") if stored else []
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    if ours != theirs:
+        raise ConfigError(
+            f"{config_path}: freeze (--freeze) is {text!r:.80}, but the checkpoint {path} was "
+            f"trained with {'freeze ' + repr(stored)[:80] if theirs else 'every weight training'}"
+        )
 
 
 def _spec_value(value: Any) -> str:

@@ -1,9 +1,11 @@
 """``tiegrad sample``: generate text from a run's best checkpoint (or a checkpoint file).
 
-The model is rebuilt from the configuration the checkpoint stores, which is checked
-against the file's own slots and sizes before anything is built (C6), so a damaged or
-hostile file cannot make the command allocate more than it holds; loading never runs
-code from the file (C9).
+The model is rebuilt from the class and configuration the checkpoint stores (a
+``TiedLM``, or the ``GPT2`` or ``LlamaLM`` of a ``--init`` run), and the text is encoded
+and decoded with the run's stored tokenizer. The configuration is checked against the
+file's own slots and sizes before anything is built (C6), so a damaged or hostile file
+cannot make the command allocate more than it holds; loading never runs code from the
+file (C9).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .checkpoints import attach_stored_lora, checked_model_config, checkpoint_schema, model_config
+from .checkpoints import checkpoint_schema, model_config, stored_model
 from .runs import LATEST, RUNS, newest_run
 
 
@@ -40,13 +42,14 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Generate ``--tokens`` tokens after ``--prompt`` and print the text, decoded with the
+    run's stored tokenizer; with a Hugging Face tokenizer that names an end-of-sequence
+    token, generation stops there and the text ends before it."""
     import numpy as np
 
     from ..checkpoint import load
     from ..data import tokenizer_from_dict
     from ..train.config import check_value
-    from ..train.job import build_model
-    from ..train.lora import KEY as LORA
     from ..train.rundir import RunDir
 
     if args.tokens < 1:
@@ -68,10 +71,8 @@ def run(args: argparse.Namespace) -> int:
         if found is None:
             raise ConfigError(f"run folder {folder!r} holds no checkpoint")
         path = found
-    schema = checkpoint_schema(path)
-    extra = schema.extra
-    kwargs = model_config(extra)
-    if kwargs is None or not isinstance(extra.get("vocab"), dict):
+    extra = checkpoint_schema(path).extra
+    if model_config(extra) is None or not isinstance(extra.get("vocab"), dict):
         raise ConfigError(f"{path}: not a checkpoint of 'tiegrad train' (no model or vocab)")
     vocab = tokenizer_from_dict(extra["vocab"])
     prompt = args.prompt or default_prompt(vocab)
@@ -79,19 +80,30 @@ def run(args: argparse.Namespace) -> int:
         ids = vocab.encode(prompt)[None, :]
     except ConfigError as e:
         raise ConfigError(f"--prompt {args.prompt!r}: {e}") from None
-    model_class = extra["model"].get("class", "TiedLM")
-    lora = LORA in extra
-    model = build_model(
-        checked_model_config(path, schema, kwargs, vocab.size, model_class, lora), model_class
-    )
-    attach_stored_lora(model, schema, path)
+    model, _ = stored_model(path, "sample", pretrained=False)
     load(path, model)
     model.eval()
     rng = np.random.default_rng(args.seed)
-    out = model.generate(ids, args.tokens, temperature=args.temperature, rng=rng, top_k=args.top_k)
-    text = vocab.decode(np.asarray(out)[0])
+    eos = getattr(vocab, "eos_token_id", None)
+    out = model.generate(
+        ids, args.tokens, temperature=args.temperature, rng=rng, top_k=args.top_k,
+        eos_token_id=eos,
+    )  # fmt: skip
+    text = vocab.decode(until_eos(np.asarray(out)[0], ids.shape[1], eos))
     print(text if args.prompt else text[1:])
     return 0
+
+
+def until_eos(ids: Any, prompt: int, eos: int | None) -> Any:
+    """``ids`` up to the first ``eos`` after the ``prompt`` tokens (left out, as
+    transformers' ``decode(..., skip_special_tokens=True)`` leaves it); all of them
+    without an ``eos``."""
+    import numpy as np
+
+    if eos is None:
+        return ids
+    stops = np.flatnonzero(ids[prompt:] == eos)
+    return ids[: prompt + stops[0]] if stops.size else ids
 
 
 def default_prompt(vocab: Any) -> str:

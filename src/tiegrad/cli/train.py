@@ -24,6 +24,7 @@ FLAGS: dict[str, str] = {
     "--val-fraction": "val_fraction",
     "--init": "init",
     "--lora": "lora",
+    "--freeze": "freeze",
     "--d-model": "d_model",
     "--layers": "n_layers",
     "--heads": "n_heads",
@@ -56,6 +57,7 @@ _METAVARS = {
     "text": "FILE",
     "init": "DIR",
     "lora": "SPEC",
+    "freeze": "PATHS",
     "run": "DIR",
     "vocab": "{char,byte}",
     "log": "{tensorboard}",
@@ -69,8 +71,11 @@ def add_parser(sub: Any) -> None:
 
     train = sub.add_parser(
         "train",
-        help="train a TiedLM (default: on the Python standard library's source)",
-        description="Train a TiedLM. Precedence: defaults < --config FILE.toml < flags.",
+        help="train a TiedLM (default: on the Python standard library's source), or "
+        "fine-tune a transformers directory (--init)",
+        description="Train a TiedLM, or fine-tune the GPT-2 or Llama-family model of a "
+        "transformers directory (--init DIR). Precedence: defaults < --config FILE.toml < "
+        "flags.",
     )
     train.set_defaults(handler=run)
     train.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")

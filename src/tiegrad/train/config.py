@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "val_fraction": 0.1,
     "init": "",
     "lora": "",
+    "freeze": "",
     # model (TiedLM)
     "d_model": 128,
     "n_layers": 2,
@@ -74,9 +75,13 @@ HELP: dict[str, str] = {
     "vocab": "token vocabulary: char or byte",
     "corpus_chars": "size cap of the standard-library corpus, in characters",
     "val_fraction": "fraction of the text (its end) held out for validation",
-    "init": "Hugging Face GPT-2 directory to fine-tune (empty: a new TiedLM)",
+    "init": "Hugging Face model directory to fine-tune: GPT-2 or the Llama family (llama, "
+    "qwen2, qwen3, smollm3, mistral); empty: a new TiedLM",
     "lora": "train LoRA adapters only, the --init model frozen: "
     "rank=N,alpha=A,dropout=P,targets=NAME[+NAME...]; empty: train every weight",
+    "freeze": "parameter paths whose use does not train: comma-separated globs "
+    "(model.embed_tokens.weight freezes the input use; a tied storage trains through its "
+    "other uses); empty: every weight trains",
     "d_model": "model width",
     "n_layers": "transformer blocks",
     "n_heads": "attention heads (must divide d_model)",
@@ -179,6 +184,8 @@ def check_value(key: str, value: Any, where: str = "", label: str | None = None)
         raise ConfigError(f"{name}: expected one of {listed}{empty}, got {value!r}")
     if key == "lora" and value:
         parse_lora(value, name)
+    if key == "freeze" and value:
+        parse_freeze(value, name)
     if key in _RANGES:
         low, strict, high = _RANGES[key]
         bad_low = value <= low if strict else value < low
@@ -213,13 +220,32 @@ def check_config(
         )
     if out["lora"] and not out["init"]:
         raise ConfigError(
-            "config: lora (--lora) adapts the GPT-2 of init: give --init DIR with --lora"
+            "config: lora (--lora) adapts the model of init: give --init DIR with --lora"
+        )
+    if out["lora"] and out["freeze"]:
+        raise ConfigError(
+            f"config: {named('freeze')} and {named('lora')} do not go together: --lora "
+            "freezes every weight of the model already (its adapters train)"
         )
     if out["min_lr"] > out["lr"]:
         raise ConfigError(
             f"config: {named('min_lr')} ({out['min_lr']}) exceeds {named('lr')} ({out['lr']})"
         )
     return out
+
+
+def parse_freeze(text: str, label: str = "--freeze") -> list[str]:
+    """The glob patterns of a ``freeze`` setting (comma-separated parameter paths, ``*``
+    crossing dots as in ``Module.freeze``); an empty item is a ``ConfigError`` naming
+    ``label``. Whether each matches a path of the model is checked where the model is
+    built (``tiegrad.train.job.apply_freeze``)."""
+    patterns = [p.strip() for p in text.split(",")]
+    if not all(patterns):
+        raise ConfigError(
+            f"{label}: expected comma-separated parameter paths or globs (e.g. "
+            f"model.embed_tokens.weight), got {text!r:.80} with an empty item"
+        )
+    return patterns
 
 
 def warmup_steps(config: Mapping[str, Any]) -> int:

@@ -10,14 +10,20 @@ from __future__ import annotations
 import hashlib
 import sys
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 from ..data import TextDataset, Vocab, directory_tokenizer, read_text, stdlib_corpus
-from ..errors import ConfigError
-from .config import warmup_steps
+from ..errors import AliasError, ConfigError, shown_list
+from .config import parse_freeze, warmup_steps
 from .lora import parse_lora
 
 MODEL_CLASS = "TiedLM"
+#: The classes ``models.from_pretrained`` gives for an ``--init`` directory
+#: (``models.auto.CLASSES``).
+PRETRAINED_CLASSES = ("GPT2", "LlamaLM")
+#: The classes a run's checkpoint may name (``extra["model"]["class"]``).
+MODEL_CLASSES = (MODEL_CLASS, *PRETRAINED_CLASSES)
 
 
 @dataclass
@@ -70,28 +76,57 @@ def model_config(config: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     }
 
 
-def build_model(kwargs: dict[str, Any], model_class: str = MODEL_CLASS) -> Any:
-    """A ``TiedLM`` (or the model named ``model_class``: ``GPT2``) from its constructor
-    arguments."""
+def model_class(name: str) -> Any:
+    """The class of ``tiegrad.models`` a checkpoint names, one of ``MODEL_CLASSES``; any
+    other name is a ``ConfigError``."""
     from .. import models
 
-    if model_class not in ("TiedLM", "GPT2"):
-        raise ConfigError(f"unknown model class {model_class!r} (expected TiedLM or GPT2)")
-    return getattr(models, model_class)(**kwargs)
+    if name not in MODEL_CLASSES:
+        raise ConfigError(f"unknown model class {name!r:.80} (expected {', '.join(MODEL_CLASSES)})")
+    return getattr(models, name)
+
+
+def build_model(kwargs: dict[str, Any], name: str = MODEL_CLASS) -> Any:
+    """A ``TiedLM`` (or the model of the class ``name``, ``MODEL_CLASSES``) from its
+    constructor arguments: ``cls(**model.config)`` rebuilds a model (C9)."""
+    return model_class(name)(**kwargs)
+
+
+def apply_freeze(model: Any, text: str, label: str = "--freeze") -> list[str]:
+    """Freeze the uses of ``model``'s weights that the ``freeze`` setting ``text`` names
+    (``config.parse_freeze``; empty: none) and return the frozen paths. Per use (C4, C5):
+    freezing ``model.embed_tokens.weight`` of a tied model leaves ``lm_head.weight``
+    training the storage. Every pattern must match a path, checked before any flag is
+    set (C6): else a ``ConfigError`` naming ``label``, the pattern and a few paths."""
+    if not text:
+        return []
+    patterns = parse_freeze(text, label)
+    paths = [path for path, _ in model.named_slots()]
+    unmatched = [p for p in patterns if not any(fnmatchcase(path, p) for path in paths)]
+    if unmatched:
+        raise ConfigError(
+            f"{label}: no parameter path of {model.label()} matches {shown_list(unmatched)} "
+            f"(its paths: {shown_list(paths)})"
+        )
+    try:
+        return model.freeze(patterns)
+    except AliasError as e:  # a handle at several paths matched at some of them
+        raise ConfigError(f"{label}: {e}") from None
 
 
 def build_init(
     config: dict[str, Any], source: TextSource, vocab: Any = None, model: Any = None
 ) -> tuple[Any, TextDataset]:
-    """The ``GPT2`` of ``config["init"]`` (a transformers directory) with the LoRA adapters
-    of ``config["lora"]`` (``tiegrad.train.lora``), or ``model`` (the one a resumed run's
-    checkpoint describes, adapters included), and the dataset of ``source`` tokenised by
-    the directory's tokenizer (``data.directory_tokenizer``) or by ``vocab`` (the one a
-    resumed run stored)."""
-    from ..models import GPT2
+    """The model of ``config["init"]`` (a transformers directory, of the class its
+    ``model_type`` names: ``models.from_pretrained``) with the LoRA adapters of
+    ``config["lora"]`` (``tiegrad.train.lora``), or ``model`` (the one a resumed run's
+    checkpoint describes, adapters and frozen uses included), and the dataset of
+    ``source`` tokenised by the directory's tokenizer (``data.directory_tokenizer``) or by
+    ``vocab`` (the one a resumed run stored)."""
+    from ..models import from_pretrained
 
     if model is None:
-        model = GPT2.from_pretrained(config["init"])
+        model = from_pretrained(config["init"])
         if config["lora"]:
             parse_lora(config["lora"]).attach(model, "--lora")
     vocab = vocab if vocab is not None else directory_tokenizer(config["init"])
@@ -102,7 +137,8 @@ def build_init(
         )
     if config["seq_len"] > model.max_seq_len:
         raise ConfigError(
-            f"--seq-len {config['seq_len']} exceeds the model's n_positions {model.max_seq_len}"
+            f"--seq-len {config['seq_len']} exceeds the model's context of "
+            f"{model.max_seq_len} positions ({model.label()})"
         )
     return model, build_dataset(config, source, vocab)
 
