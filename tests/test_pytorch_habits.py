@@ -325,3 +325,41 @@ def test_a_pytorch_attribute_tiegrad_spells_otherwise_names_tiegrads_way(get, hi
         get(model, loss)
     assert hint in str(err.value)
     assert not hasattr(loss, "grad") and hasattr(loss, "item")
+
+
+def test_a_dropped_model_frees_its_storages_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    m = assignment_tied()
+    alive = weakref.ref(m[0].weight.storage)
+    gc.disable()
+    try:
+        del m
+        assert alive() is None  # a handle refers to its module weakly: no cycle
+    finally:
+        gc.enable()
+
+
+def test_copies_of_a_module_hold_their_own_handles():  # C1
+    import copy
+    import pickle
+
+    for twin in (copy.deepcopy(assignment_tied()), pickle.loads(pickle.dumps(assignment_tied()))):
+        assert twin[2].weight.storage is twin[0].weight.storage
+        other = Sequential(Linear(4, 4, rng=np.random.default_rng(2)))
+        other[0].weight = twin[0].weight  # a handle a copy holds is a second use elsewhere
+        assert other[0].weight is not twin[0].weight
+
+
+def test_a_skipped_step_counts_as_a_step_for_the_accumulation_warning():
+    model = tiny_lm()
+    opt = SGD(model.parameters(), lr=0.1, nonfinite="skip")
+    opt.zero_grad()
+    s = EagerSession()
+    (model.loss(s, *batch(0)) * float("nan")).backward()
+    opt.step()
+    assert opt.skipped_steps == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.loss(s, *batch(1)).backward()

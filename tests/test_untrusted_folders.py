@@ -449,3 +449,49 @@ def test_damaged_files_load_or_raise_a_library_error_within_bounds(sources, tmp_
     assert sum(counts.values()) == 300
     assert set(counts) - {"loaded"} <= {"CheckpointError", "ConfigError"}, counts
     assert counts.get("CheckpointError", 0) > 100, counts
+
+
+# -- crafted bytes that would cost time, or a file that changes under the reader --------------
+
+
+def test_an_unclosed_string_of_escapes_is_refused_in_linear_time():
+    from tiegrad.checkpoint.fileio import parse_json
+
+    raw = b"[" * 101 + b'"' + b'\\"' * 2_000_000  # 4 MB: quadratic scanning would take hours
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="x.json"):
+        parse_json(raw, "x.json")
+    assert time.perf_counter() - start < SECONDS
+
+
+def test_a_safetensors_file_cut_short_after_its_header_was_read_is_a_library_error(tmp_path):
+    from safetensors.numpy import save_file
+
+    from tiegrad.checkpoint.fileio import read_safetensors
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": np.arange(100_000, dtype=np.float32)}, str(path))
+    file = read_safetensors(str(path))
+    os.truncate(path, 4096)  # a copy over the file in place, meanwhile
+    with pytest.raises(CheckpointError, match="changed size"):
+        file.array("a")
+
+
+@pytest.mark.parametrize("kind", [["llama"], {"a": 1}, 3])
+def test_a_model_type_that_is_not_a_string_is_a_config_error(tmp_path, kind):
+    from tiegrad.models import from_pretrained
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": kind}))
+    with pytest.raises(ConfigError, match="model_type"):
+        from_pretrained(tmp_path)
+
+
+def test_a_deeply_nested_tokenizer_config_is_a_config_error():
+    tokenizers = pytest.importorskip("tokenizers")
+    from tiegrad.data.tokenizer import HFTokenizer
+
+    vocab = tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")
+    files = {"tokenizer.json": tokenizers.Tokenizer(vocab).to_str()}
+    HFTokenizer(files)  # the tokenizer alone loads
+    with pytest.raises(ConfigError, match="tokenizer_config.json"):
+        HFTokenizer({**files, "tokenizer_config.json": DEEP_OBJECT})

@@ -10,8 +10,8 @@ is a ``CheckpointError`` naming the file and never another exception type. Nothi
 in the file is ever executed (no pickle).
 
 Reading is bounded by what the format allows, checked before the bytes are read: a
-safetensors header by its first 8 bytes and the file's size, its tensor data mapped
-rather than read; a JSON file (``read_json``) by ``MAX_JSON_BYTES`` and every JSON
+safetensors header by its first 8 bytes and the file's size, its tensor data read one
+tensor at a time; a JSON file (``read_json``) by ``MAX_JSON_BYTES`` and every JSON
 document (``parse_json``) by ``MAX_JSON_DEPTH`` levels of nesting. An unreadable,
 missing or non-regular file is the caller's library error naming it, never a bare
 ``OSError`` (C6: nothing has been read into anything).
@@ -22,12 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
 import os
 import re
 import secrets
 import stat
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -78,9 +78,10 @@ _DTYPES: dict[str, np.dtype] = {
 #: JSON's names of the types a document can hold at its top.
 _JSON_KINDS = {dict: "object", list: "list", str: "string", int: "number", float: "number",
                bool: "boolean", type(None): "null"}  # fmt: skip
-#: A JSON string (escapes included) and the bytes that are not brackets: what the depth
-#: scan removes, leaving the brackets of arrays and objects.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+#: A JSON string (escapes included; an unclosed one runs to the end, so that no input
+#: makes the scan start again at each escape) and the bytes that are not brackets: what
+#: the depth scan removes, leaving the brackets of arrays and objects.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _BRACKET_STEP = np.zeros(256, np.int8)
 _BRACKET_STEP[list(b"[{")], _BRACKET_STEP[list(b"]}")] = 1, -1
@@ -123,36 +124,66 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class SafetensorsFile:
-    """A parsed, fully validated safetensors file, its tensor data mapped from the file
-    (read as ``array`` asks for each tensor, never whole).
+    """A parsed, fully validated safetensors file whose tensor data is read from the file
+    opened when it was parsed, one tensor as ``array`` asks for it, never whole.
 
     ``tensors`` maps each name to its header entry; ``metadata`` is the header's
-    string map; ``size`` is the file's length in bytes.
+    string map; ``size`` is the file's length in bytes. The open file is the one that
+    was checked: a file renamed over ``path`` meanwhile is not read, and one cut short
+    meanwhile is a ``CheckpointError`` (reads, not a memory map, which would end the
+    process with a bus error). It is closed when this object is collected.
     """
 
     path: str
     size: int
     metadata: dict[str, str]
     tensors: dict[str, TensorEntry]
-    _data: memoryview
+    _fd: int
+    _offset: int  # where the tensor data begins in the file
 
     @property
     def data_bytes(self) -> int:
         """The length of the tensor data (the file less its header)."""
-        return len(self._data)
+        return self.size - self._offset
 
-    def stored_bytes(self, name: str) -> memoryview:
-        """The bytes of tensor ``name`` as the file stores them (little-endian, C order)."""
+    def stored_bytes(self, name: str) -> np.ndarray:
+        """The bytes of tensor ``name`` as the file stores them (little-endian, C order),
+        as a new array of ``uint8``."""
         e = self.tensors[name]
-        return self._data[e.begin : e.end]
+        out = np.empty(e.nbytes, np.uint8)
+        view, at = memoryview(out), self._offset + e.begin
+        while view:
+            try:
+                got = _read_at(self._fd, view, at)
+            except OSError as err:
+                raise CheckpointError(
+                    f"checkpoint {self.path}: cannot read: {err.strerror or err}"
+                ) from None
+            if not got:
+                raise CheckpointError(
+                    f"checkpoint {self.path}: the file changed size while it was read"
+                )
+            view, at = view[got:], at + got
+        return out
 
     def array(self, name: str) -> np.ndarray:
         """A fresh, writable, native-endian copy of tensor ``name``."""
         e = self.tensors[name]
-        raw = np.frombuffer(self._data[e.begin : e.end], dtype=_stored(e.code))
+        raw = self.stored_bytes(name).view(_stored(e.code))
         if e.code == _BF16:
             return (raw.astype(np.uint32) << 16).view(np.float32).reshape(e.shape)
-        return np.array(raw, dtype=raw.dtype.newbyteorder("=")).reshape(e.shape)
+        native = raw.dtype.newbyteorder("=")
+        return (raw if raw.dtype == native else raw.astype(native)).reshape(e.shape)
+
+
+def _read_at(fd: int, into: memoryview, offset: int) -> int:
+    """Read into ``into`` from ``offset`` of ``fd``; the count read (0 at the end)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [into], offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # Windows: no positioned read
+    chunk = os.read(fd, len(into))
+    into[: len(chunk)] = chunk
+    return len(chunk)
 
 
 def supported_dtype(dtype: np.dtype) -> bool:
@@ -333,8 +364,8 @@ def read_safetensors(path: str) -> SafetensorsFile:
     most ``entry_limit`` tensors; ``__metadata__`` maps strings to strings; every
     tensor has exactly ``dtype``, ``shape`` and ``data_offsets`` with a known dtype, a
     shape of non-negative integers and a byte range whose length is the shape's; the
-    ranges tile the data exactly (no overlap, no hole, no trailing bytes). The data is
-    mapped, not read: only the header has been read when this returns.
+    ranges tile the data exactly (no overlap, no hole, no trailing bytes). Only the
+    header has been read when this returns; each tensor is read when it is asked for.
     """
     where = f"checkpoint {path}"
     with open_regular(path, where, CheckpointError) as f:
@@ -360,13 +391,10 @@ def read_safetensors(path: str) -> SafetensorsFile:
             else:
                 entries[name] = _entry(name, spec, data_len, where)
         _check_tiling(entries, data_len, where)
-        try:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if data_len else b""
-        except (OSError, ValueError) as e:  # ValueError: the file was emptied meanwhile
-            raise CheckpointError(f"{where}: cannot map the data: {e}") from None
-    if data_len and len(mapped) != size:
-        raise CheckpointError(f"{where}: the file changed size while it was read")
-    return SafetensorsFile(path, size, metadata, entries, memoryview(mapped)[8 + n :])
+        fd = os.dup(f.fileno())
+    parsed = SafetensorsFile(path, size, metadata, entries, fd, 8 + n)
+    weakref.finalize(parsed, os.close, fd)
+    return parsed
 
 
 def _read_exactly(f: BinaryIO, n: int, where: str) -> bytes:

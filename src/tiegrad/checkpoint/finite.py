@@ -1,4 +1,4 @@
-"""Values read from a file are finite, unless the caller opts in (issue 52).
+"""Values read from a file are finite, unless the caller opts in (C6).
 
 Every loader of stored weights (``tiegrad.load``, ``GPT2.from_pretrained`` and
 ``load_weights``, ``load_adapter``) turns a stored tensor into the value it writes

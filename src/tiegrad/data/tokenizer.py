@@ -7,7 +7,6 @@ with nothing else. ``tokenizers`` is imported only when one is built (the ``hf``
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.fileio import MAX_JSON_BYTES, read_limited
+from ..checkpoint.fileio import MAX_JSON_BYTES, parse_json, read_limited
 from ..errors import ConfigError, shown_list
 from .vocab import Vocab, check_text, check_token_ids, utf8
 
@@ -92,12 +91,7 @@ class HFTokenizer:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             if name not in self.files:
                 continue
-            try:
-                data = json.loads(self.files[name])
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{name}: not JSON ({e})") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"{name}: expected a JSON object, got {type(data).__name__}")
+            data = parse_json(self.files[name], name, dict, ConfigError)
             for key in SPECIAL_TOKENS:
                 value = data.get(key)
                 if value is None:

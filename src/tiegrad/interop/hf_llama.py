@@ -49,19 +49,13 @@ from ..checkpoint.fileio import read_json, write_safetensors
 from ..checkpoint.finite import finite_cast
 from ..errors import CheckpointError, ConfigError, HyperparameterError, shown_list
 from ..nn.module import Module
+from ..ops.rope import ROPE_TYPES
 from . import hf
 
 ModelT = TypeVar("ModelT", bound=Module)
 
 EMBEDDING = "model.embed_tokens.weight"
 HEAD = hf.HEAD
-
-#: Rotary types implemented, with the keys each needs beside ``rope_type`` and ``rope_theta``.
-ROPE_TYPES: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +274,7 @@ def model_args(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``LlamaLM``'s constructor arguments of a transformers ``config.json`` (see the
     module docstring); ``where`` (the file) starts every error."""
     kind = config.get("model_type")
-    if kind not in ARCHITECTURES:
+    if not isinstance(kind, str) or kind not in ARCHITECTURES:
         raise ConfigError(
             f"{where}: model_type {kind!r:.80} is not supported by LlamaLM "
             f"(supported: {', '.join(MODEL_TYPES)})"
@@ -347,7 +341,7 @@ def _check_window(config: Mapping[str, Any], kind: str, where: str) -> None:
     elif kind in ("qwen2", "qwen3"):
         window = config.get("sliding_window", 4096)
         n = _checks.size(where, "num_hidden_layers", config["num_hidden_layers"])
-        first = config.get("max_window_layers", 28)
+        first = _checks.count(where, "max_window_layers", config.get("max_window_layers", 28))
         sliding = "sliding_attention" in layer_types if layer_types else first < n
         used = bool(config.get("use_sliding_window")) and sliding
     elif kind == "smollm3":

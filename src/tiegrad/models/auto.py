@@ -34,7 +34,7 @@ def from_pretrained(
     any weight is read (C6); ``allow_nonfinite`` goes to the class's loader."""
     config = hf_llama.read_config(directory)
     kind = config.get("model_type", "gpt2")
-    if kind not in CLASSES:
+    if not isinstance(kind, str) or kind not in CLASSES:
         raise ConfigError(
             f"{Path(directory) / hf.CONFIG}: model_type {kind!r:.80} is not supported "
             f"(supported: {', '.join(CLASSES)})"

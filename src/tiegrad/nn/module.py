@@ -30,6 +30,7 @@ imported by it, so the dependency points one way.
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from fnmatch import fnmatchcase
 from numbers import Integral
@@ -108,15 +109,22 @@ class Module:
         """Install ``param`` at attribute ``name``, or an alias of it where another path
         holds it (a use is a path, C4); returns the handle installed."""
         holder = getattr(param, "holder", None)
-        if holder is not None and (holder[0] is not self or holder[1] != name):
-            other, key = holder
-            if other._params.get(key) is param:
+        if holder is not None:
+            other, key = holder[0](), holder[1]
+            held = other is not None and other._params.get(key) is param
+            if held and (other is not self or key != name):
                 param = param.alias(name=name)
         if param.name is None:
             param.name = name
-        param.holder = (self, name)
+        param.holder = (weakref.ref(self), name)
         self._params[name] = self.__dict__[name] = param
         return param
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy or an unpickled module: its state, and its handles held by it again."""
+        self.__dict__.update(state)
+        for name, param in state["_params"].items():
+            param.holder = (weakref.ref(self), name)
 
     def __getattr__(self, name: str) -> Any:
         """A registered parameter or submodule: each is also kept in the instance

@@ -94,7 +94,8 @@ def _fits(table: tuple[int, ...], lead: tuple[int, ...]) -> bool:
     return all(m == n or m == 1 for m, n in zip(reversed(table), reversed(lead)))
 
 
-_ROPE_KEYS = {
+#: Rotary types implemented, with the keys each reads beside ``rope_type``/``rope_theta``.
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -188,12 +189,12 @@ def _rope_parameters(
     if not isinstance(scaling, Mapping):
         raise ConfigError(f"{op}: scaling must be a dict or None, got {type(scaling).__name__}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in _ROPE_KEYS:
+    if rope_type not in ROPE_TYPES:
         raise ConfigError(
             f"{op}: rope type {rope_type!r} is not supported, expected one of "
-            f"{', '.join(repr(t) for t in _ROPE_KEYS)}"
+            f"{', '.join(repr(t) for t in ROPE_TYPES)}"
         )
-    wanted = _ROPE_KEYS[rope_type]
+    wanted = ROPE_TYPES[rope_type]
     unknown = [str(k) for k in scaling if k not in wanted and k not in _SHARED_KEYS]
     if unknown:
         shown = ", ".join(repr(k) for k in unknown[:3])

@@ -401,6 +401,7 @@ class Optimizer:
         """
         if self.nonfinite == "skip":
             self.skipped_steps += 1
+            note_step()  # the gradients were read: the step happened, as a skip
             return
         raise NonFiniteError(
             f"{self.kind}.step: the gradient of {self._owner.label(bad)} holds NaN or "

@@ -38,8 +38,9 @@ class Param:
     ``requires_grad`` and ``name`` belong to the handle: a frozen alias of a trainable
     handle shares the storage but contributes no gradient (C4, C5). A module path holds
     its own handle (``tiegrad.nn.Module``), so a flag set through one path of a tie
-    freezes that use alone; ``holder`` is the ``(module, attribute)`` that holds this
-    handle, kept by the module, or None.
+    freezes that use alone; ``holder`` is ``(weak reference to the module, attribute)``
+    that holds this handle, kept by the module, or None. A copy or a pickle of a handle
+    has no holder (its module, copied with it, gives it one).
     """
 
     __slots__ = ("storage", "requires_grad", "name", "holder")
@@ -91,6 +92,15 @@ class Param:
             self.requires_grad if requires_grad is None else requires_grad,
             self.name if name is None else name,
         )
+
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        return None, {"storage": self.storage, "requires_grad": self.requires_grad,
+                      "name": self.name}  # fmt: skip
+
+    def __setstate__(self, state: tuple[None, dict[str, Any]]) -> None:
+        for key, value in state[1].items():
+            setattr(self, key, value)
+        self.holder = None
 
     def requires_grad_(self, requires_grad: bool = True) -> Param:
         """Set this handle's ``requires_grad`` (a bool); returns self, as in PyTorch.
