@@ -40,7 +40,15 @@ import numpy as np
 
 from .._checks import flag
 from .._hints import missing_attribute
-from ..errors import AliasError, DTypeError, ShapeError, SlotError, TapeError, TiegradError
+from ..errors import (
+    AliasError,
+    DTypeError,
+    ShapeError,
+    SlotError,
+    TapeError,
+    TiegradError,
+    shown_list,
+)
 from ..params import Param, ParamList
 from ..session import EagerSession, Gradients
 from .state_dict import load_state_dict, state_dict
@@ -426,7 +434,7 @@ def set_trainable(module: Module, pattern: str | Iterable[str], requires_grad: b
         if not any(fnmatchcase(path, pat) for path, _ in slots):
             raise SlotError(
                 f"{op}: pattern {pat!r} matches no parameter path of {module.label()} "
-                f"(paths: {', '.join(path for path, _ in slots)})"
+                f"(paths: {shown_list(path for path, _ in slots)})"
             )
     matched = [(path, p) for path, p in slots if any(fnmatchcase(path, pat) for pat in patterns)]
     chosen = {id(p) for _, p in matched}
