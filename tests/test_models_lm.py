@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from tiegrad import DTypeError, EagerSession, HyperparameterError, ShapeError
+from tiegrad import ConfigError, DTypeError, EagerSession, HyperparameterError, ShapeError
 from tiegrad import nn as tnn
 from tiegrad.models import SharedBlockLM, TiedLM
 
@@ -236,3 +236,41 @@ def test_model_runs_on_a_torch_device_session_with_mirrored_storages():
         np.testing.assert_allclose(g.numpy(), host_grads[path], rtol=1e-9, atol=1e-12, err_msg=path)
     model.to("cpu")
     assert model.embed.weight.storage.mirror is None
+
+
+CACHED = [
+    (TiedLM, dict(n_layers=2)),
+    (SharedBlockLM, dict(n_repeats=3)),
+]
+
+
+@pytest.mark.parametrize("cls, depth", CACHED, ids=["TiedLM", "SharedBlockLM"])
+def test_a_kv_cache_gives_the_full_forwards_logits_and_tokens(cls, depth):
+    model = cls(13, d_model=16, n_heads=4, max_seq_len=24, seed=1, **depth)
+    ids = np.random.default_rng(0).integers(0, 13, (2, 7))
+    full = model(EagerSession(), ids).numpy()
+    cache, s = model.new_cache(), EagerSession()
+    parts = [model(s, ids[:, :3], cache=cache).numpy(), model(s, ids[:, 3:], cache=cache).numpy()]
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), full, rtol=1e-5, atol=1e-6)
+    assert cache.length == 7
+    for temperature in (0.0, 0.8):
+        cached = model.generate(ids, 15, temperature, rng=np.random.default_rng(3))
+        plain = model.generate(ids, 15, temperature, rng=np.random.default_rng(3), use_cache=False)
+        np.testing.assert_array_equal(cached, plain)
+
+
+def test_a_cache_past_max_seq_len_is_refused_and_left_as_it_was():
+    model = TiedLM(13, d_model=16, n_layers=1, n_heads=4, max_seq_len=8, seed=1)
+    cache, s = model.new_cache(), EagerSession()
+    model(s, np.zeros((1, 6), np.int64), cache=cache)
+    with pytest.raises(ShapeError, match="cannot take 3 more"):
+        model(s, np.zeros((1, 3), np.int64), cache=cache)
+    assert cache.length == 6
+
+
+def test_a_cache_with_a_padding_mask_is_refused():
+    block = tnn.TransformerBlock(8, 2, causal=True, rng=np.random.default_rng(0))
+    model = TiedLM(13, d_model=8, n_layers=1, n_heads=2, max_seq_len=8, seed=1)
+    x = np.zeros((1, 3, 8), np.float32)
+    with pytest.raises(ConfigError, match="KV cache"):
+        block(EagerSession(), x, np.zeros((1, 3), bool), model.new_cache())

@@ -1,6 +1,6 @@
 """Reference models, each rebuildable from its ``config``: ``type(m)(**m.config)``."""
 
-from ._kv_cache import KVCache
+from ..nn.kv_cache import KVCache
 from .auto import from_pretrained
 from .gpt2 import GPT2
 from .llama import LlamaLM

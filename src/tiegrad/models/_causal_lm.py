@@ -20,12 +20,12 @@ from .. import ops
 from ..errors import ConfigError, DTypeError, HyperparameterError, ShapeError
 from ..nn import init
 from ..nn.attention import TransformerBlock
+from ..nn.kv_cache import KVCache
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.tying import tie
 from ..optim.hyperparams import at_least_zero, count, flag, size, unit_interval
 from ..session import EagerSession, TensorRef
 from ._configured import ConfiguredModel
-from ._kv_cache import KVCache
 
 EMBED_STD = 0.02
 
@@ -95,7 +95,13 @@ class TiedCausalLM(ConfiguredModel):
         """Add the model's blocks, each made by ``new_block()`` (in drawing order)."""
         raise NotImplementedError
 
-    def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
+    def _body(self, session: EagerSession, h: TensorRef, cache: KVCache | None) -> TensorRef:
+        """The blocks on ``h``; each application of a block uses its own entry of
+        ``cache`` (``_applications`` of them)."""
+        raise NotImplementedError
+
+    def _applications(self) -> int:
+        """How many block applications a forward makes (the entries of a cache)."""
         raise NotImplementedError
 
     def _token_ids(self, idx: Any) -> Any:
@@ -110,11 +116,19 @@ class TiedCausalLM(ConfiguredModel):
             )
         return idx
 
-    def forward(self, session: EagerSession, idx: Any) -> TensorRef:
-        """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= max_seq_len."""
+    def forward(self, session: EagerSession, idx: Any, cache: KVCache | None = None) -> TensorRef:
+        """Logits (B, T, vocab_size) for integer token ids ``idx`` (B, T), T <= max_seq_len.
+
+        With a ``KVCache`` (``new_cache()``) the ids continue its ``length`` positions and
+        their keys and values are appended to it; ``length + T`` may not exceed
+        ``max_seq_len`` (``ShapeError``, the cache unchanged).
+        """
         idx = self._token_ids(idx)
-        h = self.embed(session, idx) + self.pos_embed(session, np.arange(idx.shape[1]))
-        h = self._body(session, self.drop(session, h))
+        seen, t = self._cached_positions(idx, cache), idx.shape[1]
+        h = self.embed(session, idx) + self.pos_embed(session, np.arange(seen, seen + t))
+        h = self._body(session, self.drop(session, h), cache)
+        if cache is not None:
+            cache.advance(t)
         return self.lm_head(session, self.ln_f(session, h))
 
     def loss(
@@ -137,10 +151,9 @@ class TiedCausalLM(ConfiguredModel):
             )
         return seen
 
-    def new_cache(self) -> KVCache | None:
-        """An empty KV cache for ``forward(..., cache=)``, or None where the model
-        recomputes every position at each step (this class)."""
-        return None
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for ``forward(..., cache=)`` (one entry per block application)."""
+        return KVCache(self._applications())
 
     def generate(
         self,

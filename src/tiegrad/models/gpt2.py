@@ -28,13 +28,13 @@ from ..errors import ConfigError
 from ..interop import hf
 from ..nn import init
 from ..nn._input import layer_input
+from ..nn.kv_cache import KVCache
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.module import Module, ModuleList
 from ..nn.tying import tie
 from ..optim import hyperparams
 from ..session import EagerSession, TensorRef
 from ._causal_lm import EMBED_STD, TiedCausalLM
-from ._kv_cache import KVCache
 
 #: ``activation_function`` values of transformers' GPT-2 and the matching GELU form.
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}

@@ -43,13 +43,13 @@ from ..errors import ConfigError
 from ..interop import hf_llama
 from ..nn import init
 from ..nn._input import layer_input
+from ..nn.kv_cache import KVCache
 from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList
 from ..nn.tying import tie
 from ..optim import hyperparams
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
-from ._kv_cache import KVCache
 
 #: The ``model_type`` values this class implements.
 MODEL_TYPES = hf_llama.MODEL_TYPES

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..nn.attention import TransformerBlock
+from ..nn.kv_cache import KVCache
 from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
@@ -55,7 +56,10 @@ class SharedBlockLM(TiedCausalLM):
         self.n_repeats = int(self.config["n_repeats"])
         self.block = new_block()
 
-    def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
-        for _ in range(self.n_repeats):
-            h = self.block(session, h)
+    def _body(self, session: EagerSession, h: TensorRef, cache: KVCache | None) -> TensorRef:
+        for i in range(self.n_repeats):
+            h = self.block(session, h, cache=cache, layer=i)
         return h
+
+    def _applications(self) -> int:
+        return self.n_repeats

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..nn.attention import TransformerBlock
+from ..nn.kv_cache import KVCache
 from ..nn.module import ModuleList
 from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
@@ -59,7 +60,10 @@ class TiedLM(TiedCausalLM):
     def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
         self.blocks = ModuleList(new_block() for _ in range(self.config["n_layers"]))
 
-    def _body(self, session: EagerSession, h: TensorRef) -> TensorRef:
-        for block in self.blocks:
-            h = block(session, h)
+    def _body(self, session: EagerSession, h: TensorRef, cache: KVCache | None) -> TensorRef:
+        for i, block in enumerate(self.blocks):
+            h = block(session, h, cache=cache, layer=i)
         return h
+
+    def _applications(self) -> int:
+        return len(self.blocks)

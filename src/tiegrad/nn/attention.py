@@ -13,6 +13,7 @@ from ..ops._core import lift
 from ..session import EagerSession, TensorRef
 from . import init
 from ._input import check_shape, checked_input
+from .kv_cache import KVCache
 from .layers import MLP, Dropout, LayerNorm, Linear
 from .module import Module
 
@@ -65,18 +66,42 @@ class MultiHeadAttention(Module):
             self.qkv.bias = init.constant((3 * d_model,), 0.0, dtype)
             self.proj.bias = init.constant((d_model,), 0.0, dtype)
 
-    def forward(self, session: EagerSession, x: Any, key_padding_mask: Any = None) -> TensorRef:
+    def forward(
+        self,
+        session: EagerSession,
+        x: Any,
+        key_padding_mask: Any = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> TensorRef:
+        """Attention of ``x`` over itself, or with ``cache`` over the positions the
+        cache's entry ``layer`` holds followed by ``x``'s (their keys and values appended
+        to it; generation: a causal layer, no padding mask)."""
         x, value = checked_input(self, session, x, ("B", "T", self.d_model))
+        if cache is not None and (key_padding_mask is not None or not self.causal):
+            raise ConfigError(
+                f"{self.label()}: a KV cache continues a causal layer without a key_padding_mask"
+            )
         if key_padding_mask is not None:
             mask = _checked_mask(self, key_padding_mask, value.shape)
             key_padding_mask = session.backend.asarray(mask)
+        qkv = self.qkv(session, lift(session, x, value))
+        if cache is not None:
+            return self.proj(session, self._cached(session, qkv, cache, layer))
         y = ops.self_attention(
-            self.qkv(session, lift(session, x, value)),
-            self.n_heads,
-            causal=self.causal,
-            key_padding_mask=key_padding_mask,
+            qkv, self.n_heads, causal=self.causal, key_padding_mask=key_padding_mask
         )
         return self.proj(session, y)
+
+    def _cached(
+        self, session: EagerSession, qkv: TensorRef, cache: KVCache, layer: int
+    ) -> TensorRef:
+        b, t, _ = qkv.shape
+        heads = qkv.reshape(b, t, 3, self.n_heads, self.d_model // self.n_heads)
+        heads = heads.permute(2, 0, 3, 1, 4)
+        k, v = cache.append(session, layer, heads[1], heads[2])
+        y = ops.scaled_dot_product_attention(heads[0], k, v, causal="bottom_right")
+        return y.permute(0, 2, 1, 3).reshape(b, t, self.d_model)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, causal={self.causal}"
@@ -112,12 +137,21 @@ class TransformerBlock(Module):
         )
         self.drop = Dropout(dropout)
 
-    def forward(self, session: EagerSession, x: Any, key_padding_mask: Any = None) -> TensorRef:
+    def forward(
+        self,
+        session: EagerSession,
+        x: Any,
+        key_padding_mask: Any = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> TensorRef:
+        """The block on ``x``; ``cache`` and ``layer`` go to the attention."""
         x, value = checked_input(self, session, x, ("B", "T", self.d_model))
         if key_padding_mask is not None:
             key_padding_mask = _checked_mask(self, key_padding_mask, value.shape)
         x = lift(session, x, value)
-        x = x + self.drop(session, self.attn(session, self.ln1(session, x), key_padding_mask))
+        y = self.attn(session, self.ln1(session, x), key_padding_mask, cache, layer)
+        x = x + self.drop(session, y)
         return x + self.drop(session, self.mlp(session, self.ln2(session, x)))
 
     def extra_repr(self) -> str:
