@@ -67,14 +67,15 @@ def idle_cpus() -> float:
 
 def main() -> int:
     """Start the compile child, import and run ``tiegrad.cli.main``; its exit code. The
-    child is stopped where the import fails or is interrupted."""
+    child is stopped, reaped and its pipe closed where the import fails or is
+    interrupted."""
     child = start_precompile(sys.argv[1:])
     try:
         from tiegrad.cli import main as cli_main
     except BaseException as e:
         if child is not None:
-            child.kill()
-            child.wait()
+            with child:  # on leaving: its pipe closed, the process reaped
+                child.kill()
         if not isinstance(e, KeyboardInterrupt):
             raise
         print("tiegrad: aborted", file=sys.stderr)

@@ -23,7 +23,7 @@ from tiegrad.backend import numpy_backend as nb
 from tiegrad.backend.base import scale_into
 from tiegrad.errors import ShapeError
 
-needs_mkl = pytest.mark.skipif(blas.LIBRARY is None, reason="oneMKL is not installed")
+needs_mkl = pytest.mark.skipif(blas.LIBRARY is None, reason=str(blas.unused_reason()))
 rng = np.random.default_rng(7)
 
 
@@ -269,6 +269,32 @@ def test_auto_tries_mkl_on_intel_cpus_only_and_mkl_insists(monkeypatch, choice, 
     monkeypatch.setattr(blas, "_intel_cpu", lambda: intel)
     monkeypatch.setattr(blas, "_installed", lambda: [Path("libmkl_rt.so.3")])
     assert blas._candidates() == ([Path("libmkl_rt.so.3")] if tried else [])
+
+
+@pytest.mark.parametrize(
+    ("installed", "may_load", "choice", "says"),
+    [
+        (False, False, "auto", "oneMKL is not installed"),
+        (True, False, "auto", "installed but not chosen on this CPU (not Intel's)"),
+        (True, False, "numpy", "installed but not chosen by TIEGRAD_BLAS=numpy"),
+        (True, False, "", "installed but not chosen on this CPU"),
+    ],
+)
+def test_the_reason_mkl_is_unused_says_whether_it_is_installed(
+    monkeypatch, installed, may_load, choice, says
+):
+    # A skip reason of the tests of MKL's route: installed but not chosen is not missing.
+    monkeypatch.setenv(blas.ENV_SWITCH, choice)
+    monkeypatch.setattr(blas, "INSTALLED", installed)
+    monkeypatch.setattr(blas, "MAY_LOAD", may_load)
+    reason = blas.unused_reason()
+    assert says in reason
+    assert ("TIEGRAD_BLAS=mkl chooses it" in reason) is installed
+    assert ("pip install 'tiegrad[mkl]'" in reason) is not installed
+
+
+def test_the_reason_mkl_is_unused_is_none_where_it_is_used():
+    assert (blas.unused_reason() is None) is (blas.LIBRARY is not None)
 
 
 def test_a_cpu_of_unknown_vendor_counts_as_intel(monkeypatch, tmp_path):

@@ -9,12 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_cli import TEXT, TINY, assert_one_line_error, tiegrad_cli
 
 import tiegrad
 from tiegrad.train import RunDir, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +146,43 @@ sys.exit(_tiegrad_launcher.main())
 """
 
 
+def _sigint(disposition):
+    """A ``preexec_fn`` starting a child with SIGINT's ``disposition``, whatever this
+    process's own is (a child inherits an ignored SIGINT, as under ``nohup pytest &``)."""
+    return lambda: signal.signal(signal.SIGINT, disposition)
+
+
 def test_ctrl_c_during_the_imports_exits_quietly_with_130(tmp_path):
+    # SIGINT at its default, as a terminal starts the command: Python's own handler.
     proc = subprocess.run(
         [sys.executable, "-c", INTERRUPTED_IMPORT, "--version"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        preexec_fn=_sigint(signal.SIG_DFL),
     )  # fmt: skip
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr == "tiegrad: aborted\n"
+
+
+# The tests that send or raise SIGINT, each setting the dispositions it needs.
+SIGINT_TESTS = [
+    "tests/test_cli_ux.py::test_ctrl_c_during_the_imports_exits_quietly_with_130",
+    "tests/test_cli_ux.py::test_a_signal_checkpoints_and_the_summary_names_the_losses_steps"
+    f"[{int(signal.SIGINT)}-130]",
+    "tests/test_trainer.py::test_sigint_finishes_the_step_and_checkpoints",
+]
+
+
+def test_the_sigint_tests_pass_in_a_suite_started_with_sigint_ignored(tmp_path):
+    # ``nohup pytest &`` (or ``pytest &`` from a script) starts the suite with SIGINT
+    # ignored, which its children inherit.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+         "--basetemp", str(tmp_path / "tmp"), *SIGINT_TESTS],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        preexec_fn=_sigint(signal.SIG_IGN),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(SIGINT_TESTS)} passed" in proc.stdout, proc.stdout
 
 
 def test_version_help_defaults_and_typo_hints(tmp_path):

@@ -2,6 +2,7 @@
 has wheels, and the ``tiegrad`` command compiles its kernels in a child process without
 changing what a run computes."""
 
+import io
 import json
 import os
 import subprocess
@@ -13,10 +14,15 @@ import pytest
 
 import _tiegrad_launcher as launcher
 from tiegrad import EagerSession, _numba
+from tiegrad.data import TextDataset
 from tiegrad.optim.clip import clip_grad_norm
-from tiegrad.train import precompile
+from tiegrad.train import Trainer, precompile, read_metrics
+from tiegrad.train.callbacks import Callback
+from tiegrad.train.config import DEFAULTS
+from tiegrad.train.job import build_model, build_optimizer, model_config
 
 ROOT = Path(__file__).resolve().parents[1]
+TEXT = "".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(120))
 
 
 def _dependencies():
@@ -124,8 +130,7 @@ def test_the_child_is_stopped_where_the_commands_import_is_interrupted(monkeypat
     monkeypatch.delitem(sys.modules, "tiegrad.cli", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_Interrupt(), *sys.meta_path])
     assert launcher.main() == launcher.EXIT_INTERRUPTED
-    assert child.returncode is not None
-    child.stdout.close()
+    assert child.returncode is not None and child.stdout.closed  # no file left open
 
 
 @pytest.fixture
@@ -524,3 +529,74 @@ def test_a_switch_to_the_host_kernels_within_a_run_changes_no_bit():
     switches = [(None, None), (0, None), (2, None), (0, ["gelu"]), (1, ["gelu", "softmax"])]
     for switch, names in [*switches, (0, FORWARD), (1, FORWARD)]:
         assert _host_switch_steps(switch, names) == kernels, (switch, names)
+
+
+class _LetIn(Callback):
+    """Lets in the kernels the command defers, after step ``step``'s update: the
+    host kernels called ``names`` (None: every kernel module, whole)."""
+
+    def __init__(self, step, names=None):
+        self.step, self.names = step, names
+
+    def on_step_end(self, trainer, logs):
+        if trainer.step != self.step:
+            return
+        if self.names is not None:
+            _numba.ready(precompile.HOST_KERNELS, self.names)
+            return
+        for module, kernels in precompile.MODULES.items():
+            _numba.ready(module)
+            for caller in kernels.callers:
+                _numba.ready(caller)
+
+
+# A tiny default-shaped run: the command's model, optimizer, schedule, clip and data.
+TINY_RUN = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 12, "steps": 24}
+
+
+def _first_run(folder, let_in):
+    """``Trainer.fit`` of ``TINY_RUN`` on random windows of a short text, evaluated every
+    8 steps, every kernel module deferred as the command defers it with an empty cache
+    (``let_in``: the ``_LetIn`` callback that lets them in; None: never), or none
+    deferred (``let_in`` -1, a warm run). Its metrics and the parameters' bytes."""
+    config = {**DEFAULTS, **TINY_RUN}
+    data = TextDataset(TEXT * 4, block_size=config["seq_len"], vocab="char", val_fraction=0.2)
+    model = build_model(model_config(config, data.vocab_size))
+    optimizer, schedule = build_optimizer(config, model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_numba, "ENABLED", True)
+        mp.setattr(_numba, "_deferred", {})
+        if let_in != -1:
+            for module, kernels in precompile.MODULES.items():
+                _numba.defer(module, kernels.stand_in)
+                for caller in kernels.callers:
+                    _numba.defer(caller)
+        trainer = Trainer(
+            model, optimizer, None, data.loader("train", 4), data.eval_batches("val", 4, 2),
+            schedule, max_steps=config["steps"], clip_norm=config["clip_norm"], eval_every=8,
+            run_dir=folder, progress=False, plot=False, out=io.StringIO(),
+            callbacks=[] if let_in in (None, -1) else [let_in],
+        )  # fmt: skip
+        trainer.fit()
+    metrics = [{k: r[k] for k in r if k not in ("elapsed", "throughput")} for r in
+               read_metrics(folder / "metrics.jsonl")]  # fmt: skip
+    return metrics, [p.value.tobytes() for p in optimizer.params]
+
+
+@pytest.mark.skipif(_numba.kernels(precompile.HOST_KERNELS) is None, reason="needs numba")
+def test_a_first_run_on_an_empty_cache_prints_what_a_warm_run_prints(tmp_path):
+    # A first run steps on the stand-ins until the child has compiled the kernels, which
+    # it then lets in (each part's, or every module at once) at whatever step: losses,
+    # gradient norms, evaluations and weights are a warm run's, bit for bit.
+    warm = _first_run(tmp_path / "warm", -1)
+    assert len({r["train_loss"] for r in warm[0] if "train_loss" in r}) > 1
+    assert sum("val_loss" in r for r in warm[0]) == 3
+    cases = {
+        "never": None,
+        "whole at 5": _LetIn(5),
+        "whole at 13": _LetIn(13),
+        "gelu and softmax at 3": _LetIn(3, ["gelu", "softmax"]),
+        "the forward at 9": _LetIn(9, FORWARD),
+    }
+    for name, let_in in cases.items():
+        assert _first_run(tmp_path / name, let_in) == warm, name

@@ -76,12 +76,12 @@ FULL_DISK_CHILD = """
 import resource, sys
 from tiegrad.train import MetricsWriter
 limit = int(sys.argv[2])
-w = MetricsWriter(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-step = 0
-while True:
-    step += 1
-    w.write({"step": step, "train_loss": 1.2345678, "lr": 0.001, "elapsed": step * 0.1})
+with MetricsWriter(sys.argv[1]) as w:  # closed as the error leaves: no file left open
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    step = 0
+    while True:
+        step += 1
+        w.write({"step": step, "train_loss": 1.2345678, "lr": 0.001, "elapsed": step * 0.1})
 """
 
 

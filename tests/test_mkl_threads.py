@@ -14,7 +14,7 @@ import pytest
 
 from tiegrad.backend import blas
 
-pytestmark = pytest.mark.skipif(blas.LIBRARY is None, reason="needs oneMKL (tiegrad[mkl])")
+pytestmark = pytest.mark.skipif(blas.LIBRARY is None, reason=str(blas.unused_reason()))
 
 _LAYER = """
 import ctypes, sys

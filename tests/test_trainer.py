@@ -300,7 +300,17 @@ def test_an_early_stopped_run_is_finished_unless_patience_is_raised(tmp_path, ca
     assert result.status == "early_stopped" and result.step == 8 and result.resumed_from == 6
 
 
-def test_sigint_finishes_the_step_and_checkpoints(tmp_path, capsys):
+@pytest.fixture
+def python_sigint():
+    """SIGINT with Python's own handler (``KeyboardInterrupt``) during the test, however
+    the suite was started (``nohup pytest &`` starts it with SIGINT ignored); the
+    disposition it had is restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_sigint_finishes_the_step_and_checkpoints(tmp_path, capsys, python_sigint):
     data = TextDataset(TEXT, block_size=12)
     model = TiedLM(data.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=12)
     opt = AdamW(model.parameters())

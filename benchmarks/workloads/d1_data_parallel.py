@@ -21,6 +21,7 @@ The peak RSS columns measure the controlling process only, not the workers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -108,6 +109,8 @@ class _Pool:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
+    """Ask each worker to quit, wait for it (killing one that does not within 30 s) and
+    close its pipes."""
     for p in procs:
         if p.poll() is None:
             try:
@@ -120,6 +123,10 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait()
+        for pipe in (p.stdin, p.stdout):
+            with contextlib.suppress(OSError):  # a worker gone with a line unread
+                pipe.close()
 
 
 def build(data: dict[str, Any], sides: Collection[str] | None = None) -> Built:

@@ -30,7 +30,8 @@ LR, WEIGHT_DECAY = 3e-4, 0.01
 
 
 def make_data() -> dict[str, Any]:
-    """The batches and a temporary folder holding the saved model (removed with the dict)."""
+    """The batches and a temporary folder holding the saved model (removed by ``build``,
+    once its sides have loaded the model)."""
     import transformers
 
     torch.manual_seed(0)
@@ -70,4 +71,5 @@ def build(data: dict[str, Any], sides: Collection[str] | None = None) -> Built:
         hf = transformers.GPT2LMHeadModel.from_pretrained(folder).train()
         optimizer = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         built.sides.append(TorchTrainer(hf, optimizer, torch_loss, data["batches"]).side())
+    data["folder"].cleanup()  # the sides hold the model in memory: nothing reads the files again
     return built

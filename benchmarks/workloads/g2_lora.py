@@ -32,7 +32,8 @@ TARGETS = ("attn.c_attn", "attn.c_proj")
 
 
 def make_data() -> dict[str, Any]:
-    """G1's data and the initial adapters ``{module path: (A, B)}`` in PEFT's layout."""
+    """G1's data (its folder removed once the sides have loaded the model) and the initial
+    adapters ``{module path: (A, B)}`` in PEFT's layout."""
     data = g1_gpt2.make_data()
     g, d = rng(11), g1_gpt2.D_MODEL
     adapters = {}
@@ -87,6 +88,7 @@ def build(data: dict[str, Any], sides: Collection[str] | None = None) -> Built:
         built.sides.append(tiegrad_trainer(data).side())
     if wanted(sides, "torch"):
         built.sides.append(torch_trainer(data).side())
+    data["folder"].cleanup()  # the sides hold the model in memory: nothing reads the files again
     return built
 
 
@@ -95,6 +97,7 @@ def extras(stats: dict[str, SideStats]) -> tuple[dict[str, Any], list[str]]:
     data = make_data()
     elements = sum(a.size + b.size for a, b in data["adapters"].values())
     tg, pt = tiegrad_trainer(data), torch_trainer(data)
+    data["folder"].cleanup()
     tg.step()
     pt.step()
     tiegrad_bytes = sum(

@@ -163,6 +163,23 @@ INSTALLED = bool(_installed())
 """Whether oneMKL's file is in this environment (``TIEGRAD_BLAS=mkl`` then loads it)."""
 
 
+def unused_reason() -> str | None:
+    """Why products do not go to oneMKL in this process, or None where they do (loading
+    it): not installed, installed but not chosen (``TIEGRAD_BLAS=numpy``, or ``auto``
+    on a CPU not Intel's), or installed and chosen but not loadable. For messages such
+    as a test's skip reason."""
+    folder = Path(sys.prefix) / "lib"
+    if not INSTALLED:
+        return f"oneMKL is not installed (no {_NAMES[0]} in {folder}; pip install 'tiegrad[mkl]')"
+    if not MAY_LOAD:
+        choice = os.environ.get(ENV_SWITCH) or "auto"
+        why = "on this CPU (not Intel's)" if choice == "auto" else f"by {ENV_SWITCH}={choice}"
+        return f"oneMKL is installed but not chosen {why}; {ENV_SWITCH}=mkl chooses it"
+    if _load()[0] is None:
+        return f"oneMKL is installed and chosen but did not load ({folder})"
+    return None
+
+
 @functools.cache
 def _load() -> tuple[str | None, dict[np.dtype, _Kernels]]:
     """The MKL library's file name and its kernels per dtype, loaded on the first call."""
