@@ -1,14 +1,17 @@
-"""W1 tied-LM (or W2 small-MLP) on a tiegrad device backend against PyTorch eager there.
+"""W1 tied-LM (W2 small-MLP, L1 Llama) on a tiegrad device backend against PyTorch eager there.
 
-``python -m benchmarks.device_w1 [--workload W1|W2] [--device torch:cpu|cuda] [--warmup N]
-[--steps N] [--json FILE]``
+``python -m benchmarks.device_w1 [--workload W1|W2|L1] [--device torch:cpu|cuda]
+[--warmup N] [--steps N] [--json FILE]``
 
 Both sides are the workload of ``benchmarks.workloads`` (W1: vocab 96, d_model 128, 2
 layers, 4 heads, sequence 64, batch 32, AdamW; W2: 64-256-256-10 MLP, batch 128, SGD
 momentum): the same data, the same initial weights and the same hyperparameters.
 tiegrad runs the workload's model on an ``EagerSession(device=...)`` (parameters
 mirrored on the device, optimizer state on the device); PyTorch runs its eager model on
-the matching torch device (CPU for ``torch:cpu``), its batches moved there once.
+the matching torch device (CPU for ``torch:cpu``), its batches moved there once. L1
+(issue 48: the SmolLM2-135M-shaped Llama, batch 4 x 256, AdamW) builds both sides with
+its ``device_sides``: tiegrad's ``LlamaLM`` and transformers' model (eager attention)
+from the same saved folder.
 Steps alternate ABBA after warm-up (``benchmarks.runner.measure``); on a GPU every step
 ends with a device synchronisation so that it is timed whole. Prints the medians, the
 ranges and the ratio tiegrad/PyTorch (issue 21's goals: W1 <= 1.0 on ``cuda``).
@@ -41,7 +44,7 @@ def _synchronised(side: Any, sync: Any, device: Any = None) -> Any:
     return side
 
 
-WORKLOADS = ("W1", "W2")
+WORKLOADS = ("W1", "W2", "L1")
 
 
 def build_sides(device: str, workload: str = "W1") -> list[Any]:
@@ -58,14 +61,17 @@ def build_sides(device: str, workload: str = "W1") -> list[Any]:
     data = mod.make_data()
     bk = device_backend(device)
     tdev = bk.torch_device
-    tg = tiegrad_side(data, mod.TIEGRAD, f"tiegrad {device}", device)
-    model = mod.TORCH.model()
-    load_torch(model, data["weights"])
-    model.to(tdev)
-    opt = mod.TORCH.optimizer(model.parameters())
-    trainer = TorchTrainer(model, opt, mod.TORCH.loss, data["batches"])
-    trainer.batches = [(x.to(tdev), y.to(tdev)) for x, y in trainer.batches]
-    pt = trainer.side(f"torch {tdev.type}")
+    if hasattr(mod, "device_sides"):
+        tg, pt = mod.device_sides(data, device, tdev)
+    else:
+        tg = tiegrad_side(data, mod.TIEGRAD, f"tiegrad {device}", device)
+        model = mod.TORCH.model()
+        load_torch(model, data["weights"])
+        model.to(tdev)
+        opt = mod.TORCH.optimizer(model.parameters())
+        trainer = TorchTrainer(model, opt, mod.TORCH.loss, data["batches"])
+        trainer.batches = [(x.to(tdev), y.to(tdev)) for x, y in trainer.batches]
+        pt = trainer.side(f"torch {tdev.type}")
     if tdev.type == "cpu":
         torch.set_num_threads(THREADS)
         return [tg, pt]

@@ -87,7 +87,11 @@ class Built:
 
 
 class Workload(Protocol):
-    """A workload module of ``benchmarks.workloads`` (``W1`` ... ``W5``)."""
+    """A workload module of ``benchmarks.workloads`` (``W1`` ... ``W5``).
+
+    A module may also define ``make_quick_data()``: smaller sizes for the quick run (a
+    model too large for a smoke test); without it the quick run uses ``make_data``.
+    """
 
     ID: str
     TITLE: str
@@ -318,7 +322,7 @@ def rss_child(workload_id: str, side_name: str, quick: bool) -> dict[str, Any]:
     module = workload_module(workload_id)
     warmup, steps = QUICK_RSS_STEPS if quick else RSS_STEPS
     _warm_frameworks()
-    data = module.make_data()
+    data = workload_data(module, quick)
     gc.collect()
     base = status_mb()["RssAnon"]
     built = module.build(data, {side_name})
@@ -409,6 +413,13 @@ def workload_module(workload_id: str) -> Workload:
         ) from None
 
 
+def workload_data(module: Workload, quick: bool) -> Any:
+    """The data of ``module``: its ``make_quick_data()`` in a quick run where it has one,
+    else its ``make_data()``."""
+    make = getattr(module, "make_quick_data", None) if quick else None
+    return (make or module.make_data)()
+
+
 def single_side(workload_id: str, built: Built, side_name: str) -> Side:
     """The side ``side_name`` of ``built``, or ``UnknownWorkload`` saying why there is none."""
     for side in built.sides:
@@ -425,7 +436,7 @@ def run_workload(
     module = workload_module(workload_id)
     warmup, steps = QUICK_STEPS if quick else module.STEPS
     log(f"{workload_id} {module.TITLE}: building")
-    built = module.build(module.make_data())
+    built = module.build(workload_data(module, quick))
     for name, reason in built.skipped.items():
         log(f"{workload_id}: side {name!r} skipped: {reason}")
     log(f"{workload_id}: {warmup} warm-up + {steps} timed steps per side, alternating")

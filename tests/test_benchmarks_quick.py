@@ -29,6 +29,8 @@ PAIRS = {
     "W5": {("tiegrad", "torch")},
     "G1": {("tiegrad", "torch")},
     "G2": {("tiegrad", "torch")},
+    "L1": {("tiegrad", "torch")},
+    "L2": {("tiegrad", "torch")},
     "D1": {("tiegrad", "torch DDP")},
     "D2": {
         (tiegrad, torch)
@@ -45,7 +47,7 @@ def quick_report():
 
 def test_quick_run_produces_every_row(quick_report):
     by_id = {w["id"]: w for w in quick_report["workloads"]}
-    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "G2", "D1", "D2"]
+    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "G2", "L1", "L2", "D1", "D2"]
     for wid, pairs in PAIRS.items():
         rows = by_id[wid]["rows"]
         got = {(r["tiegrad"], r["torch"]) for r in rows}
@@ -223,6 +225,59 @@ def test_every_workload_declares_its_interface():
         assert module.ID == wid
         warmup, steps = module.STEPS
         assert warmup >= 1 and steps >= 1
+
+
+def test_quick_run_uses_the_small_llama_and_full_run_the_smollm2_shape(monkeypatch):
+    from benchmarks.workloads import l1_llama
+
+    made = []
+    monkeypatch.setattr(l1_llama, "_data", lambda shape, b, t: made.append((shape, b, t)))
+    runner.workload_data(l1_llama, quick=True)
+    runner.workload_data(l1_llama, quick=False)
+    runner.workload_data(WORKLOADS["W2"], quick=True)  # no make_quick_data: make_data
+    assert made == [
+        (l1_llama.QUICK_SHAPE, l1_llama.QUICK_BATCH, l1_llama.QUICK_SEQ),
+        (l1_llama.SHAPE, l1_llama.BATCH, l1_llama.SEQ),
+    ]
+    assert l1_llama.SHAPE == {
+        "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    }  # fmt: skip
+    assert (l1_llama.BATCH, l1_llama.SEQ) == (4, 256)
+
+
+def test_l1_reports_the_step_ratio_against_the_goal(quick_report):
+    (l1,) = [w for w in quick_report["workloads"] if w["id"] == "L1"]
+    (row,) = l1["rows"]
+    assert l1["extras"]["step_ratio"] == pytest.approx(row["ratio"])
+    assert l1["extras"]["step_ratio_goal"] == 0.9
+    assert "rss_ratio" not in l1["extras"]  # rss=False
+    assert "goal <= 0.9" in l1["notes"][0]
+
+
+def test_l1_rss_ratio_is_the_ratio_of_the_sides_peaks():
+    from benchmarks.workloads import l1_llama
+
+    def side(name, peak):
+        return runner.SideStats(name, name, [2.0], 1.0, {"peak_mb": peak})
+
+    extra, (note,) = l1_llama.extras(
+        {"tiegrad": side("tiegrad", 30.0), "torch": side("torch", 40.0)}
+    )
+    assert extra["rss_ratio"] == pytest.approx(0.75) and extra["step_ratio"] == 1.0
+    assert "peak RSS ratio 0.75 (goal <= 0.8)" in note
+
+
+def test_l2_generates_every_new_token_on_both_sides_and_reports_tokens_per_second(quick_report):
+    from benchmarks.workloads import l2_llama_generate as l2
+
+    (w,) = [w for w in quick_report["workloads"] if w["id"] == "L2"]
+    rates = w["extras"]["tokens_per_s"]
+    for name, rate in rates.items():
+        assert rate == pytest.approx(l2.NEW_TOKENS / (w["sides"][name]["median_ms"] * 1e-3))
+    assert w["extras"]["tokens_per_s_ratio"] == pytest.approx(1 / w["rows"][0]["ratio"])
+    probes = {name: side["first_probe"] for name, side in w["sides"].items()}
+    assert probes["tiegrad"] == probes["torch"]  # sums of the new token ids: the same tokens
 
 
 def test_d1_reports_the_communication_share_of_both_sides(quick_report):

@@ -4,7 +4,8 @@ A workload module has ``ID``, ``TITLE``, ``STEPS`` (warm-up and timed steps of a
 run), ``make_data()`` (NumPy batches and initial weights, shared by every side) and
 ``build(data, sides=None)`` returning a ``runner.Built``; optionally
 ``extras(stats)`` for figures of its own (W5's GEMM bound, G2's optimizer state). G1
-(issue 18) needs transformers, G2 (issue 41) peft too.
+(issue 18) needs transformers, G2 (issue 41) peft too; L1 and L2 (issue 48) need
+transformers and define ``make_quick_data`` (a two-layer model for the quick run).
 """
 
 from . import (
@@ -12,6 +13,8 @@ from . import (
     d2_sharded,
     g1_gpt2,
     g2_lora,
+    l1_llama,
+    l2_llama_generate,
     w1_tied_lm,
     w2_small_mlp,
     w3_shared_reuse,
@@ -29,6 +32,8 @@ WORKLOADS = {
         w5_matmul,
         g1_gpt2,
         g2_lora,
+        l1_llama,
+        l2_llama_generate,
         d1_data_parallel,
         d2_sharded,
     )
