@@ -26,8 +26,15 @@ from tiegrad.errors import (
 from tiegrad.models import TiedLM
 from tiegrad.nn import Linear, Sequential, Tanh
 from tiegrad.optim import SGD, AdamW
+from tiegrad.session import forget_latest_gradients
 
 X = np.linspace(-1.0, 1.0, 8, dtype=np.float32).reshape(2, 4)
+
+
+@pytest.fixture(autouse=True)
+def no_latest_gradients():
+    """Each test starts as a fresh thread would: no latest gradients, none unstepped."""
+    forget_latest_gradients()
 
 
 def assignment_tied() -> Sequential:
@@ -363,3 +370,23 @@ def test_a_skipped_step_counts_as_a_step_for_the_accumulation_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.loss(s, *batch(1)).backward()
+
+
+def test_state_dict_reads_a_newer_device_mirror():  # C7
+    torch = pytest.importorskip("torch")
+    m = assignment_tied()
+    w = m[0].weight
+    newer = np.full(w.shape, 3.0, np.float32)
+    w.set_device_value(torch.from_numpy(newer))  # the host is now stale
+    sd = m.state_dict()
+    np.testing.assert_array_equal(sd["0.weight"], newer)
+    assert sd["2.weight"] is sd["0.weight"]
+
+
+def test_param_grad_of_a_storage_used_once_is_the_array_backward_produced():  # C4
+    w = tiegrad.Param(np.arange(3.0, dtype=np.float32))
+    s = EagerSession()
+    use = s.use(w)
+    grads = (use * use).sum().backward()
+    assert np.shares_memory(w.grad, grads[use])  # a read-only view, no copy or sum
+    np.testing.assert_array_equal(w.grad, 2 * np.arange(3.0))

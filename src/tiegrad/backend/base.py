@@ -47,6 +47,16 @@ def scale_into(product: Any, scale: float, out: Any = None) -> Any:
     return out
 
 
+def grouped_heads(qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...]) -> int:
+    """How many query heads share each key/value head, from the shapes of q, k and v:
+    ``Hq / Hkv`` where k and v have fewer heads (axis -3) than q, dividing them, and the
+    same other leading axes (grouped-query attention); else 1."""
+    if not len(qs) == len(ks) == len(vs) >= 3 or not qs[:-3] == ks[:-3] == vs[:-3]:
+        return 1
+    hq, hk = qs[-3], ks[-3]
+    return hq // hk if hk == vs[-3] and 0 < hk < hq and hq % hk == 0 else 1
+
+
 class Backend:
     """Abstract array backend. Subclasses implement every method below."""
 

@@ -37,15 +37,6 @@ def _has_gqa() -> bool:
 HAS_GQA = _has_gqa()
 
 
-def grouped_heads(q: Array, k: Array) -> int:
-    """``Hq / Hkv`` where k has fewer heads (axis -3) than q, dividing them, and the same
-    other leading axes (grouped-query attention); else 1."""
-    if not q.ndim == k.ndim >= 3 or q.shape[:-3] != k.shape[:-3]:
-        return 1
-    hq, hk = q.shape[-3], k.shape[-3]
-    return hq // hk if 0 < hk < hq and hq % hk == 0 else 1
-
-
 def sdpa_attention(
     q: Array,
     k: Array,

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DeviceError, DTypeError
-from .base import Array, Backend, DType, Shape
+from .base import Array, Backend, DType, Shape, grouped_heads
 from .torch_attention import (
     HAS_GQA,
-    grouped_heads,
     in_cache,
     products_attention,
     sdpa_attention,
@@ -370,7 +369,7 @@ class TorchBackend(Backend):
             return None
         groups = 1
         if q.shape[:-2] != k.shape[:-2]:
-            groups = grouped_heads(q, k)
+            groups = grouped_heads(tuple(q.shape), tuple(k.shape), tuple(v.shape))
             if groups == 1:
                 return None
         if self.torch_device.type == "cpu" and in_cache(q, k):

@@ -168,12 +168,9 @@ def apply_stored_freeze(model: Any, extra: Any, path: Path) -> None:
     no path, is a ``CheckpointError`` naming the file."""
     from ..train.job import apply_freeze
 
-    text = extra.get(FREEZE) if isinstance(extra, dict) else None
+    text, where = _extra_text(extra, FREEZE, path, "a freeze setting")
     if text is None:
         return
-    where = f"{path}: extra[{FREEZE!r}]"
-    if not isinstance(text, str):
-        raise CheckpointError(f"{where}: expected a freeze setting string, got {text!r:.80}")
     try:
         apply_freeze(model, text, where)
     except ConfigError as e:
@@ -220,13 +217,9 @@ def attach_stored_lora(model: Any, schema: Any, path: Path) -> None:
     hold)."""
     from ..train.lora import KEY, parse_lora
 
-    extra = schema.extra
-    text = extra.get(KEY) if isinstance(extra, dict) else None
+    text, where = _extra_text(schema.extra, KEY, path, "a LoRA specification")
     if text is None:
         return
-    where = f"{path}: extra[{KEY!r}]"
-    if not isinstance(text, str):
-        raise CheckpointError(f"{where}: expected a LoRA specification string, got {text!r:.80}")
     ranks = {
         s.shape[0] for s in schema.slots if ".lora." in s.path and s.path.endswith(".A") and s.shape
     }
@@ -240,3 +233,14 @@ def attach_stored_lora(model: Any, schema: Any, path: Path) -> None:
         spec.attach(model, where)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+
+
+def _extra_text(extra: Any, key: str, path: Any, what: str) -> tuple[str | None, str]:
+    """``(extra[key], where)``: the text a run stored under ``key`` of a checkpoint's
+    ``extra`` (None where it stored none) and how errors name it; a value that is not
+    a string is a ``CheckpointError`` naming ``what`` was expected."""
+    text = extra.get(key) if isinstance(extra, dict) else None
+    where = f"{path}: extra[{key!r}]"
+    if text is not None and not isinstance(text, str):
+        raise CheckpointError(f"{where}: expected {what} string, got {text!r:.80}")
+    return text, where

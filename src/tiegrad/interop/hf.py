@@ -74,15 +74,20 @@ CONFIG_KEYS = (
 _UNSUPPORTED = {"add_cross_attention": False}
 
 
-def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``config.json`` of a GPT-2 directory as a dict (``model_type`` must be gpt2):
-    a folder that cannot be listed, no ``config.json``, or one that is not a JSON
-    object of a bounded size and depth (``fileio.read_json``) is a ``CheckpointError``
-    naming it."""
+def folder_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` of a transformers model directory as a dict: a folder that
+    cannot be listed, no ``config.json``, or one that is not a JSON object of a bounded
+    size and depth (``fileio.read_json``) is a ``CheckpointError`` naming it."""
     if CONFIG not in listing(directory):
         raise CheckpointError(f"{directory}: no {CONFIG} (not a transformers model directory)")
+    return read_json(Path(directory) / CONFIG)
+
+
+def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """``folder_config`` of a GPT-2 directory (``model_type`` must be gpt2, and the
+    features tiegrad's GPT2 lacks unset)."""
     path = Path(directory) / CONFIG
-    config = read_json(path)
+    config = folder_config(directory)
     kind = config.get("model_type", "gpt2")
     if kind != "gpt2":
         raise CheckpointError(f"{path}: model_type {shown(kind)}, expected 'gpt2'")

@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import _checks
-from ..checkpoint.fileio import read_json, write_safetensors
+from ..checkpoint.fileio import write_safetensors
 from ..checkpoint.finite import finite_cast
 from ..errors import CheckpointError, ConfigError, HyperparameterError, shown_list
 from ..nn.module import Module
@@ -261,15 +261,6 @@ def check_variant(owner: str, args: Mapping[str, Any]) -> None:
         raise ConfigError(f"{owner}: the head width {head_dim} must be even (rotary halves)")
 
 
-def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``config.json`` of a transformers model directory as a dict: a folder that
-    cannot be listed, no ``config.json``, or one that is not a JSON object of a bounded
-    size and depth (``fileio.read_json``) is a ``CheckpointError`` naming it."""
-    if hf.CONFIG not in hf.listing(directory):
-        raise CheckpointError(f"{directory}: no {hf.CONFIG} (not a transformers model directory)")
-    return read_json(Path(directory) / hf.CONFIG)
-
-
 def model_args(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``LlamaLM``'s constructor arguments of a transformers ``config.json`` (see the
     module docstring); ``where`` (the file) starts every error."""
@@ -429,7 +420,7 @@ def load(
     implies against those the safetensors headers hold (``hf.check_sizes``, by arithmetic:
     a configuration of a million layers builds no layout), then the tensors
     (``checked_values``: ``CheckpointError`` naming the tensor)."""
-    config = read_config(directory)
+    config = hf.folder_config(directory)
     where = os.fspath(Path(directory) / hf.CONFIG)
     try:
         args = model_args(config, where)

@@ -32,7 +32,7 @@ def from_pretrained(
     ``model_type`` names (``CLASSES``), without torch or transformers. An unknown
     ``model_type`` is a ``ConfigError`` naming it and the supported ones, raised before
     any weight is read (C6); ``allow_nonfinite`` goes to the class's loader."""
-    config = hf_llama.read_config(directory)
+    config = hf.folder_config(directory)
     kind = config.get("model_type", "gpt2")
     if not isinstance(kind, str) or kind not in CLASSES:
         raise ConfigError(

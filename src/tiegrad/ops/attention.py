@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from .. import _checks
+from ..backend.base import grouped_heads
 from ..errors import DTypeError, HyperparameterError, ShapeError
 from ..tape import TensorRef
 from ._core import (
@@ -82,16 +83,6 @@ def _mask_bias(
     if hidden is None:
         return None
     return bk.astype(bk.where(hidden, -math.inf, 0.0), dtype)
-
-
-def _groups(qs, ks, vs) -> int:
-    """How many query heads share each key/value head: ``Hq / Hkv`` where k and v have
-    fewer heads (axis -3) than q, dividing them, and the same other leading axes
-    (grouped-query attention); else 1."""
-    if not len(qs) == len(ks) == len(vs) >= 3 or not qs[:-3] == ks[:-3] == vs[:-3]:
-        return 1
-    hq, hk = qs[-3], ks[-3]
-    return hq // hk if hk == vs[-3] and 0 < hk < hq and hq % hk == 0 else 1
 
 
 def _default_scale(d: int) -> float:
@@ -227,7 +218,7 @@ def scaled_dot_product_attention(
         )
     scale = _default_scale(qs[-1]) if scale is None else _checks.real(_OP, "scale", scale)
     offset = _causal_offset(_OP, causal, qs[-2], ks[-2])
-    groups = _groups(qs, ks, vs)
+    groups = grouped_heads(qs, ks, vs)
     if groups == 1:
         for xs, ys in ((qs, ks), (qs, vs), (ks, vs)):
             for m, n in zip(reversed(xs[:-2]), reversed(ys[:-2])):
