@@ -1,5 +1,7 @@
-"""Data for training: text windows, in-memory arrays, batching, the default corpus."""
+"""Data for training: text windows, conversations, in-memory arrays, batching, the
+default corpus."""
 
+from .chat import ChatDataset, ChatTemplate, read_chat
 from .corpus import DEFAULT_MAX_CHARS, stdlib_corpus, stdlib_root
 from .loader import ArrayDataset, Batch, BatchSource, DataLoader
 from .text import TextDataset, WindowLoader, read_text
@@ -10,6 +12,8 @@ __all__ = [
     "ArrayDataset",
     "Batch",
     "BatchSource",
+    "ChatDataset",
+    "ChatTemplate",
     "DEFAULT_MAX_CHARS",
     "DataLoader",
     "HFTokenizer",
@@ -17,6 +21,7 @@ __all__ = [
     "Vocab",
     "WindowLoader",
     "directory_tokenizer",
+    "read_chat",
     "read_text",
     "stdlib_corpus",
     "stdlib_root",

@@ -51,6 +51,16 @@ def check_positive(what: str, value: Any) -> int:
     return int(value)
 
 
+def check_fraction(what: str, value: Any) -> float:
+    """``value`` as a float when it is a real number (Python or NumPy, not a bool) in
+    (0, 1); else a ``ConfigError`` naming ``what``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
+        raise ConfigError(f"{what} must be a real number, got {value!r:.80}")
+    if not 0.0 < value < 1.0:
+        raise ConfigError(f"{what} must lie in (0, 1), got {value}")
+    return float(value)
+
+
 def check_rng(owner: str, rng: Any, legacy: bool = False) -> Any:
     """``rng`` itself when it is a ``numpy.random.Generator`` (or, with ``legacy``, where
     only ``permutation`` is drawn, a ``RandomState``), else a ``ConfigError`` naming

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from numbers import Real
 
 import numpy as np
 
 from ..errors import ConfigError
-from .loader import Batch, Shard, check_positive, check_rng
+from .loader import Batch, Shard, check_fraction, check_positive, check_rng
 from .tokenizer import HFTokenizer, check_path
 from .vocab import KINDS, Vocab
 
@@ -71,12 +70,7 @@ class TextDataset:
         val_fraction: float = 0.1,
     ) -> None:
         self.block_size = check_positive("TextDataset: block_size", block_size)
-        if isinstance(val_fraction, (bool, np.bool_)) or not isinstance(val_fraction, Real):
-            raise ConfigError(
-                f"TextDataset: val_fraction must be a real number, got {val_fraction!r:.80}"
-            )
-        if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"TextDataset: val_fraction must lie in (0, 1), got {val_fraction}")
+        check_fraction("TextDataset: val_fraction", val_fraction)
         if not isinstance(text, (str, bytes)):
             raise ConfigError(
                 f"TextDataset: text must be a str or bytes, got {type(text).__name__}"

@@ -26,9 +26,21 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "chat_template.jinja",
 )
-#: The special tokens read from ``tokenizer_config.json`` and ``special_tokens_map.json``.
+#: The special tokens read from ``tokenizer_config.json`` and ``special_tokens_map.json``
+#: whose ids the tokenizer gives (each must be in the vocabulary).
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token")
+#: The named special tokens transformers hands a chat template (its ``special_tokens_map``).
+TEMPLATE_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def check_path(owner: str, name: str, value: Any) -> Path:
@@ -49,14 +61,16 @@ class HFTokenizer:
     largest token id + 1 (added tokens included), so every id ``encode`` gives lies in
     ``[0, size)`` even when the vocabulary's ids have gaps.
 
-    ``special_tokens`` maps ``bos_token``, ``eos_token`` and ``pad_token`` to their text
-    where the files name them: ``tokenizer_config.json`` first, ``special_tokens_map.json``
-    for those it does not name (as transformers reads them; a value is the token's text
-    or an added-token object with its ``content``); ``bos_token_id``, ``eos_token_id``
-    and ``pad_token_id`` are their ids, or None. Both files are checked whole: one that
-    is not a JSON object, a value of another form and a token the vocabulary lacks are
-    each a ``ConfigError`` naming the file, the key and the token, raised before the
-    tokenizer exists (C6).
+    ``template_tokens`` maps the named special tokens of ``TEMPLATE_TOKENS`` to their
+    text where the files name them: ``tokenizer_config.json`` first,
+    ``special_tokens_map.json`` for those it does not name (as transformers reads them; a
+    value is the token's text or an added-token object with its ``content``); a chat
+    template sees them as variables (``tiegrad.data.chat``). ``special_tokens`` holds
+    those of ``SPECIAL_TOKENS`` (``bos_token``, ``eos_token``, ``pad_token``), whose ids
+    ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` give, or None. Both files are
+    checked whole: one that is not a JSON object, a value of another form and a token of
+    ``SPECIAL_TOKENS`` the vocabulary lacks are each a ``ConfigError`` naming the file,
+    the key and the token, raised before the tokenizer exists (C6).
     """
 
     kind = "hf"
@@ -83,16 +97,17 @@ class HFTokenizer:
         self.files = dict(files)
         ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
         self._size = max(ids) + 1 if ids else 0
-        self.special_tokens = self._special_tokens()
+        self.template_tokens = self._named_tokens()
+        self.special_tokens = {k: v for k, v in self.template_tokens.items() if k in SPECIAL_TOKENS}
 
-    def _special_tokens(self) -> dict[str, str]:
-        """``{key: token text}`` of ``SPECIAL_TOKENS`` the files name (see the class)."""
+    def _named_tokens(self) -> dict[str, str]:
+        """``{key: token text}`` of ``TEMPLATE_TOKENS`` the files name (see the class)."""
         found: dict[str, str] = {}
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             if name not in self.files:
                 continue
             data = parse_json(self.files[name], name, dict, ConfigError)
-            for key in SPECIAL_TOKENS:
+            for key in TEMPLATE_TOKENS:
                 value = data.get(key)
                 if value is None:
                     continue
@@ -102,7 +117,7 @@ class HFTokenizer:
                         f"{name}: {key} must be a token's text or an object with its "
                         f"content, got {value!r:.80}"
                     )
-                if self._tokenizer.token_to_id(token) is None:
+                if key in SPECIAL_TOKENS and self._tokenizer.token_to_id(token) is None:
                     raise ConfigError(f"{name}: {key} {token!r:.80} is not in the vocabulary")
                 found.setdefault(key, token)
         return found
@@ -165,15 +180,26 @@ class HFTokenizer:
         named with its position) and text that ``tokenizers`` cannot encode (a word-level
         vocabulary without an unknown token meeting an unseen word) are ``ConfigError``.
         """
+        return np.asarray(self._encoding(text).ids, dtype=np.int64)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of ``encode`` and each token's ``[start, end)`` character span in
+        ``text`` (an int64 array of shape (n, 2)): the offsets transformers maps
+        character spans to tokens with. Refuses what ``encode`` refuses."""
+        encoding = self._encoding(text)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int64), offsets
+
+    def _encoding(self, text: str) -> Any:
+        """The ``tokenizers`` encoding of ``text`` without special tokens (see ``encode``)."""
         check_text("tokenizer.encode", "text", text)
         try:
-            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+            return self._tokenizer.encode(text, add_special_tokens=False)
         except Exception as e:  # tokenizers raises bare Exception
             utf8("tokenizer", text)  # names a lone surrogate (which tokenizers refuses)
             raise ConfigError(
                 f"tokenizer: tokenizers cannot encode the text ({len(text)} characters): {e}"
             ) from None
-        return np.asarray(ids, dtype=np.int64)
 
     def decode(self, ids: Any) -> str:
         """The text of a sequence of token ids, checked first (``check_token_ids``)."""
