@@ -87,10 +87,12 @@ def run_job(
     callbacks = []
     if speaks:
         text = os.path.abspath(config["text"]) if config["text"] else ""
+        chat = os.path.abspath(config["chat"]) if config["chat"] else ""
         init = os.path.abspath(config["init"]) if config["init"] else ""
         saved = dict(
             config,
             text=text,
+            chat=chat,
             init=init,
             vocab_table=dataset.vocab.to_dict(),
             text_sha256=source.sha256,

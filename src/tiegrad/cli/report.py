@@ -43,11 +43,19 @@ def print_config(
         kept = f"; the run keeps its schedule of {length} steps"
         if length < c["steps"]:
             kept += f" (steps {length + 1}-{c['steps']} at min_lr)"
+    if c["chat"]:
+        by = "generation blocks" if dataset.template.marks_generation else "prefix rendering"
+        split = (
+            f"train {len(dataset.train):,} / val {len(dataset.val):,} conversations "
+            f"({dataset.train.trained:,} assistant tokens in training); template "
+            f"{dataset.template.where}, assistant tokens by {by}"
+        )
+    else:
+        split = f"train {len(dataset.train):,} / val {len(dataset.val):,} tokens"
     print(f"tiegrad {command}: resolved configuration")
     print(
         f"  data     {text}; vocab {dataset.vocab.kind if c['init'] else c['vocab']} "
-        f"({dataset.vocab_size} symbols); "
-        f"train {len(dataset.train):,} / val {len(dataset.val):,} tokens"
+        f"({dataset.vocab_size} symbols); {split}"
     )
     if c["init"]:
         print(f"  model    {model.label()} from {c['init']}; {unique:,} parameters")

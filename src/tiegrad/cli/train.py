@@ -19,6 +19,7 @@ from .runs import fresh_run_folder
 #: flag -> config key, for the flags that override a configuration key.
 FLAGS: dict[str, str] = {
     "--text": "text",
+    "--chat": "chat",
     "--vocab": "vocab",
     "--corpus-chars": "corpus_chars",
     "--val-fraction": "val_fraction",
@@ -55,6 +56,7 @@ FLAGS: dict[str, str] = {
 
 _METAVARS = {
     "text": "FILE",
+    "chat": "FILE.jsonl",
     "init": "DIR",
     "lora": "SPEC",
     "freeze": "PATHS",

@@ -31,6 +31,7 @@ from .lora import parse_lora
 DEFAULTS: dict[str, Any] = {
     # data
     "text": "",
+    "chat": "",
     "vocab": "char",
     "corpus_chars": 2_000_000,
     "val_fraction": 0.1,
@@ -72,6 +73,9 @@ DEFAULTS: dict[str, Any] = {
 #: What each key means (the command's help and the README reference use it).
 HELP: dict[str, str] = {
     "text": "training text file (UTF-8); empty: the Python standard library's source",
+    "chat": 'JSON Lines file of conversations ({"messages": [{"role": ..., "content": '
+    "...}, ...]}) rendered with the chat template of init; the loss is taken on the "
+    "assistant's tokens alone; empty: train on text",
     "vocab": "token vocabulary: char or byte",
     "corpus_chars": "size cap of the standard-library corpus, in characters",
     "val_fraction": "fraction of the text (its end) held out for validation",
@@ -112,7 +116,7 @@ HELP: dict[str, str] = {
     "progress": "show the progress bar",
 }
 
-_PATH_KEYS = ("text", "init", "run")
+_PATH_KEYS = ("text", "chat", "init", "run")
 _CHOICES = {
     "vocab": ("char", "byte"),
     "log": ("", "tensorboard"),
@@ -221,6 +225,16 @@ def check_config(
     if out["lora"] and not out["init"]:
         raise ConfigError(
             "config: lora (--lora) adapts the model of init: give --init DIR with --lora"
+        )
+    if out["chat"] and not out["init"]:
+        raise ConfigError(
+            f"config: {named('chat')} renders conversations with the chat template of the "
+            "init folder's tokenizer: give --init DIR with --chat"
+        )
+    if out["chat"] and out["text"]:
+        raise ConfigError(
+            f"config: {named('chat')} and {named('text')} do not go together: a run trains "
+            "on conversations or on text"
         )
     if out["lora"] and out["freeze"]:
         raise ConfigError(

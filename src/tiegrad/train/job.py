@@ -2,7 +2,8 @@
 
 ``tiegrad train``, ``tiegrad resume`` and the PyTorch twin benchmark all build their
 run through these functions, so the data pipeline (text, vocabulary, split, batch
-windows, evaluation windows) and the hyperparameters are the same everywhere.
+windows, evaluation windows; or conversations, ``chat``) and the hyperparameters are the
+same everywhere.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ..data import TextDataset, Vocab, directory_tokenizer, read_text, stdlib_corpus
+from ..data.chat import ChatDataset, ChatFile, read_chat
 from ..errors import AliasError, ConfigError, shown_list
 from .config import parse_freeze, warmup_steps
 from .lora import parse_lora
@@ -28,15 +30,21 @@ MODEL_CLASSES = (MODEL_CLASS, *PRETRAINED_CLASSES)
 
 @dataclass
 class TextSource:
-    """The text of a run: its contents, a short description and a digest."""
+    """The text of a run (or its conversations): its contents, a short description and a
+    digest."""
 
-    text: str | bytes
+    text: str | bytes | ChatFile
     description: str
     sha256: str
 
 
 def load_text(config: dict[str, Any]) -> TextSource:
-    """The configured text file, or the standard-library corpus when ``text`` is empty."""
+    """The configured chat file (``data.chat.read_chat``), text file, or the
+    standard-library corpus when both are empty."""
+    if config["chat"]:
+        chat = read_chat(config["chat"])
+        what = f"{config['chat']} ({len(chat.conversations):,} conversations)"
+        return TextSource(chat, what, chat.sha256)
     if config["text"]:
         text = read_text(config["text"], config["vocab"])
         what = f"{config['text']} ({len(text):,} {'bytes' if isinstance(text, bytes) else 'chars'})"
@@ -52,8 +60,11 @@ def load_text(config: dict[str, Any]) -> TextSource:
 
 def build_dataset(
     config: dict[str, Any], source: TextSource, vocab: Vocab | None = None
-) -> TextDataset:
-    """The windows dataset of ``source`` (with a stored ``vocab`` when resuming)."""
+) -> TextDataset | ChatDataset:
+    """The windows dataset of ``source`` (with a stored ``vocab`` when resuming), or the
+    conversations of a chat source rendered with ``vocab``'s chat template."""
+    if isinstance(source.text, ChatFile):
+        return ChatDataset(source.text, vocab, config["seq_len"], config["val_fraction"])
     return TextDataset(
         source.text,
         block_size=config["seq_len"],
@@ -122,7 +133,8 @@ def build_init(
     ``config["lora"]`` (``tiegrad.train.lora``), or ``model`` (the one a resumed run's
     checkpoint describes, adapters and frozen uses included), and the dataset of
     ``source`` tokenised by the directory's tokenizer (``data.directory_tokenizer``) or by
-    ``vocab`` (the one a resumed run stored)."""
+    ``vocab`` (the one a resumed run stored); a chat source is rendered with that
+    tokenizer's chat template."""
     from ..models import from_pretrained
 
     if model is None:
