@@ -258,9 +258,8 @@ def test_a_bad_line_is_one_error_naming_file_and_line(tmp_path, line, fragments)
     save_tokenizer(tmp_path / "model", CHATML)
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join([GOOD, GOOD, line, GOOD]) + "\n")
-    tokenizer = HFTokenizer.from_directory(tmp_path / "model")
     with pytest.raises(ConfigError) as info:
-        ChatDataset(read_chat(path), tokenizer, block_size=64, val_fraction=0.25)
+        ChatDataset(read_chat(path), ours(tmp_path / "model"), block_size=64, val_fraction=0.25)
     message = str(info.value)
     assert f"{path} line 3" in message and "\n" not in message, message
     for fragment in fragments:
@@ -285,9 +284,8 @@ def test_a_template_that_raises_or_escapes_is_refused_at_the_first_line(
     save_tokenizer(tmp_path / "model", template)
     path = tmp_path / "chat.jsonl"
     path.write_text(GOOD + "\n" + GOOD + "\n")
-    tokenizer = HFTokenizer.from_directory(tmp_path / "model")
     with pytest.raises(ConfigError) as info:
-        ChatDataset(read_chat(path), tokenizer, block_size=64, val_fraction=0.5)
+        ChatDataset(read_chat(path), ours(tmp_path / "model"), block_size=64, val_fraction=0.5)
     message = str(info.value)
     assert f"{path} line 1" in message and "chat_template.jinja" in message, message
     for fragment in fragments:
@@ -335,10 +333,10 @@ def test_rows_train_on_the_assistant_tokens_and_pad_on_the_right(folder, tmp_pat
     path, _ = folder
     conversations = [CONVERSATIONS[n] for n in ("one-turn", "system-multi-turn", "empty-content")]
     write_chat(tmp_path / "chat.jsonl", conversations * 2)
-    tokenizer = HFTokenizer.from_directory(path)
-    data = ChatDataset(read_chat(tmp_path / "chat.jsonl"), tokenizer, 96, val_fraction=0.5)
-    assert (len(data.train), len(data.val)) == (3, 3)
     template = ours(path)
+    tokenizer = template.tokenizer
+    data = ChatDataset(read_chat(tmp_path / "chat.jsonl"), template, 96, val_fraction=0.5)
+    assert (len(data.train), len(data.val)) == (3, 3)
     inputs, targets = data.train[np.arange(3)]
     assert inputs.shape == targets.shape
     for row, messages in enumerate(conversations):
@@ -360,9 +358,8 @@ def test_conversations_past_the_context_are_named_not_truncated(tmp_path):
     save_tokenizer(tmp_path / "model", CHATML)
     long = [{"role": "user", "content": "asks " * 40}, {"role": "assistant", "content": "ok"}]
     write_chat(tmp_path / "chat.jsonl", [CONVERSATIONS["one-turn"], long, long, long, long])
-    tokenizer = HFTokenizer.from_directory(tmp_path / "model")
     with pytest.raises(ConfigError) as info:
-        ChatDataset(read_chat(tmp_path / "chat.jsonl"), tokenizer, 32, val_fraction=0.2)
+        ChatDataset(read_chat(tmp_path / "chat.jsonl"), ours(tmp_path / "model"), 32, 0.2)
     message = str(info.value)
     assert "4 conversations are longer than block_size + 1 = 33 tokens" in message
     assert "lines 2, 3, 4 and 1 more" in message and "nothing is truncated" in message
@@ -371,9 +368,15 @@ def test_conversations_past_the_context_are_named_not_truncated(tmp_path):
 def test_too_few_conversations_for_a_split_are_refused(tmp_path):
     save_tokenizer(tmp_path / "model", CHATML)
     write_chat(tmp_path / "chat.jsonl", [CONVERSATIONS["one-turn"]] * 3)
-    tokenizer = HFTokenizer.from_directory(tmp_path / "model")
     with pytest.raises(ConfigError, match="3 conversations with val_fraction 0.1"):
-        ChatDataset(read_chat(tmp_path / "chat.jsonl"), tokenizer, 64)
+        ChatDataset(read_chat(tmp_path / "chat.jsonl"), ours(tmp_path / "model"), 64)
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(ConfigError, match="holds no conversation"):
         read_chat(tmp_path / "empty.jsonl")
+
+
+def test_a_folder_without_tokenizer_json_has_no_chat_template():
+    from tiegrad.data import Vocab
+
+    with pytest.raises(ConfigError, match="needs the folder's tokenizer.json .* Vocab"):
+        ChatTemplate.from_tokenizer(Vocab("byte"))

@@ -179,9 +179,23 @@ def test_a_refused_chat_run_is_one_line_and_trains_nothing(work, capsys, line, a
     assert files_of(work) == before and not (work / "again").exists()
 
 
-def test_a_template_reaching_outside_the_sandbox_trains_nothing(work, capsys):
-    (work / "model" / "chat_template.jinja").write_text("{{ ''.__class__.__mro__ }}")
+@pytest.mark.parametrize(
+    "template, fragments",
+    [
+        ("{{ ''.__class__.__mro__ }}", ("chat.jsonl line 1", "outside jinja2's sandbox")),
+        (None, ("model", "no chat template")),
+    ],
+    ids=["escape", "none"],
+)
+def test_a_template_reaching_outside_the_sandbox_or_none_trains_nothing(
+    work, capsys, template, fragments
+):
+    path = work / "model" / "chat_template.jinja"
+    if template is None:
+        path.unlink()
+    else:
+        path.write_text(template)
     before = files_of(work)
     result = cli(capsys, "train", "--init", "model", "--run", "again", *TRAIN)
-    assert_one_line_error(result, "chat.jsonl line 1", "outside jinja2's sandbox")
+    assert_one_line_error(result, *fragments)
     assert files_of(work) == before and not (work / "again").exists()

@@ -193,6 +193,17 @@ def _environment() -> Any:
     return env
 
 
+def _check_tokenizer(tokenizer: Any) -> HFTokenizer:
+    """``tokenizer`` when it is an ``HFTokenizer`` (a folder's ``tokenizer.json``), else a
+    ``ConfigError``: the byte and character vocabularies have no chat template."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise ConfigError(
+            "chat data needs the folder's tokenizer.json and its chat template, got a "
+            f"{type(tokenizer).__name__} tokenizer"
+        )
+    return tokenizer
+
+
 def template_source(tokenizer: HFTokenizer) -> tuple[str, str]:
     """``(template text, where it comes from)`` of a tokenizer's files, chosen as
     transformers chooses: ``chat_template.jinja`` first, else ``tokenizer_config.json``'s
@@ -252,11 +263,7 @@ class ChatTemplate:
     def __init__(self, source: str, where: str, tokenizer: HFTokenizer) -> None:
         if not isinstance(source, str):
             raise ConfigError(f"{where}: a chat template must be text, got {shown(source)}")
-        if not isinstance(tokenizer, HFTokenizer):
-            raise ConfigError(
-                f"chat templates need the folder's tokenizer.json (an HFTokenizer), got "
-                f"{type(tokenizer).__name__}"
-            )
+        _check_tokenizer(tokenizer)
         jinja2 = _jinja()
         self.environment = _environment()
         try:
@@ -273,12 +280,7 @@ class ChatTemplate:
     @classmethod
     def from_tokenizer(cls, tokenizer: HFTokenizer) -> ChatTemplate:
         """The template of the tokenizer's files (``template_source``)."""
-        if not isinstance(tokenizer, HFTokenizer):
-            raise ConfigError(
-                f"chat data needs the folder's tokenizer.json and its chat template, got a "
-                f"{type(tokenizer).__name__}"
-            )
-        return cls(*template_source(tokenizer), tokenizer)
+        return cls(*template_source(_check_tokenizer(tokenizer)), tokenizer)
 
     def _variables(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> Any:
         return {
@@ -500,18 +502,20 @@ class ChatLoader(DataLoader):
 
 
 class ChatDataset:
-    """The conversations of a chat file tokenized with ``tokenizer``'s chat template,
-    split in order: the last ``val_fraction`` of them for validation (module docstring).
+    """The conversations of a chat file (``read_chat``) tokenized with ``template`` (a
+    ``ChatTemplate``, e.g. ``ChatTemplate.from_tokenizer(tokenizer)``), split in order:
+    the last ``val_fraction`` of them for validation (module docstring).
 
     Each conversation is a row of at most ``block_size`` positions (``block_size + 1``
-    tokens) with an assistant target; ``vocab`` is the tokenizer. The padding id is the
-    tokenizer's pad token, else its eos token, else 0 (any id: its targets are ignored).
+    tokens) with an assistant target; ``vocab`` is the template's tokenizer. The padding
+    id is the tokenizer's pad token, else its eos token, else 0 (any id: its targets are
+    ignored).
     """
 
     def __init__(
         self,
         chat: ChatFile,
-        tokenizer: HFTokenizer,
+        template: ChatTemplate,
         block_size: int,
         val_fraction: float = 0.1,
     ) -> None:
@@ -520,8 +524,11 @@ class ChatDataset:
             raise ConfigError(
                 f"ChatDataset: chat must be a ChatFile (read_chat), got {shown(chat)}"
             )
+        if not isinstance(template, ChatTemplate):
+            raise ConfigError(
+                f"ChatDataset: template must be a ChatTemplate, got {type(template).__name__}"
+            )
         val_fraction = check_fraction("ChatDataset: val_fraction", val_fraction)
-        template = ChatTemplate.from_tokenizer(tokenizer)
         n_val = int(len(chat.conversations) * val_fraction)
         if n_val < 1 or n_val >= len(chat.conversations):
             raise ConfigError(
@@ -555,6 +562,7 @@ class ChatDataset:
                 f"{lines} (the longest {longest} tokens); nothing is truncated: raise the "
                 "context or shorten them"
             )
+        tokenizer = template.tokenizer
         self.vocab = tokenizer
         self.template = template
         self.path = chat.path

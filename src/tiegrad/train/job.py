@@ -15,7 +15,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ..data import TextDataset, Vocab, directory_tokenizer, read_text, stdlib_corpus
-from ..data.chat import ChatDataset, ChatFile, read_chat
+from ..data.chat import ChatDataset, ChatFile, ChatTemplate, read_chat
 from ..errors import AliasError, ConfigError, shown_list
 from .config import parse_freeze, warmup_steps
 from .lora import parse_lora
@@ -62,9 +62,14 @@ def build_dataset(
     config: dict[str, Any], source: TextSource, vocab: Vocab | None = None
 ) -> TextDataset | ChatDataset:
     """The windows dataset of ``source`` (with a stored ``vocab`` when resuming), or the
-    conversations of a chat source rendered with ``vocab``'s chat template."""
+    conversations of a chat source rendered with ``vocab``'s chat template (of the
+    ``init`` folder's tokenizer, whose errors name the folder)."""
     if isinstance(source.text, ChatFile):
-        return ChatDataset(source.text, vocab, config["seq_len"], config["val_fraction"])
+        try:
+            template = ChatTemplate.from_tokenizer(vocab)
+        except ConfigError as e:
+            raise ConfigError(f"--init {config['init']}: {e}") from None
+        return ChatDataset(source.text, template, config["seq_len"], config["val_fraction"])
     return TextDataset(
         source.text,
         block_size=config["seq_len"],
