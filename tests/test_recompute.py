@@ -321,6 +321,10 @@ def test_the_switch_transformers_names_and_its_refusals():
     assert model.recompute is True and model.is_gradient_checkpointing is True
     model.gradient_checkpointing_disable()
     assert model.recompute is False
+    model.activation_checkpointing_enable()  # transformers 5's names
+    assert model.is_activation_checkpointing is True
+    model.activation_checkpointing_disable()
+    assert model.recompute is False
     with pytest.raises(ConfigError, match="'use_reentrant' are options of torch.utils"):
         model.gradient_checkpointing_enable({"use_reentrant": False})
     with pytest.raises(HyperparameterError, match="recompute"):

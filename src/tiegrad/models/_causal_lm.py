@@ -39,7 +39,8 @@ class TiedCausalLM(ConfiguredModel):
     subclasses add ``_build_blocks``, ``_body`` and ``stored_blocks``.
 
     ``recompute`` (False by default; ``gradient_checkpointing_enable()`` and
-    ``gradient_checkpointing_disable()`` are transformers' names for setting it) runs
+    ``gradient_checkpointing_disable()``, or transformers 5's ``activation_checkpointing_*``,
+    are transformers' names for setting it) runs
     each block application through ``tiegrad.nn.checkpoint`` while training: a block's
     intermediates are recomputed in backward instead of kept, and the gradients are
     bit-identical to those without it (C2). A forward with a KV cache never recomputes.
@@ -95,10 +96,18 @@ class TiedCausalLM(ConfiguredModel):
         """transformers' name for ``recompute = True``. tiegrad's recomputation has no
         options (it is always exact): ``gradient_checkpointing_kwargs`` other than None
         or empty is a ``ConfigError`` naming them, the switch unchanged."""
-        if gradient_checkpointing_kwargs:
+        self._enable_recompute("gradient_checkpointing_kwargs", gradient_checkpointing_kwargs)
+
+    def activation_checkpointing_enable(
+        self, activation_checkpointing_kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        """transformers 5's newer name of ``gradient_checkpointing_enable``."""
+        self._enable_recompute("activation_checkpointing_kwargs", activation_checkpointing_kwargs)
+
+    def _enable_recompute(self, name: str, options: Mapping[str, Any] | None) -> None:
+        if options:
             raise ConfigError(
-                f"{self.label()}: gradient_checkpointing_kwargs "
-                f"{shown_list(sorted(map(str, gradient_checkpointing_kwargs)))} are options "
+                f"{self.label()}: {name} {shown_list(sorted(map(str, options)))} are options "
                 "of torch.utils.checkpoint; tiegrad's recomputation takes none (it is exact, "
                 "with dropout's stream replayed)"
             )
@@ -108,10 +117,14 @@ class TiedCausalLM(ConfiguredModel):
         """transformers' name for ``recompute = False``."""
         self.recompute = False
 
+    activation_checkpointing_disable = gradient_checkpointing_disable
+
     @property
     def is_gradient_checkpointing(self) -> bool:
         """transformers' name for ``recompute``."""
         return self.recompute
+
+    is_activation_checkpointing = is_gradient_checkpointing
 
     def _recomputes(self, cache: KVCache | None) -> bool:
         """Whether a forward with ``cache`` runs its blocks through ``checkpoint``."""
