@@ -331,3 +331,29 @@ def test_the_switch_transformers_names_and_its_refusals():
         model.recompute = "yes"
     assert model.recompute is False
     assert "recompute" not in model.config
+
+
+def test_a_recomputing_model_holds_no_block_activations_between_forward_and_backward():
+    model = TiedLM(VOCAB, d_model=32, n_layers=4, n_heads=2, max_seq_len=64, dropout=0.1)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, VOCAB, (4, 64)), rng.integers(0, VOCAB, (4, 64))
+
+    def held(recompute: bool) -> tuple[int, int]:
+        """Memory held after the forward, and the peak through the backward."""
+        model.recompute = recompute
+        s = EagerSession(seed=1)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        loss = model.loss(s, x, y)
+        after = tracemalloc.get_traced_memory()[0]
+        s.backward(loss)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return after - before, peak - before
+
+    held(False)  # first calls compile and cache what they need
+    plain, plain_peak = held(False)
+    kept, peak = held(True)
+    logits = 4 * 64 * VOCAB * 4  # the head's output, which both keep for the loss
+    assert kept < logits + (plain - logits) // 4
+    assert peak < plain_peak
