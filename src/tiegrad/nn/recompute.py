@@ -4,13 +4,15 @@
 convention: ``fn(*args, **kwargs)`` is the block, and its result is what ``fn`` returns.
 In tiegrad the session is an argument like the others (``checkpoint(block, session, h)``).
 
-Forward: ``fn`` runs on a private session that records no gradients, so its
-intermediates are freed as soon as no later op needs them. Every parameter use it makes
-is recorded on the caller's session as usual (a leaf holding the value of that moment,
-C2; its registration for grouping, C4); the private session is given a leaf holding that
-same array. The caller's tape gets one node, the block's output, whose parents are the
-block's inputs (every ``TensorRef`` among the arguments, also inside tuples, lists and
-dicts) and the leaves of its uses. The node keeps the inputs' values, the uses' values
+Forward: ``fn`` runs on a private session, recording as it will when it runs again in
+backward (the same ops on the same code path, so the same values on every backend, where
+an op's route may depend on whether a gradient is wanted), and the private tape is
+dropped when ``fn`` returns, so the block's intermediates are freed then. Every
+parameter use it makes is recorded on the caller's session as usual (a leaf holding the
+value of that moment, C2; its registration for grouping, C4); the private session is
+given a leaf holding that same array. The caller's tape gets one node, the block's
+output, whose parents are the block's inputs (every ``TensorRef`` among the arguments,
+also inside tuples, lists and dicts) and the leaves of its uses. The node keeps the inputs' values, the uses' values
 (the caller's tape holds them anyway) and the state of the session's generator before
 the block (dropout's stream), nothing else.
 
@@ -29,8 +31,8 @@ generator alone: every tensor it reads is an argument (a ref recorded outside an
 captured by a closure is another session's, a ``TapeError`` when an op mixes it in), and
 it has no other side effect (a KV cache is not appended to inside a checkpoint). A use of
 another parameter, or of its parameters in another order, when it runs again is a
-``TapeError`` naming both. Checkpoints nest: a checkpoint inside a checkpointed block runs
-plainly in the outer block's forward and is itself recomputed in the outer's backward.
+``TapeError`` naming both. Checkpoints nest: a checkpoint inside a checkpointed block is
+recomputed in the outer block's backward, and recomputes its own block in turn.
 Without gradients (``no_grad``) ``fn`` simply runs on the session.
 """
 
@@ -127,20 +129,20 @@ def _find_session(args: tuple[Any, ...], kwargs: dict[str, Any]) -> EagerSession
 
 
 class _Forward(EagerSession):
-    """The session a checkpointed block runs on in forward: no gradients; each use is
-    recorded on ``outer`` (C2, C4) and its leaf noted in ``uses`` with the parameter."""
+    """The session a checkpointed block runs on in forward: each use is recorded on
+    ``outer`` (C2, C4) and its leaf noted in ``uses`` with the parameter; its own leaf
+    holds the same array and requires a gradient where the outer one does."""
 
     def __init__(self, outer: EagerSession) -> None:
         super().__init__(backend=outer.backend)
         self.rng = outer.rng  # the caller's stream goes on as without recomputation
-        self.grad_enabled = False
         self._outer = outer
         self.uses: list[tuple[Any, TensorRef]] = []
 
     def use(self, param: Any) -> TensorRef:
         ref = self._outer.use(param)
         self.uses.append((param, ref))
-        return self._leaf(ref.value, False)
+        return self._leaf(ref.value, ref.requires_grad)
 
 
 class _Replay(EagerSession):
@@ -220,12 +222,13 @@ def checkpoint(fn: Callable[..., TensorRef], *args: Any, **kwargs: Any) -> Tenso
     state = session.rng.bit_generator.state
     kind = type(session.rng.bit_generator)
     block = _Forward(session)
-    inputs = [block._leaf(r.value, False) for r in refs]
+    inputs = [block._leaf(r.value, r.requires_grad) for r in refs]
     a, kw = _fill(template, block, inputs)
     out = _output(fn(*a, **kw), block)
     value, uses = out.value, block.uses
     shape = tuple(value.shape)
-    del block, inputs, a, kw, out  # the intermediates go with the private tape
+    block.reset()  # the intermediates go with the private tape, reference cycles or not
+    del block, inputs, a, kw, out
     values = [r.value for r in refs]
     needs = [r.requires_grad for r in refs]
     recorded = [(param, r.requires_grad, r.value) for param, r in uses]
