@@ -78,6 +78,19 @@ def test_torch_cpu_has_no_device_peak():
     assert device_peak_mb(device_backend("torch:cpu")) is None
 
 
+def test_a_cuda_device_reports_torchs_peak():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from tiegrad.backend import device_backend
+
+    backend = device_backend("cuda")
+    block = torch.ones(2**20, device=backend.torch_device)  # 4 MiB
+    assert device_peak_mb(backend) >= 4
+    assert peak_memory(backend)["device_peak_mb"] == device_peak_mb(backend)
+    del block
+
+
 @pytest.mark.parametrize(
     "model, recompute, what",
     [
