@@ -38,13 +38,13 @@ class TiedCausalLM(ConfiguredModel):
     """Base of the language models (``TiedLM``, ``SharedBlockLM``, ``GPT2``, ``LlamaLM``);
     subclasses add ``_build_blocks``, ``_body`` and ``stored_blocks``.
 
-    ``recompute`` (False by default; ``gradient_checkpointing_enable()`` and
-    ``gradient_checkpointing_disable()``, or transformers 5's ``activation_checkpointing_*``,
-    are transformers' names for setting it) runs
-    each block application through ``tiegrad.nn.checkpoint`` while training: a block's
-    intermediates are recomputed in backward instead of kept, and the gradients are
-    bit-identical to those without it (C2). A forward with a KV cache never recomputes.
-    The switch is the model object's, not part of ``config``.
+    ``recompute`` (False by default; transformers' names ``gradient_checkpointing_enable()``
+    and ``gradient_checkpointing_disable()``, or transformers 5's
+    ``activation_checkpointing_*``, set it) runs each block application through
+    ``tiegrad.nn.checkpoint`` while training: a block's intermediates are recomputed in
+    backward instead of kept, and the gradients are bit-identical to those without it
+    (C2). A forward with a KV cache never recomputes. The switch is the model object's,
+    not part of ``config``.
     """
 
     _recompute = False

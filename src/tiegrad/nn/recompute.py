@@ -12,9 +12,9 @@ parameter use it makes is recorded on the caller's session as usual (a leaf hold
 value of that moment, C2; its registration for grouping, C4); the private session is
 given a leaf holding that same array. The caller's tape gets one node, the block's
 output, whose parents are the block's inputs (every ``TensorRef`` among the arguments,
-also inside tuples, lists and dicts) and the leaves of its uses. The node keeps the inputs' values, the uses' values
-(the caller's tape holds them anyway) and the state of the session's generator before
-the block (dropout's stream), nothing else.
+also inside tuples, lists and dicts) and the leaves of its uses. The node keeps the
+inputs' values, the uses' values (the caller's tape holds them anyway) and the state of
+the session's generator before the block (dropout's stream), nothing else.
 
 Backward: the node's VJP runs ``fn`` again on another private session, from the kept
 inputs and from the *recorded* values of its uses (not the storages' current values), with
