@@ -56,7 +56,7 @@ def test_a_torn_last_line_is_dropped_on_resume_with_a_warning(tmp_path):
     assert len(seen) == 2 and all("torn" in m for m in seen)  # one notice per file
     assert "metrics.jsonl" in seen[0] and "metrics.csv" in seen[1]
     assert [r["step"] for r in read_metrics(jsonl)] == [1, 2, 3, 4, 5, 6]
-    assert csv.read_text().splitlines()[-2:] == ["5,0.2,,,,,5.0,", "6,0.5,,,,,,"]
+    assert csv.read_text().splitlines()[-2:] == ["5,0.2,,,,,5.0,,,", "6,0.5,,,,,,,,"]
     with pytest.warns(RuntimeWarning, match="torn"):  # the default notice is a warning
         with open(jsonl, "ab") as f:
             f.write(b"{")
@@ -177,7 +177,7 @@ def test_a_damaged_early_csv_row_is_refused_and_neither_file_is_cut(tmp_path):
     csv.write_text(lines[0] + lines[1] + "2,0.5,oops\n" + "".join(lines[3:]))
     before = files(tmp_path)
     for resume_step in (5, 2):  # 2: metrics.jsonl alone would be cut after step 2
-        with pytest.raises(ConfigError, match=r"metrics.csv: line 3 has 3 cells, expected 8"):
+        with pytest.raises(ConfigError, match=r"metrics.csv: line 3 has 3 cells, expected 10"):
             MetricsWriter(tmp_path, resume_step)
         assert files(tmp_path) == before
 
@@ -185,9 +185,10 @@ def test_a_damaged_early_csv_row_is_refused_and_neither_file_is_cut(tmp_path):
 @pytest.mark.parametrize(
     "row, what",
     [
-        ("x,0.5,,,,,1.0,\n", "has step 'x', expected an integer >= 0"),
-        ("-2,0.5,,,,,1.0,\n", "has step '-2'"),
-        ("2,abc,,,,,1.0,\n", "has train_loss 'abc', expected a number or an empty cell"),
+        ("x,0.5,,,,,1.0,,,\n", "has step 'x', expected an integer >= 0"),
+        ("-2,0.5,,,,,1.0,,,\n", "has step '-2'"),
+        ("2,abc,,,,,1.0,,,\n", "has train_loss 'abc', expected a number or an empty cell"),
+        ("2,0.5,,,,,1.0,,big,\n", "has peak_rss_mb 'big', expected a number or an empty cell"),
         ("step,train_loss\n", "has 2 cells"),
     ],
 )

@@ -153,7 +153,9 @@ def test_run_folder_holds_checkpoints_metrics_and_plot(tmp_path):
     best = min(r["val_loss"] for r in records if "val_loss" in r)
     assert result.best_val_loss == best
     rows = run.csv_path.read_text().splitlines()
-    assert rows[0] == "step,train_loss,val_loss,lr,grad_norm,throughput,elapsed,val_ppl"
+    assert rows[0] == "step,train_loss,val_loss,lr,grad_norm,throughput,elapsed,val_ppl," + (
+        "peak_rss_mb,device_peak_mb"
+    )
     assert len(rows) == 1 + len(records)
     assert result.plot == run.plot_path and run.plot_path.read_bytes()[:4] == b"\x89PNG"
     info = tiegrad.load(run.latest(), TiedLM(**model.config))

@@ -122,6 +122,7 @@ def run_job(
         resume_hint=f"tiegrad resume {quote(str(run.path))}",
         callbacks=callbacks,
         parallel=data_parallel(model, config["shard"]),
+        recompute=config["recompute"],
     )
     if speaks:
         command = "resume" if resume else "train"

@@ -36,3 +36,17 @@ def add_no_progress(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="hide the progress bar",
     )
+
+
+def add_recompute(parser: argparse.ArgumentParser) -> None:
+    """``--recompute`` / ``--no-recompute``: ``recompute`` is ``True`` or ``False``, else
+    ``None`` (the configuration's, or the resumed run's)."""
+    from ..train.config import HELP
+
+    parser.add_argument(
+        "--recompute",
+        dest="recompute",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"{HELP['recompute']} (default: off; resume: the run's)",
+    )

@@ -1,7 +1,8 @@
 """``tiegrad resume``: continue a run from its latest periodic checkpoint.
 
 The run keeps its configuration (``config.json``), vocabulary and schedule; ``--steps``
-(a new total) and ``--patience`` extend a run that finished or stopped early. A run
+(a new total) and ``--patience`` extend a run that finished or stopped early;
+``--recompute``/``--no-recompute`` switch recomputation, which changes no gradient. A run
 with nothing left to do takes no step and says how to extend it. The latest checkpoint
 must be the run's own (``run_match``) and the metrics files whole up to it
 (``check_metrics``): otherwise the command refuses before anything is built or written
@@ -19,7 +20,7 @@ from ..errors import ConfigError
 from .checkpoints import checkpoint_schema
 from .exits import main_process
 from .job import join_group, run_job
-from .options import add_no_progress, add_nproc
+from .options import add_no_progress, add_nproc, add_recompute
 from .report import quote
 from .run_match import check_checkpoint
 from .runs import LATEST, RUNS, best_only, newest_run
@@ -50,6 +51,7 @@ def add_parser(sub: Any) -> None:
         help="data parallel: shard the optimizer state, or also the gradients, or neither "
         "(default: the run's)",
     )
+    add_recompute(resume)
     add_no_progress(resume)
     add_nproc(resume)
 
@@ -98,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         config["patience"] = args.patience
     if args.shard is not None:
         config["shard"] = "" if args.shard == "none" else args.shard
+    if args.recompute is not None:  # the same gradients: a resumed run may switch it
+        config["recompute"] = args.recompute
     for key in ("text_sha256", "vocab_table", RUN_ID):
         config.pop(key, None)
     config = check_config(config)

@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from .job import join_group, run_job
-from .options import add_no_progress, add_nproc
+from .options import add_no_progress, add_nproc, add_recompute
 from .runs import fresh_run_folder
 
 #: flag -> config key, for the flags that override a configuration key.
@@ -93,6 +93,7 @@ def add_parser(sub: Any) -> None:
             metavar=_METAVARS.get(key, flag[2:].upper().replace("-", "_")),
             help=f"{HELP[key]}{shown}",
         )
+    add_recompute(train)
     add_no_progress(train)
     add_nproc(train)
     train.add_argument(

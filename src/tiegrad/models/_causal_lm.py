@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import ConfigError, DTypeError, HyperparameterError, ShapeError
+from ..errors import ConfigError, DTypeError, HyperparameterError, ShapeError, shown_list
 from ..nn import init
 from ..nn.attention import TransformerBlock
 from ..nn.kv_cache import KVCache
@@ -35,8 +35,19 @@ BLOCK_SLOTS = 12
 
 
 class TiedCausalLM(ConfiguredModel):
-    """Base of ``TiedLM`` and ``SharedBlockLM``; subclasses add ``_build_blocks``, ``_body``
-    and ``stored_blocks``."""
+    """Base of the language models (``TiedLM``, ``SharedBlockLM``, ``GPT2``, ``LlamaLM``);
+    subclasses add ``_build_blocks``, ``_body`` and ``stored_blocks``.
+
+    ``recompute`` (False by default; transformers' names ``gradient_checkpointing_enable()``
+    and ``gradient_checkpointing_disable()``, or transformers 5's
+    ``activation_checkpointing_*``, set it) runs each block application through
+    ``tiegrad.nn.checkpoint`` while training: a block's intermediates are recomputed in
+    backward instead of kept, and the gradients are bit-identical to those without it
+    (C2). A forward with a KV cache never recomputes. The switch is the model object's,
+    not part of ``config``.
+    """
+
+    _recompute = False
 
     ARGS = {
         "vocab_size": size,
@@ -69,6 +80,55 @@ class TiedCausalLM(ConfiguredModel):
         block = 4 * d * d + 2 * r * d * d + 9 * d + r * d
         embeddings = (config["vocab_size"] + config["max_seq_len"]) * d
         return 5 + BLOCK_SLOTS * n, embeddings + n * block + 2 * d
+
+    @property
+    def recompute(self) -> bool:
+        """Whether training forwards recompute each block in backward (see the class)."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, value: bool) -> None:
+        self._recompute = flag(self.label(), "recompute", value)
+
+    def gradient_checkpointing_enable(
+        self, gradient_checkpointing_kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        """transformers' name for ``recompute = True``. tiegrad's recomputation has no
+        options (it is always exact): ``gradient_checkpointing_kwargs`` other than None
+        or empty is a ``ConfigError`` naming them, the switch unchanged."""
+        self._enable_recompute("gradient_checkpointing_kwargs", gradient_checkpointing_kwargs)
+
+    def activation_checkpointing_enable(
+        self, activation_checkpointing_kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        """transformers 5's newer name of ``gradient_checkpointing_enable``."""
+        self._enable_recompute("activation_checkpointing_kwargs", activation_checkpointing_kwargs)
+
+    def _enable_recompute(self, name: str, options: Mapping[str, Any] | None) -> None:
+        if options:
+            raise ConfigError(
+                f"{self.label()}: {name} {shown_list(sorted(map(str, options)))} are options "
+                "of torch.utils.checkpoint; tiegrad's recomputation takes none (it is exact, "
+                "with dropout's stream replayed)"
+            )
+        self.recompute = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        """transformers' name for ``recompute = False``."""
+        self.recompute = False
+
+    activation_checkpointing_disable = gradient_checkpointing_disable
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """transformers' name for ``recompute``."""
+        return self.recompute
+
+    is_activation_checkpointing = is_gradient_checkpointing
+
+    def _recomputes(self, cache: KVCache | None) -> bool:
+        """Whether a forward with ``cache`` runs its blocks through ``checkpoint``."""
+        return self._recompute and cache is None
 
     def _build(self, seed: int, dtype: Any, **args: Any) -> None:
         """Set ``config`` (``args``, ``seed``, ``dtype``) and build the layers in slot order,

@@ -31,6 +31,7 @@ from ..nn._input import layer_input
 from ..nn.kv_cache import KVCache
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.module import Module, ModuleList
+from ..nn.recompute import checkpoint_if
 from ..nn.tying import tie
 from ..optim import hyperparams
 from ..session import EagerSession, TensorRef
@@ -190,14 +191,21 @@ class GPT2Body(Module):
         super().__init__()
         self.wte, self.wpe, self.drop, self.h, self.ln_f = wte, wpe, drop, h, ln_f
 
-    def forward(self, session: EagerSession, idx: Any, cache: KVCache | None = None) -> TensorRef:
+    def forward(
+        self,
+        session: EagerSession,
+        idx: Any,
+        cache: KVCache | None = None,
+        recompute: bool = False,
+    ) -> TensorRef:
         """Hidden states of ``idx`` (B, T) at positions ``0 .. T-1``, or after the
-        ``cache``'s positions, whose keys and values it then holds."""
+        ``cache``'s positions, whose keys and values it then holds; with ``recompute``
+        each block runs through ``tiegrad.nn.checkpoint``."""
         seen, t = (0 if cache is None else cache.length), idx.shape[1]
         positions = np.arange(seen, seen + t)
         h = self.drop(session, self.wte(session, idx) + self.wpe(session, positions))
         for i, block in enumerate(self.h):
-            h = block(session, h, cache, i)
+            h = checkpoint_if(recompute, block, session, h, cache, i)
         if cache is not None:
             cache.advance(t)
         return self.ln_f(session, h)
@@ -375,7 +383,8 @@ class GPT2(TiedCausalLM):
         prompt, then one token per step)."""
         idx = self._token_ids(idx)
         self._cached_positions(idx, cache)
-        return self.lm_head(session, self.transformer(session, idx, cache))
+        body = self.transformer(session, idx, cache, recompute=self._recomputes(cache))
+        return self.lm_head(session, body)
 
     @classmethod
     def from_pretrained(

@@ -46,6 +46,7 @@ from ..nn._input import layer_input
 from ..nn.kv_cache import KVCache
 from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList
+from ..nn.recompute import checkpoint_if
 from ..nn.tying import tie
 from ..optim import hyperparams
 from ..session import EagerSession, TensorRef
@@ -451,8 +452,9 @@ class LlamaLM(TiedCausalLM):
         )  # fmt: skip
         rope = (session.constant(tables[0]), session.constant(tables[1]))
         h = self.model.embed_tokens(session, idx)
+        recompute = self._recomputes(cache)
         for i, layer in enumerate(self.model.layers):
-            h = layer(session, h, rope, cache, i)
+            h = checkpoint_if(recompute, layer, session, h, rope, cache, i)
         if cache is not None:
             cache.advance(t)
         return self.lm_head(session, self.model.norm(session, h))

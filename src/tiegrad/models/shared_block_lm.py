@@ -7,6 +7,7 @@ from typing import Any
 
 from ..nn.attention import TransformerBlock
 from ..nn.kv_cache import KVCache
+from ..nn.recompute import checkpoint_if
 from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
@@ -57,8 +58,9 @@ class SharedBlockLM(TiedCausalLM):
         self.block = new_block()
 
     def _body(self, session: EagerSession, h: TensorRef, cache: KVCache | None) -> TensorRef:
+        recompute = self._recomputes(cache)
         for i in range(self.n_repeats):
-            h = self.block(session, h, cache=cache, layer=i)
+            h = checkpoint_if(recompute, self.block, session, h, cache=cache, layer=i)
         return h
 
     def _applications(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from ..nn.attention import TransformerBlock
 from ..nn.kv_cache import KVCache
 from ..nn.module import ModuleList
+from ..nn.recompute import checkpoint_if
 from ..optim.hyperparams import size
 from ..session import EagerSession, TensorRef
 from ._causal_lm import TiedCausalLM
@@ -61,8 +62,9 @@ class TiedLM(TiedCausalLM):
         self.blocks = ModuleList(new_block() for _ in range(self.config["n_layers"]))
 
     def _body(self, session: EagerSession, h: TensorRef, cache: KVCache | None) -> TensorRef:
+        recompute = self._recomputes(cache)
         for i, block in enumerate(self.blocks):
-            h = block(session, h, cache=cache, layer=i)
+            h = checkpoint_if(recompute, block, session, h, cache=cache, layer=i)
         return h
 
     def _applications(self) -> int:

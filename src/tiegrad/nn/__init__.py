@@ -2,7 +2,8 @@
 
 ``Module`` registers ``Param``s and submodules by attribute; ``tie``/``untie`` and
 ``Module.freeze``/``unfreeze`` work on dotted paths; ``summary`` reports storages,
-paths, frozen uses, optimizer slots and checkpoint copies. Layer constructors take
+paths, frozen uses, optimizer slots and checkpoint copies; ``checkpoint`` recomputes a block
+exactly in backward instead of keeping its intermediates. Layer constructors take
 ``rng`` (a ``numpy.random.Generator``; see ``tiegrad.nn.init``).
 """
 
@@ -10,6 +11,7 @@ from .attention import MultiHeadAttention, TransformerBlock
 from .conv import Conv2d, MaxPool2d
 from .layers import GELU, MLP, Dropout, Embedding, Flatten, LayerNorm, Linear, ReLU, Tanh
 from .module import Module, ModuleList, Sequential, set_trainable
+from .recompute import checkpoint
 from .summary import summary
 from .tying import tie, untie
 
@@ -30,6 +32,7 @@ __all__ = [
     "Sequential",
     "Tanh",
     "TransformerBlock",
+    "checkpoint",
     "set_trainable",
     "summary",
     "tie",

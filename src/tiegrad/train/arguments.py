@@ -151,6 +151,19 @@ def checked_extra(extra: Any) -> dict[str, Any]:
     return dict(extra)
 
 
+def check_recompute(model: Any, recompute: Any) -> None:
+    """``recompute`` a bool; when true, ``model`` has transformers' switch
+    ``gradient_checkpointing_enable()`` (the language models: ``TiedCausalLM.recompute``)."""
+    if not isinstance(recompute, bool):
+        raise ConfigError(f"Trainer: recompute must be True or False, got {recompute!r:.80}")
+    if recompute and not callable(getattr(model, "gradient_checkpointing_enable", None)):
+        raise ConfigError(
+            f"Trainer: recompute=True needs a model with gradient_checkpointing_enable() "
+            f"(TiedLM, SharedBlockLM, GPT2, LlamaLM); {type(model).__name__} has none: wrap "
+            "its blocks in tiegrad.nn.checkpoint in its forward instead"
+        )
+
+
 def loss_fn_of(model: Any, loss_fn: LossFn | None) -> LossFn:
     """``loss_fn``, or by default ``model.loss(session, *batch)``."""
     if loss_fn is not None:

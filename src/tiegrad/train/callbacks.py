@@ -10,7 +10,9 @@ asked) and before the loss plot:
   the same trainer);
 - ``on_step_end(trainer, logs)``: after every optimizer step; ``logs`` holds ``step``,
   ``train_loss``, ``lr``, ``grad_norm`` (``None`` without clipping), ``throughput``
-  (items per second) and ``elapsed`` (the run's seconds, earlier processes included);
+  (items per second), ``elapsed`` (the run's seconds, earlier processes included),
+  ``peak_rss_mb`` and ``device_peak_mb`` (the process's peak memory so far, MiB, None
+  where not known: ``tiegrad.train.memory``);
 - ``on_eval(trainer, logs)``: after every evaluation; ``logs`` holds ``step``,
   ``val_loss``, ``val_ppl`` (its exponential, the perplexity), ``best`` and ``elapsed``;
 - ``on_checkpoint(trainer, path)``: after a checkpoint file is written;

@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "warmup_ratio": 0.05,
     "weight_decay": 0.01,
     "clip_norm": 1.0,
+    "recompute": False,
     # evaluation, checkpoints, run
     "eval_every": 100,
     "eval_batches": 8,
@@ -101,6 +102,8 @@ HELP: dict[str, str] = {
     "warmup_ratio": "linear warmup as a fraction of the steps, when warmup_steps is -1",
     "weight_decay": "AdamW weight decay",
     "clip_norm": "global gradient-norm clip; 0 turns clipping off",
+    "recompute": "recompute each block in backward instead of keeping its activations "
+    "(less memory, the same gradients, about one more forward per step)",
     "eval_every": "evaluate on the validation split every N steps",
     "eval_batches": "validation batches per evaluation",
     "sample_every": "print a text sample at the evaluations every N steps; 0 prints none",

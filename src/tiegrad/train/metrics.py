@@ -1,9 +1,12 @@
 """``MetricsWriter``: a run's metrics as ``metrics.jsonl`` and ``metrics.csv``.
 
 Each record is one row: a training record (``train_loss``, ``lr``, ``grad_norm``,
-``throughput``) or an evaluation record (``val_loss``, ``val_ppl``), both with ``step``
-and ``elapsed`` seconds. The JSON-lines file keeps every field; the CSV has the fixed
-columns ``CSV_COLUMNS`` with empty cells where a record has no value.
+``throughput``, and the process's peak memory so far in MiB, ``peak_rss_mb`` and on a
+CUDA device ``device_peak_mb``: ``tiegrad.train.memory``) or an evaluation record
+(``val_loss``, ``val_ppl``), both with ``step`` and ``elapsed`` seconds. The JSON-lines
+file keeps every field; the CSV has the fixed columns ``CSV_COLUMNS`` with empty cells
+where a record has no value. A ``metrics.csv`` begun before the memory columns existed
+(its header is ``EARLIER_COLUMNS``) keeps its columns when the run is resumed.
 
 Nothing already written is lost. Each record is appended to both files with
 unbuffered writes, so a crash loses at most the line being written. On resume the
@@ -42,7 +45,11 @@ CSV_COLUMNS = (
     "throughput",
     "elapsed",
     "val_ppl",
+    "peak_rss_mb",
+    "device_peak_mb",
 )
+#: The columns of a ``metrics.csv`` written before the peak-memory columns.
+EARLIER_COLUMNS = CSV_COLUMNS[:8]
 JSONL_NAME = "metrics.jsonl"
 CSV_NAME = "metrics.csv"
 
@@ -88,20 +95,21 @@ def _json_record(line: bytes) -> tuple[dict[str, Any] | None, str]:
     return record, ""
 
 
-def _csv_record(line: bytes) -> tuple[dict[str, Any] | None, str]:
-    """A ``metrics.csv`` row as ``{"step": int}``, or ``None`` and what is wrong with it."""
+def _csv_record(line: bytes, columns: tuple[str, ...]) -> tuple[dict[str, Any] | None, str]:
+    """A ``metrics.csv`` row of ``columns`` as ``{"step": int}``, or ``None`` and what is
+    wrong with it."""
     try:
         cells = next(csv.reader([line.decode("utf-8")]))
     except (UnicodeDecodeError, csv.Error, StopIteration):
         return None, "is not a CSV row"
-    if len(cells) != len(CSV_COLUMNS):
+    if len(cells) != len(columns):
         return (
             None,
-            f"has {len(cells)} cells, expected {len(CSV_COLUMNS)} ({','.join(CSV_COLUMNS)})",
+            f"has {len(cells)} cells, expected {len(columns)} ({','.join(columns)})",
         )
     if not cells[0].isascii() or not cells[0].isdigit():
         return None, f"has step {cells[0]!r:.40}, expected an integer >= 0"
-    for key, cell in zip(CSV_COLUMNS[1:], cells[1:]):
+    for key, cell in zip(columns[1:], cells[1:]):
         try:
             float(cell or 0)
         except ValueError:
@@ -151,10 +159,10 @@ def _json_value(v: Any) -> Any:
     return v
 
 
-def _csv_row(record: dict[str, Any] | None) -> bytes:
-    """One CSV line of ``record`` (the header for ``None``)."""
+def _csv_row(record: dict[str, Any] | None, columns: tuple[str, ...] = CSV_COLUMNS) -> bytes:
+    """One CSV line of ``record`` in ``columns`` (their header for ``None``)."""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buf, columns, extrasaction="ignore", lineterminator="\n")
     if record is None:
         writer.writeheader()
     else:
@@ -168,9 +176,13 @@ def _cuts(folder: Path, resume_step: int) -> list[tuple[Path, int, bool]]:
     last line (``torn``); a file kept whole is not listed. Reads only; a damaged line
     before the last, in either file, is a ``ConfigError``."""
     out = []
+    columns = _csv_columns(folder / CSV_NAME)
     for path, lines in (
         (folder / JSONL_NAME, lambda p: _scan(p, _json_record)),
-        (folder / CSV_NAME, lambda p: _scan(p, _csv_record, _csv_row(None))),
+        (
+            folder / CSV_NAME,
+            lambda p: _scan(p, lambda r: _csv_record(r, columns), _csv_row(None, columns)),
+        ),
     ):
         if not path.exists():
             continue
@@ -179,6 +191,18 @@ def _cuts(folder: Path, resume_step: int) -> list[tuple[Path, int, bool]]:
                 out.append((path, offset, record is None))
                 break
     return out
+
+
+def _csv_columns(path: Path) -> tuple[str, ...]:
+    """The columns of the ``metrics.csv`` at ``path``: ``EARLIER_COLUMNS`` where its first
+    line is their header, else ``CSV_COLUMNS`` (a missing or empty file, or a header that
+    is neither, which ``_scan`` then refuses)."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(MAX_JSON_BYTES)
+    except FileNotFoundError:
+        return CSV_COLUMNS
+    return EARLIER_COLUMNS if first == _csv_row(None, EARLIER_COLUMNS) else CSV_COLUMNS
 
 
 def check_metrics(folder: str | os.PathLike, resume_step: int) -> None:
@@ -215,6 +239,8 @@ class MetricsWriter:
                     notify(f"{path}: dropped a torn last line (a write was cut off)")
                 os.truncate(path, offset)
             header = self.csv_path.exists() and self.csv_path.stat().st_size > 0
+        #: the CSV's columns: an earlier file's when a resumed run appends to one
+        self.columns = _csv_columns(self.csv_path) if header else CSV_COLUMNS
         mode = "ab" if resume_step is not None else "wb"
         self._files: list[tuple[Path, BinaryIO]] = []
         for path in (self.jsonl_path, self.csv_path):
@@ -226,7 +252,7 @@ class MetricsWriter:
                     e.errno, f"cannot open the metrics file ({e.strerror})", str(path)
                 ) from None
         if not header:
-            self._append(1, _csv_row(None))
+            self._append(1, _csv_row(None, self.columns))
 
     def _append(self, index: int, data: bytes) -> None:
         path, f = self._files[index]
@@ -243,7 +269,7 @@ class MetricsWriter:
         """Append one record (a dict with at least ``step``) to both files."""
         record = {k: _json_value(v) for k, v in record.items() if v is not None}
         self._append(0, (json.dumps(record) + "\n").encode("utf-8"))
-        self._append(1, _csv_row(record))
+        self._append(1, _csv_row(record, self.columns))
 
     def close(self) -> None:
         for _, f in self._files:

@@ -51,6 +51,7 @@ from .checkpointing import (
     rng_state,
     set_rng_state,
 )
+from .memory import peak_memory
 from .progress import Progress
 from .reporting import Reporting
 from .result import STATUSES, TrainResult
@@ -128,7 +129,14 @@ class Trainer(Checkpointing, Reporting):
     each step, evaluation, checkpoint and at the end, between the built-in metrics
     writer and the loss plot.
 
-    Bad settings raise ``ConfigError`` in the constructor, before anything runs.
+    ``recompute=True`` calls the model's ``gradient_checkpointing_enable()`` (as
+    transformers' ``TrainingArguments(gradient_checkpointing=True)`` does): each block is
+    recomputed in backward instead of kept, with the same gradients (``tiegrad.nn.checkpoint``).
+    Every step's record also carries the process's peak memory so far, ``peak_rss_mb`` and,
+    on a CUDA device, ``device_peak_mb`` (``tiegrad.train.memory``).
+
+    Bad settings raise ``ConfigError`` in the constructor, before anything runs or the
+    model is changed.
     """
 
     def __init__(
@@ -161,6 +169,7 @@ class Trainer(Checkpointing, Reporting):
         out: TextIO | None = None,
         callbacks: Sequence[Callback] = (),
         parallel: Any = None,
+        recompute: bool = False,
     ) -> None:
         arguments.check_data(train_data, val_data)
         arguments.check_optimizer(optimizer)
@@ -182,6 +191,7 @@ class Trainer(Checkpointing, Reporting):
         extra = arguments.checked_extra(extra)
         arguments.check_callbacks(callbacks)
         loss_fn = arguments.loss_fn_of(model, loss_fn)
+        arguments.check_recompute(model, recompute)
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
@@ -218,6 +228,9 @@ class Trainer(Checkpointing, Reporting):
             check_run_folder(self.run, resume)
         self.parallel = parallel if parallel is not None else default_parallel(model)
         self.main = self.parallel is None or self.parallel.is_main
+        self.recompute = recompute
+        if recompute:
+            model.gradient_checkpointing_enable()
 
     # -- data ------------------------------------------------------------------------
     def _next_batch(self) -> Batch:
@@ -399,6 +412,7 @@ class Trainer(Checkpointing, Reporting):
                         "grad_norm": norm,
                         "throughput": step_rate,
                         "elapsed": self._elapsed(),
+                        **peak_memory(self.session.backend),
                     }
                     for cb in self._active:
                         cb.on_step_end(self, logs)
