@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -35,7 +36,7 @@ class TextSource:
     sha256: str
 
 
-def load_text(config: dict[str, Any]) -> TextSource:
+def load_text(config: Mapping[str, Any]) -> TextSource:
     """The configured text file, or the standard-library corpus when ``text`` is empty."""
     if config["text"]:
         text = read_text(config["text"], config["vocab"])
@@ -51,7 +52,7 @@ def load_text(config: dict[str, Any]) -> TextSource:
 
 
 def build_dataset(
-    config: dict[str, Any], source: TextSource, vocab: Vocab | None = None
+    config: Mapping[str, Any], source: TextSource, vocab: Vocab | None = None
 ) -> TextDataset:
     """The windows dataset of ``source`` (with a stored ``vocab`` when resuming)."""
     return TextDataset(
@@ -62,7 +63,7 @@ def build_dataset(
     )
 
 
-def model_config(config: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def model_config(config: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     """The ``TiedLM`` constructor arguments of a run."""
     return {
         "vocab_size": vocab_size,
@@ -115,7 +116,7 @@ def apply_freeze(model: Any, text: str, label: str = "--freeze") -> list[str]:
 
 
 def build_init(
-    config: dict[str, Any], source: TextSource, vocab: Any = None, model: Any = None
+    config: Mapping[str, Any], source: TextSource, vocab: Any = None, model: Any = None
 ) -> tuple[Any, TextDataset]:
     """The model of ``config["init"]`` (a transformers directory, of the class its
     ``model_type`` names: ``models.from_pretrained``) with the LoRA adapters of
@@ -143,7 +144,7 @@ def build_init(
     return model, build_dataset(config, source, vocab)
 
 
-def build_optimizer(config: dict[str, Any], model: Any) -> tuple[Any, Any]:
+def build_optimizer(config: Mapping[str, Any], model: Any) -> tuple[Any, Any]:
     """AdamW over the model's parameters and a cosine schedule with linear warmup."""
     from ..optim import AdamW
     from ..optim.schedules import CosineWarmup

@@ -51,6 +51,7 @@ from .checkpointing import (
     rng_state,
     set_rng_state,
 )
+from .config import TrainConfig
 from .progress import Progress
 from .reporting import Reporting
 from .result import STATUSES, TrainResult
@@ -128,7 +129,13 @@ class Trainer(Checkpointing, Reporting):
     each step, evaluation, checkpoint and at the end, between the built-in metrics
     writer and the loss plot.
 
-    Bad settings raise ``ConfigError`` in the constructor, before anything runs.
+    Settings: ``config`` (a ``TrainConfig``) holds them all, as ``tiegrad train`` passes
+    them; or the keywords ``max_steps``/``epochs`` through ``progress`` describe them
+    (``None`` turning a setting off), and the trainer makes its ``TrainConfig`` from
+    them. The two do not mix: with ``config`` every setting keyword keeps its default.
+    ``trainer.config`` is the configuration in force; raising ``max_steps`` replaces it.
+
+    Bad settings raise ``ConfigError`` in the constructor, before anything runs (C6).
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class Trainer(Checkpointing, Reporting):
         val_data: BatchSource | Sequence[Batch] | None = None,
         schedule: Any = None,
         *,
+        config: TrainConfig | None = None,
         max_steps: int | None = None,
         epochs: int | None = None,
         grad_accum: int = 1,
@@ -164,35 +172,37 @@ class Trainer(Checkpointing, Reporting):
     ) -> None:
         arguments.check_data(train_data, val_data)
         arguments.check_optimizer(optimizer)
-        self.grad_accum, self.max_steps = arguments.checked_length(
-            max_steps, epochs, grad_accum, len(train_data)
-        )
-        self.eval_every = arguments.optional_positive("eval_every", eval_every)
-        self.checkpoint_every = arguments.optional_positive("checkpoint_every", checkpoint_every)
-        self.keep_last = check_positive("Trainer: keep_last", keep_last)
-        self.log_every = check_positive("Trainer: log_every", log_every)
-        self.patience = arguments.optional_positive("Trainer: patience", patience)
-        if patience is not None and val_data is None:
+        given = locals()  # the setting keywords as passed (arguments.SETTING_KEYWORDS)
+        settings = {name: given[name] for name in arguments.SETTING_KEYWORDS}
+        if config is None:
+            config = arguments.keyword_config(settings, len(train_data))
+        else:
+            arguments.check_config_alone(config, settings)
+        if config.patience and val_data is None:
             raise ConfigError("Trainer: early stopping (patience) needs val_data")
-        self.clip_norm = arguments.checked_clip_norm(clip_norm)
-        arguments.check_min_delta(min_delta)
-        arguments.check_seed(seed)
+        self.log_every = check_positive("Trainer: log_every", log_every)
         callbacks = arguments.callback_list(callbacks)
-        arguments.check_run_dir(run_dir)
         extra = arguments.checked_extra(extra)
         arguments.check_callbacks(callbacks)
         loss_fn = arguments.loss_fn_of(model, loss_fn)
+        self.config = config
+        self.grad_accum = config.grad_accum
+        self.eval_every = config.eval_every or None
+        self.checkpoint_every = config.checkpoint_every or None
+        self.keep_last = config.keep_last
+        self.patience = config.patience or None
+        self.clip_norm = config.clip_norm or None
+        self.min_delta = config.min_delta
+        self.seed = config.seed
+        self.progress_enabled = config.progress
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.train_data = train_data
         self.val_data = val_data
-        self.min_delta = float(min_delta)
-        self.seed = seed
-        self.run = RunDir(run_dir) if run_dir is not None else None
+        self.run = RunDir(config.run) if config.run else None
         self.resume = resume
-        self.progress_enabled = progress
         self.plot_enabled = plot
         self.extra = extra
         self.resume_hint = resume_hint
@@ -202,9 +212,11 @@ class Trainer(Checkpointing, Reporting):
         #: the step the current (or last) ``fit`` started from: 0 for a new run.
         self.start_step = 0
         self._progress: Progress | None = None
-        data_seed, session_seed = derive_seeds(seed)
+        data_seed, session_seed = derive_seeds(config.seed)
         self.data_rng = np.random.default_rng(data_seed)
-        self.session = EagerSession(device=device, seed=session_seed)
+        self.session = EagerSession(
+            device=None if config.device == "cpu" else config.device, seed=session_seed
+        )
         self._own_stream = False  # whether this rank's session generator is its own yet
         self.step = 0
         self.epoch = 0
@@ -218,6 +230,17 @@ class Trainer(Checkpointing, Reporting):
             check_run_folder(self.run, resume)
         self.parallel = parallel if parallel is not None else default_parallel(model)
         self.main = self.parallel is None or self.parallel.is_main
+
+    @property
+    def max_steps(self) -> int:
+        """The step count the run goes to (``config.steps``)."""
+        return self.config.steps
+
+    @max_steps.setter
+    def max_steps(self, steps: int) -> None:
+        """Raise (or lower) the step count; a later ``fit`` continues to it. Checked as
+        ``TrainConfig.steps`` is: a bad value is a ``ConfigError`` and changes nothing."""
+        self.config = self.config.replace(steps=steps)
 
     # -- data ------------------------------------------------------------------------
     def _next_batch(self) -> Batch:
