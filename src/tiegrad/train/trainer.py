@@ -77,20 +77,20 @@ def patience_exhausted(bad_evals: int, patience: int | None) -> bool:
     return patience is not None and bad_evals >= patience
 
 
-def _accumulate(total: list[Any], new: list[Any], owned: set[int]) -> list[Any]:
+def _accumulate(total: list[Any], new: list[Any], made: set[int]) -> list[Any]:
     """``total + new`` per slot, None counted as zeros (a micro-batch that did not use a
-    storage). A slot's first addition makes a new array (listed in ``owned``) and later
+    storage). A slot's first addition makes a new array (listed in ``made``) and later
     ones add into it, so the arrays the optimizer handed out are never written."""
     for i, g in enumerate(new):
         if g is None:
             continue
         if total[i] is None:
             total[i] = g
-        elif i in owned:
+        elif i in made:
             total[i] += g
         else:
             total[i] = total[i] + g
-            owned.add(i)
+            made.add(i)
     return total
 
 
@@ -293,7 +293,7 @@ class Trainer(Checkpointing, Reporting):
         items = 0
         scale = 1.0 / self.grad_accum
         grads: list[Any] | None = None
-        owned: set[int] = set()
+        made: set[int] = set()
         for _ in range(self.grad_accum):
             batch = self._next_batch()
             items += self.train_data.count(batch)
@@ -308,7 +308,7 @@ class Trainer(Checkpointing, Reporting):
             new = self.optimizer.canonical_gradients(
                 s.backward(loss), allow_missing=self.grad_accum > 1
             )
-            grads = new if grads is None else _accumulate(grads, new, owned)
+            grads = new if grads is None else _accumulate(grads, new, made)
         if self.parallel is not None and self.grad_accum > 1:
             grads = self.parallel.average(grads)
         s.reset()  # nothing pins the storages any more: the update is written in place
