@@ -63,22 +63,22 @@ def check_optimizer(optimizer: Any) -> None:
             )
 
 
-#: The ``Trainer`` keywords that are settings, with their defaults, and the
-#: ``TrainConfig`` key each sets (``None``: the length, ``max_steps`` or ``epochs``).
-SETTING_KEYWORDS: dict[str, tuple[Any, str | None]] = {
-    "max_steps": (None, None),
-    "epochs": (None, None),
-    "grad_accum": (1, "grad_accum"),
-    "clip_norm": (None, "clip_norm"),
-    "eval_every": (None, "eval_every"),
-    "checkpoint_every": (None, "checkpoint_every"),
-    "keep_last": (3, "keep_last"),
-    "patience": (None, "patience"),
-    "min_delta": (0.0, "min_delta"),
-    "run_dir": (None, "run"),
-    "seed": (0, "seed"),
-    "device": (None, "device"),
-    "progress": (True, "progress"),
+#: The ``Trainer`` keywords that are settings, and the ``TrainConfig`` key each sets
+#: (``None``: the length, ``max_steps`` or ``epochs``); their defaults are the signature's.
+SETTING_KEYWORDS: dict[str, str | None] = {
+    "max_steps": None,
+    "epochs": None,
+    "grad_accum": "grad_accum",
+    "clip_norm": "clip_norm",
+    "eval_every": "eval_every",
+    "checkpoint_every": "checkpoint_every",
+    "keep_last": "keep_last",
+    "patience": "patience",
+    "min_delta": "min_delta",
+    "run_dir": "run",
+    "seed": "seed",
+    "device": "device",
+    "progress": "progress",
 }
 
 
@@ -133,22 +133,23 @@ def keyword_config(settings: dict[str, Any], batches: int) -> TrainConfig:
         "progress": settings["progress"],
         "run": "" if run_dir is None else os.fspath(run_dir),
     }
-    names = {key: name for name, (_, key) in SETTING_KEYWORDS.items() if key is not None}
+    names = {key: name for name, key in SETTING_KEYWORDS.items() if key is not None}
     names["steps"] = "max_steps" if settings["max_steps"] is not None else "epochs"
     return TrainConfig.from_mapping(values, labels={k: f"Trainer: {n}" for k, n in names.items()})
 
 
-def check_config_alone(config: Any, settings: dict[str, Any]) -> None:
-    """With ``config`` (a ``TrainConfig``), the setting keywords keep their defaults:
-    the settings come from one place. Else a ``ConfigError`` naming the keywords."""
+def check_config_alone(config: Any, settings: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """With ``config`` (a ``TrainConfig``), every setting keyword keeps its default (in
+    ``defaults``): the settings come from one place. Else a ``ConfigError`` naming the
+    keywords given."""
     if not isinstance(config, TrainConfig):
         raise ConfigError(
             f"Trainer: config must be a tiegrad.train.TrainConfig, got {type(config).__name__}"
         )
     given = [
         name
-        for name, (default, _) in SETTING_KEYWORDS.items()
-        if settings[name] is not default and settings[name] != default
+        for name, value in settings.items()
+        if value is not defaults[name] and value != defaults[name]
     ]
     if given:
         raise ConfigError(

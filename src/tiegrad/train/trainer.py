@@ -27,6 +27,7 @@ and a sharded validation loader's loss is averaged over the ranks.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -177,7 +178,7 @@ class Trainer(Checkpointing, Reporting):
         if config is None:
             config = arguments.keyword_config(settings, len(train_data))
         else:
-            arguments.check_config_alone(config, settings)
+            arguments.check_config_alone(config, settings, _SETTING_DEFAULTS)
         if config.patience and val_data is None:
             raise ConfigError("Trainer: early stopping (patience) needs val_data")
         self.log_every = check_positive("Trainer: log_every", log_every)
@@ -491,3 +492,11 @@ class Trainer(Checkpointing, Reporting):
             result.checkpoint = self.run.latest()
             result.best_checkpoint = self.run.best_path if self.run.best_path.is_file() else None
         return result
+
+
+#: The defaults of the ``Trainer``'s setting keywords (``arguments.SETTING_KEYWORDS``).
+_SETTING_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
+    if name in arguments.SETTING_KEYWORDS
+}
