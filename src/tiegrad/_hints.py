@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 
-def missing_attribute(owner: str, name: str, hints: Mapping[str, str]) -> AttributeError:
-    """The ``AttributeError`` for ``owner.name``, with ``hints[name]`` when there is one."""
+def missing_attribute(label: str, name: str, hints: Mapping[str, str]) -> AttributeError:
+    """The ``AttributeError`` for ``label.name``, with ``hints[name]`` when there is one."""
     hint = hints.get(name)
-    message = f"{owner} has no attribute {name!r}"
+    message = f"{label} has no attribute {name!r}"
     return AttributeError(f"{message}; {hint}" if hint else message)

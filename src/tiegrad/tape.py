@@ -187,7 +187,7 @@ class Tape:
     loop of ``opt.step(session.backward(loss))`` holds flat memory.
 
     A tape is single-threaded: the thread that records its first node after
-    construction or ``reset`` owns the recording, and recording or ``backward`` from
+    construction or ``reset`` is its recorder, and recording or ``backward`` from
     another thread raises ``TapeError`` (use one session per thread).
     """
 
@@ -212,7 +212,7 @@ class Tape:
         self._vjps: list[VJP | None] = []
         self._rg: list[bool] = []
         self._grad_leaves: list[int] = []
-        self._owner: int | None = None  # the thread recording since the last reset
+        self._recorder: int | None = None  # the thread recording since the last reset
         # C2 after the tape: id -> the owner of every borrowed memory (``_borrow``), and
         # weak references to the refs whose value lies in that memory (``_keep_snapshots``)
         self._owners: dict[int, Any] = {}
@@ -222,13 +222,13 @@ class Tape:
         self._released: TapeGradients | None = None
 
     def _claim(self) -> None:
-        """Make the calling thread the owner of the recording, or refuse a second thread."""
+        """Make the calling thread the recorder, or refuse a second thread (``TapeError``)."""
         me = _thread_id()
-        if self._owner is None:
-            self._owner = me
-        elif self._owner != me:
+        if self._recorder is None:
+            self._recorder = me
+        elif self._recorder != me:
             raise TapeError(
-                f"this session is recording in thread {self._owner}, not in the calling "
+                f"this session is recording in thread {self._recorder}, not in the calling "
                 f"thread {me}: a session is single-threaded (use one session per thread, or "
                 f"reset it before handing it to another thread)"
             )
@@ -238,7 +238,7 @@ class Tape:
         return len(self._values)
 
     def _leaf(self, value: Array, requires_grad: bool) -> TensorRef:
-        if self._owner != _thread_id():
+        if self._recorder != _thread_id():
             self._claim()
         i = len(self._values)
         rg = requires_grad and self.grad_enabled
@@ -270,7 +270,7 @@ class Tape:
         The hot path of every op (docs/design.md: performance): a few appends and one lookup, which
         notes an output lying in borrowed memory (a view of a use) for ``reset`` (C2).
         """
-        if self._owner != _thread_id():
+        if self._recorder != _thread_id():
             self._claim()
         rg = self._rg
         i = len(rg)
@@ -446,7 +446,7 @@ class Tape:
         """
         bk = self.backend
         oid = self.check(out)
-        if self._owner != _thread_id():
+        if self._recorder != _thread_id():
             self._claim()
         ov = out.value
         if seed is None:
@@ -470,7 +470,7 @@ class Tape:
         meta, parents, vjps, rg = self._meta, self._parents, self._vjps, self._rg
         result: dict[int, Array] = {}
         cot: dict[int, Array] = {oid: seed} if rg[oid] or oid in keep else {}
-        owned: set[int] = set()
+        made: set[int] = set()  # nodes whose cotangent is a sum this sweep made: added into
         hooks = sorted(on_final, key=lambda h: -h[0])
         k = 0
         due = hooks[0][0] if hooks else -1
@@ -498,11 +498,11 @@ class Tape:
                 prev = cot.get(pid)
                 if prev is None:
                     cot[pid] = pg
-                elif pid in owned:
+                elif pid in made:
                     prev += pg
                 else:
                     cot[pid] = add_new(prev, pg)
-                    owned.add(pid)
+                    made.add(pid)
         for i in keep:
             if i not in result and rg[i]:
                 shape, dtype = meta[i]

@@ -1,7 +1,7 @@
 """The LoRA adapter and the adapted layers: one more trainable storage pair on one use.
 
 An adapter (``LoRA``) holds two storages in PEFT's layout, ``A`` (rank, fan_in) and
-``B`` (fan_out, rank), in the terms of the use it was made for (its *owner*): a
+``B`` (fan_out, rank), in the terms of the use it was made for (its *home layer*): a
 ``Linear`` (weight (out, in)), a GPT-2 ``Conv1D`` (weight (in, out)) or an
 ``Embedding`` (table (V, d), fan_in V). The use's output gains
 ``scaling * B A dropout(x)`` (an embedding: ``scaling * B A onehot(ids)``, no dropout,
@@ -66,7 +66,7 @@ class LoRA(Module):
         self.B = Param(b)
 
     def weight_delta(self) -> np.ndarray:
-        """``scaling * B @ A`` in the layout of the owner's weight (the storage's)."""
+        """``scaling * B @ A`` in the layout of the home layer's weight (the storage's)."""
         delta = self.B.value_synced() @ self.A.value_synced()
         delta *= delta.dtype.type(self.scaling)
         return delta if self.layout == OUT_IN else delta.T

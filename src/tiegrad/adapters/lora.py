@@ -81,7 +81,7 @@ class Layer:
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """One adapter to attach: its factors in the terms of ``layers[0]`` (its owner) and
+    """One adapter to attach: its factors in the terms of ``layers[0]`` (its home layer) and
     the layers whose weight use it adapts (several only for uses of one storage);
     ``rslora``: scaling ``alpha / sqrt(rank)`` (see ``LoRA``)."""
 
@@ -203,7 +203,7 @@ def _prefixes(path: str) -> list[str]:
 
 def tie_groups(model: Module, chosen: Sequence[Layer]) -> list[tuple[Layer, ...]]:
     """For each storage of a chosen layer's weight, every adaptable layer whose weight
-    holds it (slot order: the first is the shared adapter's owner)."""
+    holds it (slot order: the first is the shared adapter's home layer)."""
     by_storage: dict[int, list[Layer]] = {}
     for layer in adaptable_layers(model):
         by_storage.setdefault(id(layer.module.weight.storage), []).append(layer)

@@ -233,16 +233,16 @@ def _floating_name(name: str) -> bool:
 def check_layout(slots: Sequence[SlotRecord], where: str) -> None:
     """Check the storage and canonical maps of ``slots`` (see the module docstring)."""
     first_trainable: dict[int, int] = {}
-    tensor_owner: dict[str, int] = {}
+    slot_of_tensor: dict[str, int] = {}
     for i, s in enumerate(slots):
         label = f"{where}: {_slot_label(i, s.path)}"
         r = s.storage
         if not 0 <= r <= i:
             raise CheckpointError(f"{label}: storage slot {r} is not in [0, {i}]")
-        owner = tensor_owner.setdefault(s.tensor, r)
-        if owner != r:
+        held_by = slot_of_tensor.setdefault(s.tensor, r)
+        if held_by != r:
             raise CheckpointError(
-                f"{label}: tensor {s.tensor!r} already holds the storage of slot {owner}"
+                f"{label}: tensor {s.tensor!r} already holds the storage of slot {held_by}"
             )
         rep = slots[r]
         if rep.storage != r:

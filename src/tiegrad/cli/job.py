@@ -13,6 +13,7 @@ import os
 import signal
 from typing import Any
 
+from ..train.config import TrainConfig
 from .checkpoints import FREEZE, stored_model
 from .exits import EXIT_INTERRUPTED, EXIT_TERMINATED, main_process
 from .report import print_config, print_summary, quote
@@ -20,26 +21,28 @@ from .runs import check_fresh_run_folder, point_latest
 from .sample import default_prompt
 
 
-def join_group(config: dict[str, Any]) -> None:
+def join_group(config: TrainConfig) -> None:
     """Under torchrun, join the process group before anything else: every rank then
     builds the same run and trains on its shard (``tiegrad.distributed``)."""
     from ..distributed.launch import join_if_launched
 
-    join_if_launched(None if config["device"] == "cpu" else config["device"])
+    join_if_launched(None if config.device == "cpu" else config.device)
 
 
 def run_job(
-    config: dict[str, Any],
+    config: TrainConfig,
     resume: bool,
     vocab: Any = None,
     stored_schedule: Any = None,
     run_id: str | None = None,
 ) -> int:
-    """Train (``resume``: continue) the run ``config`` describes; ``vocab``: the run's
+    """Train (``resume``: continue) the run ``config`` describes, the ``Trainer`` taking
+    its settings from ``config`` as they are; ``vocab``: the run's
     stored vocabulary, ``stored_schedule``: its latest checkpoint's schedule state (printed,
     as the run keeps it), ``run_id``: the run's id (``tiegrad.train.rundir.RUN_ID``),
     written into ``config.json`` and every checkpoint (``None``: a run made before run
-    ids, which keeps none). Returns the exit code."""
+    ids, which keeps none). ``config.json`` is ``config`` (its paths absolute) with the
+    vocabulary, the text's digest and the id. Returns the exit code."""
     from ..data import tokenizer_from_dict
     from ..train.job import (
         apply_freeze,
@@ -55,17 +58,17 @@ def run_job(
     from ..train.rundir import RUN_ID, RunDir
     from ..train.trainer import Trainer
 
-    run = RunDir(config["run"])
+    run = RunDir(config.run)
     source = load_text(config)
     vocab = tokenizer_from_dict(vocab) if vocab else None
-    if config["init"]:  # resumed: the checkpoint's model (the --init folder may have moved)
+    if config.init:  # resumed: the checkpoint's model (the --init folder may have moved)
         stored = stored_model(run.latest(), "resume")[0] if resume else None
         model, dataset = build_init(config, source, vocab, stored)
     else:
         dataset = build_dataset(config, source, vocab)
         model = build_model(model_config(config, dataset.vocab_size))
-    if not (resume and config["init"]):  # a stored model has its frozen uses already
-        apply_freeze(model, config["freeze"])
+    if not (resume and config.init):  # a stored model has its frozen uses already
+        apply_freeze(model, config.freeze)
     if not resume:
         check_fresh_run_folder(run, model.config)
     optimizer, schedule = build_optimizer(config, model)
@@ -75,54 +78,40 @@ def run_job(
         "vocab": dataset.vocab.to_dict(),
         "loss_unit": unit,
     }
-    if config["init"]:
+    if config.init:
         extra["hf_config"] = model.source_config
-    if config["lora"]:
-        extra[LORA] = parse_lora(config["lora"]).text()
-    if config["freeze"]:
-        extra[FREEZE] = config["freeze"]
+    if config.lora:
+        extra[LORA] = parse_lora(config.lora).text()
+    if config.freeze:
+        extra[FREEZE] = config.freeze
     identity = {RUN_ID: run_id} if run_id is not None else {}
     extra.update(identity)
     speaks = main_process()
     callbacks = []
     if speaks:
-        text = os.path.abspath(config["text"]) if config["text"] else ""
-        chat = os.path.abspath(config["chat"]) if config["chat"] else ""
-        init = os.path.abspath(config["init"]) if config["init"] else ""
-        saved = dict(
-            config,
-            text=text,
-            chat=chat,
-            init=init,
-            vocab_table=dataset.vocab.to_dict(),
-            text_sha256=source.sha256,
+        text = os.path.abspath(config.text) if config.text else ""
+        chat = os.path.abspath(config.chat) if config.chat else ""
+        init = os.path.abspath(config.init) if config.init else ""
+        saved = {
+            **config.replace(text=text, chat=chat, init=init).to_dict(),
+            "vocab_table": dataset.vocab.to_dict(),
+            "text_sha256": source.sha256,
             **identity,
-        )
+        }
         callbacks = [config_writer(run, saved), *job_callbacks(config, run, model, dataset.vocab)]
     trainer = Trainer(
         model,
         optimizer,
         None,
-        dataset.loader("train", config["batch_size"]),
-        dataset.eval_batches("val", config["batch_size"], config["eval_batches"]),
+        dataset.loader("train", config.batch_size),
+        dataset.eval_batches("val", config.batch_size, config.eval_batches),
         schedule,
-        max_steps=config["steps"],
-        grad_accum=config["grad_accum"],
-        clip_norm=config["clip_norm"] or None,
-        eval_every=config["eval_every"],
-        checkpoint_every=config["checkpoint_every"],
-        keep_last=config["keep_last"],
-        patience=config["patience"] or None,
-        run_dir=run.path,
+        config=config,
         resume=resume,
-        seed=config["seed"],
-        device=None if config["device"] == "cpu" else config["device"],
-        progress=config["progress"],
         extra=extra,
         resume_hint=f"tiegrad resume {quote(str(run.path))}",
         callbacks=callbacks,
-        parallel=data_parallel(model, config["shard"]),
-        recompute=config["recompute"],
+        parallel=data_parallel(model, config.shard),
     )
     if speaks:
         command = "resume" if resume else "train"
@@ -159,16 +148,16 @@ def config_writer(run: Any, config: dict[str, Any]) -> Any:
     return ConfigWriter()
 
 
-def job_callbacks(config: dict[str, Any], run: Any, model: Any, vocab: Any) -> list[Any]:
+def job_callbacks(config: TrainConfig, run: Any, model: Any, vocab: Any) -> list[Any]:
     """TensorBoard (``--log tensorboard``) and text samples (``--sample-every``)."""
     import numpy as np
 
     from ..train.callbacks import TensorBoardLogger, TextSample
 
     callbacks: list[Any] = []
-    if config["log"] == "tensorboard":
+    if config.log == "tensorboard":
         callbacks.append(TensorBoardLogger(run.path / "tensorboard"))
-    if config["sample_every"]:
+    if config.sample_every:
         prompt = vocab.encode(default_prompt(vocab))[None, :]
 
         def generate(step: int) -> str:
@@ -176,5 +165,5 @@ def job_callbacks(config: dict[str, Any], run: Any, model: Any, vocab: Any) -> l
             out = model.generate(prompt, 80, temperature=0.8, rng=rng)
             return vocab.decode(np.asarray(out)[0][1:])
 
-        callbacks.append(TextSample(generate, config["sample_every"]))
+        callbacks.append(TextSample(generate, config.sample_every))
     return callbacks

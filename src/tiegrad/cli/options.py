@@ -41,12 +41,12 @@ def add_no_progress(parser: argparse.ArgumentParser) -> None:
 def add_recompute(parser: argparse.ArgumentParser) -> None:
     """``--recompute`` / ``--no-recompute``: ``recompute`` is ``True`` or ``False``, else
     ``None`` (the configuration's, or the resumed run's)."""
-    from ..train.config import HELP
+    from ..train.config import FIELDS
 
     parser.add_argument(
         "--recompute",
         dest="recompute",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"{HELP['recompute']} (default: off; resume: the run's)",
+        help=f"{FIELDS['recompute'].metadata['help']} (default: off; resume: the run's)",
     )

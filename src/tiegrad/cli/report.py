@@ -8,6 +8,7 @@ and which command continues or samples it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -17,7 +18,7 @@ def quote(path: str) -> str:
 
 
 def print_config(
-    config: dict[str, Any],
+    config: Mapping[str, Any],
     text: str,
     dataset: Any,
     model: Any,

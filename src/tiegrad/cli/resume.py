@@ -17,6 +17,7 @@ import argparse
 from typing import Any
 
 from ..errors import ConfigError
+from ..train.config import TrainConfig
 from .checkpoints import checkpoint_schema
 from .exits import main_process
 from .job import join_group, run_job
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     command says so and how to extend it (``--steps``, ``--patience``) and changes
     nothing, as it changes nothing when the checkpoint or the metrics files are refused
     (C6)."""
-    from ..train.config import DEFAULTS, check_config, check_value
+    from ..train.config import check_value
     from ..train.metrics import check_metrics
     from ..train.rundir import RUN_ID, RunDir
     from ..train.trainer import patience_exhausted
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     folder = args.run if args.run is not None else newest_run()
     run_dir = RunDir(folder)
     raw = run_dir.read_config()
-    if "steps" in raw:  # compared below, before check_config sees it
+    if "steps" in raw:  # compared below, before the configuration is checked
         check_value("steps", raw["steps"], where=str(run_dir.config_path))
     found = run_dir.step_checkpoints()
     if not found and run_dir.best_path.is_file():
@@ -93,18 +94,17 @@ def run(args: argparse.Namespace) -> int:
                 f"with 'tiegrad resume {quote(folder)} --steps {2 * reached}' (a new total)"
             )
         return 0
-    config = {**DEFAULTS, **raw, "run": folder, "steps": steps}
+    changes: dict[str, Any] = {"run": folder, "steps": steps}
     if args.progress is not None:
-        config["progress"] = args.progress
+        changes["progress"] = args.progress
     if args.patience is not None:
-        config["patience"] = args.patience
+        changes["patience"] = args.patience
     if args.shard is not None:
-        config["shard"] = "" if args.shard == "none" else args.shard
+        changes["shard"] = "" if args.shard == "none" else args.shard
     if args.recompute is not None:  # the same gradients: a resumed run may switch it
-        config["recompute"] = args.recompute
-    for key in ("text_sha256", "vocab_table", RUN_ID):
-        config.pop(key, None)
-    config = check_config(config)
+        changes["recompute"] = args.recompute
+    stored = {k: v for k, v in raw.items() if k not in ("text_sha256", "vocab_table", RUN_ID)}
+    config = TrainConfig.from_mapping({**stored, **changes}, where=str(run_dir.config_path))
     schema = checkpoint_schema(latest)
     run_id = check_checkpoint(run_dir.config_path, raw, config, latest, schema)
     extra = schema.extra
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             f"note: a resumed run keeps the learning-rate schedule and optimizer settings of "
             f"its checkpoint: {listed}"
         )
-    config.update(kept)
+    config = config.replace(**kept)
     if run_id is None and main_process():
         print(
             f"note: run {folder} has no {RUN_ID} (it was made before run ids): its "
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
 
-def kept_settings(config: dict[str, Any], schema: Any, path: Any) -> dict[str, Any]:
+def kept_settings(config: TrainConfig, schema: Any, path: Any) -> dict[str, Any]:
     """The settings of ``config`` that a resumed run takes from its checkpoint instead
     (``schema``, of the file at ``path``), with the checkpoint's values: the schedule's
     ``lr`` (its base learning rate), ``min_lr`` and warmup (``warmup_steps``), and the

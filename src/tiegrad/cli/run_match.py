@@ -25,6 +25,7 @@ Errors name ``config.json`` and the checkpoint, the key with its flag
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ _NAMED = 3
 
 
 def check_checkpoint(
-    config_path: Path, raw: dict[str, Any], config: dict[str, Any], path: Path, schema: Any
+    config_path: Path, raw: dict[str, Any], config: Mapping[str, Any], path: Path, schema: Any
 ) -> str | None:
     """Refuse the checkpoint at ``path`` (its parsed ``schema``) unless it belongs to the
     run of ``config_path``: ``raw`` is that file's contents, ``config`` the resolved,
@@ -187,11 +188,10 @@ def _spec_value(value: Any) -> str:
 
 def _label(argument: str) -> str:
     """``key (--flag)`` of the config key behind a ``TiedLM`` constructor argument."""
-    from .train import FLAGS
+    from ..train.config import FIELDS, flag
 
     key = _ARGUMENT_KEYS.get(argument, argument)
-    flags = [flag for flag, k in FLAGS.items() if k == key]
-    return f"{key} ({flags[0]})" if flags else key
+    return f"{key} ({flag(key)})" if key in FIELDS else key
 
 
 def _vocabulary(table: Any) -> str:

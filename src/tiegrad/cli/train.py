@@ -2,8 +2,8 @@
 
 With no arguments it is the main job: a character ``TiedLM`` trained on the running
 interpreter's standard-library source (no download). The configuration is resolved
-with the precedence defaults < ``--config FILE.toml`` < flags (``tiegrad.train.config``),
-every flag naming the configuration key it overrides (``FLAGS``). Without ``--run`` the
+with the precedence defaults < ``--config FILE.toml`` < flags (``tiegrad.train.config``);
+the flags are made from ``TrainConfig``'s fields, one per setting. Without ``--run`` the
 run gets a fresh ``runs/<date-time>``.
 """
 
@@ -12,65 +12,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..train.config import DEFAULTS, FIELDS, TrainConfig, flag, resolve
 from .job import join_group, run_job
-from .options import add_no_progress, add_nproc, add_recompute
+from .options import add_nproc
 from .runs import fresh_run_folder
 
-#: flag -> config key, for the flags that override a configuration key.
-FLAGS: dict[str, str] = {
-    "--text": "text",
-    "--chat": "chat",
-    "--vocab": "vocab",
-    "--corpus-chars": "corpus_chars",
-    "--val-fraction": "val_fraction",
-    "--init": "init",
-    "--lora": "lora",
-    "--freeze": "freeze",
-    "--d-model": "d_model",
-    "--layers": "n_layers",
-    "--heads": "n_heads",
-    "--seq-len": "seq_len",
-    "--mlp-ratio": "mlp_ratio",
-    "--dropout": "dropout",
-    "--steps": "steps",
-    "--batch-size": "batch_size",
-    "--grad-accum": "grad_accum",
-    "--lr": "lr",
-    "--min-lr": "min_lr",
-    "--warmup-steps": "warmup_steps",
-    "--warmup-ratio": "warmup_ratio",
-    "--weight-decay": "weight_decay",
-    "--clip-norm": "clip_norm",
-    "--eval-every": "eval_every",
-    "--eval-batches": "eval_batches",
-    "--sample-every": "sample_every",
-    "--log": "log",
-    "--checkpoint-every": "checkpoint_every",
-    "--keep-last": "keep_last",
-    "--patience": "patience",
-    "--seed": "seed",
-    "--device": "device",
-    "--shard": "shard",
-    "--run": "run",
-}
-
-_METAVARS = {
-    "text": "FILE",
-    "chat": "FILE.jsonl",
-    "init": "DIR",
-    "lora": "SPEC",
-    "freeze": "PATHS",
-    "run": "DIR",
-    "vocab": "{char,byte}",
-    "log": "{tensorboard}",
-    "shard": "{optimizer,gradients}",
-}
+#: flag -> config key, for the flags that set a value (``--no-progress`` is a switch).
+FLAGS: dict[str, str] = {flag(key): key for key in FIELDS if not isinstance(DEFAULTS[key], bool)}
 
 
 def add_parser(sub: Any) -> None:
-    """The ``train`` subcommand: ``--config`` and one flag per configuration key."""
-    from ..train.config import DEFAULTS, HELP
-
+    """The ``train`` subcommand: ``--config`` and one flag per ``TrainConfig`` field,
+    made from the field's metadata (``config.setting``): its flag, type, metavar and
+    help, with the default shown."""
     train = sub.add_parser(
         "train",
         help="train a TiedLM (default: on the Python standard library's source), or "
@@ -81,20 +35,24 @@ def add_parser(sub: Any) -> None:
     )
     train.set_defaults(handler=run)
     train.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys")
-    for flag, key in FLAGS.items():
-        kind = type(DEFAULTS[key])
+    for key, field in FIELDS.items():
+        default, meta = DEFAULTS[key], field.metadata
+        if isinstance(default, bool):  # a switch that sets the opposite of the default
+            train.add_argument(
+                flag(key), dest=key, action="store_const", const=not default, default=None,
+                help=meta["help"],
+            )  # fmt: skip
+            continue
         # an empty default is described by the help text itself ("empty: ...")
-        shown = "" if DEFAULTS[key] == "" else f" (default: {DEFAULTS[key]})"
+        shown = "" if default == "" else f" (default: {default})"
         train.add_argument(
-            flag,
+            flag(key),
             dest=key,
-            type=kind,
+            type=type(default),
             default=None,
-            metavar=_METAVARS.get(key, flag[2:].upper().replace("-", "_")),
-            help=f"{HELP[key]}{shown}",
+            metavar=meta["metavar"] or flag(key)[2:].upper().replace("-", "_"),
+            help=f"{meta['help']}{shown}",
         )
-    add_recompute(train)
-    add_no_progress(train)
     add_nproc(train)
     train.add_argument(
         "--run-dir",
@@ -105,17 +63,21 @@ def add_parser(sub: Any) -> None:
     )
 
 
+def configuration(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` of a ``train`` command line: the defaults, its ``--config``
+    file, then its flags, a bad value named by its flag (``config.resolve``)."""
+    overrides = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
+    return resolve(args.config, overrides, {key: flag(key) for key in overrides})
+
+
 def run(args: argparse.Namespace) -> int:
     """Resolve the configuration, choose the run folder and make the run's id (the same
     on every rank), train."""
     from ..distributed.group import agree
-    from ..train.config import DEFAULTS, resolve
     from ..train.rundir import new_run_id
 
-    overrides = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k, None) is not None}
-    labels = {key: flag for flag, key in FLAGS.items()}
-    config = resolve(args.config, overrides, labels)
+    config = configuration(args)
     join_group(config)
-    if not config["run"]:
-        config["run"] = agree(fresh_run_folder())
+    if not config.run:
+        config = config.replace(run=agree(fresh_run_folder()))
     return run_job(config, resume=False, run_id=agree(new_run_id()))

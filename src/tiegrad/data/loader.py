@@ -61,14 +61,14 @@ def check_fraction(what: str, value: Any) -> float:
     return float(value)
 
 
-def check_rng(owner: str, rng: Any, legacy: bool = False) -> Any:
+def check_rng(label: str, rng: Any, legacy: bool = False) -> Any:
     """``rng`` itself when it is a ``numpy.random.Generator`` (or, with ``legacy``, where
     only ``permutation`` is drawn, a ``RandomState``), else a ``ConfigError`` naming
-    ``owner`` (a seed or None is not turned into a generator)."""
+    ``label`` (a seed or None is not turned into a generator)."""
     kinds = (np.random.Generator, np.random.RandomState) if legacy else np.random.Generator
     if not isinstance(rng, kinds):
         raise ConfigError(
-            f"{owner}: rng must be a numpy.random.Generator (np.random.default_rng(seed)), "
+            f"{label}: rng must be a numpy.random.Generator (np.random.default_rng(seed)), "
             f"got {type(rng).__name__}"
         )
     return rng
@@ -180,8 +180,8 @@ class ArrayDataset:
         return ArrayDataset(*self[order[:-n_second]]), ArrayDataset(*self[order[-n_second:]])
 
 
-def check_dataset(owner: str, dataset: Any) -> None:
-    """A ``ConfigError`` naming ``owner`` unless ``dataset`` is an ``ArrayDataset`` or a
+def check_dataset(label: str, dataset: Any) -> None:
+    """A ``ConfigError`` naming ``label`` unless ``dataset`` is an ``ArrayDataset`` or a
     dataset object (``len()``, and ``dataset[index_array]`` gives a tuple of arrays).
 
     Plain arrays, lists, tuples, mappings and strings are refused: indexed by an array of
@@ -194,19 +194,19 @@ def check_dataset(owner: str, dataset: Any) -> None:
         hasattr(dataset, m) for m in ("__len__", "__getitem__")
     ):
         raise ConfigError(
-            f"{owner}: dataset must be an ArrayDataset (or a dataset whose [index array] is a "
+            f"{label}: dataset must be an ArrayDataset (or a dataset whose [index array] is a "
             f"tuple of arrays), got {type(dataset).__name__}; wrap arrays as ArrayDataset(x, y)"
         )
 
 
-def check_batch(owner: str, batch: Any) -> Batch:
+def check_batch(label: str, batch: Any) -> Batch:
     """``batch`` (a non-empty tuple or list of NumPy arrays) as a tuple, else a
     ``ConfigError``."""
     if not (
         isinstance(batch, (tuple, list)) and batch and all(isinstance(a, np.ndarray) for a in batch)
     ):
         raise ConfigError(
-            f"{owner}: dataset[index array] must be a tuple of NumPy arrays, "
+            f"{label}: dataset[index array] must be a tuple of NumPy arrays, "
             f"got {type(batch).__name__}"
         )
     return tuple(batch)

@@ -43,12 +43,12 @@ TEMPLATE_TOKENS = (
 )
 
 
-def check_path(owner: str, name: str, value: Any) -> Path:
+def check_path(label: str, name: str, value: Any) -> Path:
     """``value`` (a ``str`` or ``os.PathLike``) as a ``Path``; anything else (None, an int
-    file descriptor, bytes) is a ``ConfigError`` naming ``owner``, ``name`` and the type."""
+    file descriptor, bytes) is a ``ConfigError`` naming ``label``, ``name`` and the type."""
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(
-            f"{owner}: {name} must be a str or os.PathLike, got {type(value).__name__}"
+            f"{label}: {name} must be a str or os.PathLike, got {type(value).__name__}"
         )
     return Path(value)
 

@@ -16,38 +16,38 @@ from ..errors import ConfigError, DTypeError
 KINDS = ("char", "byte")
 
 
-def check_token_ids(owner: str, ids: Any, size: int) -> np.ndarray:
+def check_token_ids(label: str, ids: Any, size: int) -> np.ndarray:
     """``ids`` as a flat int64 array of token ids in ``[0, size)``.
 
     Non-integer ids (floats, bools, strings) are a ``DTypeError``, never truncated; ids
-    out of range are a ``ConfigError``. Both name ``owner``.
+    out of range are a ``ConfigError``. Both name ``label``.
     """
     arr = np.asarray(ids).reshape(-1)
     if arr.size and arr.dtype.kind not in "iu":
-        raise DTypeError(f"{owner}: token ids must be integers, got {arr.dtype.name}")
+        raise DTypeError(f"{label}: token ids must be integers, got {arr.dtype.name}")
     if arr.size and (arr.min() < 0 or arr.max() >= size):
         raise ConfigError(
-            f"{owner}: token ids must lie in [0, {size}), got [{arr.min()}, {arr.max()}]"
+            f"{label}: token ids must lie in [0, {size}), got [{arr.min()}, {arr.max()}]"
         )
     return arr.astype(np.int64)
 
 
-def check_text(owner: str, name: str, value: Any) -> str:
-    """``value`` itself when it is a ``str``; otherwise a ``ConfigError`` naming ``owner``,
+def check_text(label: str, name: str, value: Any) -> str:
+    """``value`` itself when it is a ``str``; otherwise a ``ConfigError`` naming ``label``,
     ``name`` and the type received (bytes, None and numbers are never converted)."""
     if not isinstance(value, str):
-        raise ConfigError(f"{owner}: {name} must be a str, got {type(value).__name__}")
+        raise ConfigError(f"{label}: {name} must be a str, got {type(value).__name__}")
     return value
 
 
-def utf8(owner: str, text: str) -> bytes:
+def utf8(label: str, text: str) -> bytes:
     """The UTF-8 bytes of ``text``; a character without any (a lone surrogate) is a
-    ``ConfigError`` naming ``owner``, the character and its position."""
+    ``ConfigError`` naming ``label``, the character and its position."""
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ConfigError(
-            f"{owner}: character {text[e.start]!r} at position {e.start} has no UTF-8 bytes"
+            f"{label}: character {text[e.start]!r} at position {e.start} has no UTF-8 bytes"
         ) from None
 
 

@@ -188,7 +188,7 @@ def check_sizes(
 
 def check_names(
     directory: str | os.PathLike[str],
-    owner: str,
+    label: str,
     paths: Collection[str],
     tensors: Mapping[str, object],
     tied_head: bool,
@@ -200,7 +200,7 @@ def check_names(
     unexpected = [n for n in tensors if n not in allowed]
     if missing or unexpected:
         raise CheckpointError(
-            f"{directory}: the weights do not match {owner}: "
+            f"{directory}: the weights do not match {label}: "
             f"missing {shown_list(missing)}; unexpected {shown_list(unexpected)}"
         )
 

@@ -150,22 +150,22 @@ class Variant:
     rope: Mapping[str, Any]
 
 
-def rope_parameters(owner: str, value: Any) -> dict[str, Any]:
+def rope_parameters(label: str, value: Any) -> dict[str, Any]:
     """Rotary parameters checked and in transformers 5's form: ``rope_type``,
     ``rope_theta`` and the keys of that type (``ROPE_TYPES``); ``type`` is read as
     ``rope_type``. An unimplemented type, a key this code would ignore (a
     ``partial_rotary_factor`` other than 1 included) and a missing one are each a
     ``ConfigError`` naming it; values out of range a ``HyperparameterError``."""
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{owner}: expected a mapping of rotary parameters, got {value!r:.80}")
+        raise ConfigError(f"{label}: expected a mapping of rotary parameters, got {value!r:.80}")
     kind = value.get("rope_type", value.get("type", "default"))
     if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise ConfigError(
-            f"{owner}: rope_type {kind!r:.80} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            f"{label}: rope_type {kind!r:.80} is not supported (supported: {', '.join(ROPE_TYPES)})"
         )
     if value.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(
-            f"{owner}: partial_rotary_factor {value['partial_rotary_factor']!r:.40} is not "
+            f"{label}: partial_rotary_factor {value['partial_rotary_factor']!r:.40} is not "
             "supported (the family's transformers classes rotate whole heads)"
         )
     needed = ROPE_TYPES[kind]
@@ -173,19 +173,19 @@ def rope_parameters(owner: str, value: Any) -> dict[str, Any]:
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown:
         raise ConfigError(
-            f"{owner}: {shown_list(unknown)} not supported for rope_type {kind!r} (it takes "
+            f"{label}: {shown_list(unknown)} not supported for rope_type {kind!r} (it takes "
             f"{', '.join(sorted(known - {'type'}))})"
         )
     missing = [k for k in ("rope_theta", *needed) if value.get(k) is None]
     if missing:
-        raise ConfigError(f"{owner}: rope_type {kind!r} needs {', '.join(missing)}")
+        raise ConfigError(f"{label}: rope_type {kind!r} needs {', '.join(missing)}")
     out: dict[str, Any] = {"rope_type": kind}
     for key in ("rope_theta", *needed):
         check = _checks.size if key == "original_max_position_embeddings" else _checks.positive
-        out[key] = check(owner, key, value[key])
+        out[key] = check(label, key, value[key])
     if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
         raise HyperparameterError(
-            f"{owner}: high_freq_factor ({out['high_freq_factor']}) must exceed "
+            f"{label}: high_freq_factor ({out['high_freq_factor']}) must exceed "
             f"low_freq_factor ({out['low_freq_factor']})"
         )
     return out
@@ -220,45 +220,45 @@ def variant(args: Mapping[str, Any]) -> Variant:
     )
 
 
-def check_variant(owner: str, args: Mapping[str, Any]) -> None:
+def check_variant(label: str, args: Mapping[str, Any]) -> None:
     """The rules between ``LlamaLM``'s (checked) arguments: heads divide, an even head
     width, and settings only where the ``model_type``'s class has them (C6)."""
     arch = ARCHITECTURES[args["model_type"]]
     kind, heads = args["model_type"], args["num_attention_heads"]
     if arch.attention_bias != "config" and args["attention_bias"] is not None:
         fixed = "q, k and v always have biases" if arch.attention_bias == "qkv" else "no biases"
-        raise ConfigError(f"{owner}: attention_bias is not a setting of {kind} ({fixed})")
+        raise ConfigError(f"{label}: attention_bias is not a setting of {kind} ({fixed})")
     if args["mlp_bias"] and not arch.mlp_bias:
-        raise ConfigError(f"{owner}: mlp_bias is not a setting of {kind} (its MLP has no bias)")
+        raise ConfigError(f"{label}: mlp_bias is not a setting of {kind} (its MLP has no bias)")
     nope = args["no_rope_layers"]
     if not arch.no_rope and (
         nope is not None or args["no_rope_layer_interval"] != NO_ROPE_INTERVAL
     ):
         key = "no_rope_layers" if nope is not None else "no_rope_layer_interval"
-        raise ConfigError(f"{owner}: {key} is not a setting of {kind} (every layer rotates)")
+        raise ConfigError(f"{label}: {key} is not a setting of {kind} (every layer rotates)")
     if nope is not None and len(nope) != args["num_hidden_layers"]:
         raise ConfigError(
-            f"{owner}: no_rope_layers has {len(nope)} entries, expected one per layer "
+            f"{label}: no_rope_layers has {len(nope)} entries, expected one per layer "
             f"(num_hidden_layers={args['num_hidden_layers']})"
         )
     if args["head_dim"] is None and args["hidden_size"] % heads:
         raise ConfigError(
-            f"{owner}: num_attention_heads={heads} must divide hidden_size="
+            f"{label}: num_attention_heads={heads} must divide hidden_size="
             f"{args['hidden_size']} (or give head_dim)"
         )
     kv = args["num_key_value_heads"] or heads
     if heads % kv:
         raise ConfigError(
-            f"{owner}: num_key_value_heads={kv} must divide num_attention_heads={heads}"
+            f"{label}: num_key_value_heads={kv} must divide num_attention_heads={heads}"
         )
     pad = args["pad_token_id"]
     if pad is not None and pad >= args["vocab_size"]:
         raise ConfigError(
-            f"{owner}: pad_token_id={pad} must be below vocab_size={args['vocab_size']}"
+            f"{label}: pad_token_id={pad} must be below vocab_size={args['vocab_size']}"
         )
     head_dim = args["head_dim"] or args["hidden_size"] // heads
     if head_dim % 2:
-        raise ConfigError(f"{owner}: the head width {head_dim} must be even (rotary halves)")
+        raise ConfigError(f"{label}: the head width {head_dim} must be even (rotary halves)")
 
 
 def model_args(config: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -360,7 +360,7 @@ def read_tensors(directory: str | os.PathLike[str]) -> hf.Tensors:
 
 def checked_values(
     directory: str | os.PathLike[str],
-    owner: str,
+    label: str,
     layout: Sequence[tuple[str, tuple[int, ...]]],
     tensors: hf.Tensors,
     tied_head: bool,
@@ -377,7 +377,7 @@ def checked_values(
     a tied head, an ``lm_head.weight`` whose values differ from
     ``model.embed_tokens.weight``.
     """
-    hf.check_names(directory, owner, [p for p, _ in layout], tensors, tied_head)
+    hf.check_names(directory, label, [p for p, _ in layout], tensors, tied_head)
     for path, shape in layout:
         if path not in tensors:
             continue
@@ -385,7 +385,7 @@ def checked_values(
         entry = file.tensors[name]
         if tuple(entry.shape) != shape:
             raise CheckpointError(
-                f"{file.path}: tensor {name!r} has shape {tuple(entry.shape)}, {owner} "
+                f"{file.path}: tensor {name!r} has shape {tuple(entry.shape)}, {label} "
                 f"needs {shape}"
             )
         if not np.issubdtype(np.dtype(entry.dtype), np.floating):
@@ -432,10 +432,10 @@ def load(
         raise ConfigError(f"{where}: {e}") from None
     tensors = read_tensors(directory)
     hf.check_sizes(cls, where, args, {p: f.tensors[n].shape for p, (f, n) in tensors.items()})
-    owner = f"the {cls.__name__} of its {hf.CONFIG}"
+    label = f"the {cls.__name__} of its {hf.CONFIG}"
     tied_head = bool(args["tie_word_embeddings"])
     values = checked_values(
-        directory, owner, cls.layout(args), tensors, tied_head, np.dtype(args["dtype"]),
+        directory, label, cls.layout(args), tensors, tied_head, np.dtype(args["dtype"]),
         allow_nonfinite,
     )  # fmt: skip
     model = cls(**args)

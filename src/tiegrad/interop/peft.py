@@ -174,7 +174,7 @@ def _names(layer: Layer) -> tuple[str, str]:
 
 def use_factors(layer: Layer, adapter: LoRA) -> tuple[np.ndarray, np.ndarray]:
     """``adapter``'s A and B in the terms of ``layer``'s use (transposed for a use of the
-    other layout than its owner's)."""
+    other layout than its home layer's)."""
     a, b = adapter.A.value_synced(), adapter.B.value_synced()
     return (a, b) if adapter.layout == layout_of(layer.module) else (b.T, a.T)
 
@@ -619,16 +619,16 @@ def _shared_groups(
     groups.update({p: [p] for p in factors if p not in grouped})
     out = sorted(groups.values(), key=lambda g: list(factors).index(g[0]))
     for group in out:
-        owner = layers[group[0]]
+        home = layers[group[0]]
         a, b = factors[group[0]]
         for path in group[1:]:
             layer = layers[path]
-            if layer.module.weight.storage is not owner.module.weight.storage:
+            if layer.module.weight.storage is not home.module.weight.storage:
                 raise CheckpointError(
                     f"{where}: {SHARED} groups {group[0]!r} and {path!r}, whose weights are "
                     "not one storage in the model"
                 )
-            same = layout_of(layer.module) == layout_of(owner.module)
+            same = layout_of(layer.module) == layout_of(home.module)
             expected = (a, b) if same else (b.T, a.T)
             if not all(np.array_equal(x, y) for x, y in zip(factors[path], expected)):
                 why = "ensure_weight_tying" if config["ensure_weight_tying"] else SHARED

@@ -96,14 +96,14 @@ def from_torch(module: Any) -> dict[str, Param]:
     ``torch_buffers``.
     """
     out: dict[str, Param] = {}
-    owners: dict[int, Param] = {}
+    first_of_group: dict[int, Param] = {}
     for path, t, group in _groups(module):
         dtype = _numpy_dtype(path, t)
-        if group in owners:
-            out[path] = owners[group].alias(requires_grad=t.requires_grad, name=path)
+        if group in first_of_group:
+            out[path] = first_of_group[group].alias(requires_grad=t.requires_grad, name=path)
         else:
             value = t.detach().cpu().numpy()
-            owners[group] = out[path] = Param(value, t.requires_grad, path, dtype)
+            first_of_group[group] = out[path] = Param(value, t.requires_grad, path, dtype)
     return out
 
 

@@ -59,10 +59,10 @@ class TiedCausalLM(ConfiguredModel):
     }
 
     @classmethod
-    def check_relations(cls, owner: str, args: Mapping[str, Any]) -> None:
+    def check_relations(cls, label: str, args: Mapping[str, Any]) -> None:
         if args["d_model"] % args["n_heads"]:
             raise ConfigError(
-                f"{owner}: d_model={args['d_model']} must be a multiple of "
+                f"{label}: d_model={args['d_model']} must be a multiple of "
                 f"n_heads={args['n_heads']}"
             )
 

@@ -22,7 +22,7 @@ from ..optim import hyperparams
 from ..session import EagerSession
 
 
-def dtype_name(owner: str, name: str, value: Any) -> Any:
+def dtype_name(label: str, name: str, value: Any) -> Any:
     """A floating dtype (``init.float_dtype``); the value itself is kept."""
     init.float_dtype(value)
     return value
@@ -36,7 +36,7 @@ def listed(value: Any) -> Any:
     return value
 
 
-def activation_name(owner: str, name: str, value: Any) -> Any:
+def activation_name(label: str, name: str, value: Any) -> Any:
     """The name of an activation of ``tiegrad.nn`` (``relu``, ``gelu``, ...)."""
     get_activation(value)
     return value
@@ -62,32 +62,32 @@ class ConfiguredModel(Module):
         between values (``check_relations``). Errors name the model and the argument:
         ``HyperparameterError``, ``ConfigError`` or ``DTypeError``.
         """
-        owner = cls.__name__
+        label = cls.__name__
         if not isinstance(config, Mapping):
-            raise ConfigError(f"{owner}: the configuration must be a mapping, got {config!r:.80}")
+            raise ConfigError(f"{label}: the configuration must be a mapping, got {config!r:.80}")
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
         known = {p.name for p in params}
         unknown = sorted(map(str, set(config) - known))
         if unknown:
             raise ConfigError(
-                f"{owner}: unknown argument(s) {shown_list(unknown)}; it takes "
+                f"{label}: unknown argument(s) {shown_list(unknown)}; it takes "
                 f"{', '.join(sorted(known))}"
             )
         missing = [p.name for p in params if p.default is p.empty and p.name not in config]
         if missing:
-            raise ConfigError(f"{owner}: missing argument(s) {shown_list(missing)}")
+            raise ConfigError(f"{label}: missing argument(s) {shown_list(missing)}")
         checks: dict[str, hyperparams.Checker] = {
             **cls.ARGS,
             "seed": hyperparams.seed,
             "dtype": dtype_name,
         }
         out = {p.name: config.get(p.name, p.default) for p in params}
-        out = {k: checks[k](owner, k, v) for k, v in out.items()}
-        cls.check_relations(owner, out)
+        out = {k: checks[k](label, k, v) for k, v in out.items()}
+        cls.check_relations(label, out)
         return out
 
     @classmethod
-    def check_relations(cls, owner: str, args: Mapping[str, Any]) -> None:
+    def check_relations(cls, label: str, args: Mapping[str, Any]) -> None:
         """Rules between arguments (all present, each already checked); none by default."""
 
     def _configure(

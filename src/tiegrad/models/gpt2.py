@@ -54,9 +54,9 @@ def _block_numbers(paths: Iterable[str]) -> set[str]:
     return {m.group(1) for m in map(_BLOCK.match, paths) if m is not None}
 
 
-def _optional_size(owner: str, name: str, value: Any) -> int | None:
+def _optional_size(label: str, name: str, value: Any) -> int | None:
     """``None`` (transformers' default: four times the width) or a size."""
-    return None if value is None else hyperparams.size(owner, name, value)
+    return None if value is None else hyperparams.size(label, name, value)
 
 
 def _inner(config: Any) -> int:
@@ -64,10 +64,10 @@ def _inner(config: Any) -> int:
     return config["n_inner"] if config["n_inner"] is not None else 4 * config["n_embd"]
 
 
-def _activation(owner: str, name: str, value: Any) -> str:
+def _activation(label: str, name: str, value: Any) -> str:
     if not isinstance(value, str) or value not in ACTIVATIONS:
         raise ConfigError(
-            f"{owner}: {name} {value!r:.80} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            f"{label}: {name} {value!r:.80} is not supported (supported: {', '.join(ACTIVATIONS)})"
         )
     return value
 
@@ -238,10 +238,10 @@ class GPT2(TiedCausalLM):
     }
 
     @classmethod
-    def check_relations(cls, owner: str, args: Any) -> None:
+    def check_relations(cls, label: str, args: Any) -> None:
         if args["n_embd"] % args["n_head"]:
             raise ConfigError(
-                f"{owner}: n_head={args['n_head']} must divide n_embd={args['n_embd']}"
+                f"{label}: n_head={args['n_head']} must divide n_embd={args['n_embd']}"
             )
 
     @classmethod

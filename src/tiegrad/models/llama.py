@@ -208,44 +208,44 @@ def _linear(
     return layer
 
 
-def _model_type(owner: str, name: str, value: Any) -> str:
+def _model_type(label: str, name: str, value: Any) -> str:
     if value not in MODEL_TYPES:
         raise ConfigError(
-            f"{owner}: {name} {value!r:.80} is not supported (supported: {', '.join(MODEL_TYPES)})"
+            f"{label}: {name} {value!r:.80} is not supported (supported: {', '.join(MODEL_TYPES)})"
         )
     return value
 
 
-def _optional_size(owner: str, name: str, value: Any) -> int | None:
+def _optional_size(label: str, name: str, value: Any) -> int | None:
     """``None`` (the architecture's default) or a size."""
-    return None if value is None else hyperparams.size(owner, name, value)
+    return None if value is None else hyperparams.size(label, name, value)
 
 
-def _optional_count(owner: str, name: str, value: Any) -> int | None:
+def _optional_count(label: str, name: str, value: Any) -> int | None:
     """``None`` or an integer >= 0."""
-    return None if value is None else hyperparams.count(owner, name, value)
+    return None if value is None else hyperparams.count(label, name, value)
 
 
-def _optional_flag(owner: str, name: str, value: Any) -> bool | None:
+def _optional_flag(label: str, name: str, value: Any) -> bool | None:
     """``None`` (the architecture's default) or a boolean."""
-    return None if value is None else hyperparams.flag(owner, name, value)
+    return None if value is None else hyperparams.flag(label, name, value)
 
 
-def _no_rope_layers(owner: str, name: str, value: Any) -> list[int] | None:
+def _no_rope_layers(label: str, name: str, value: Any) -> list[int] | None:
     """``None`` (the architecture's default) or a list of 0 (no rotation) and 1 per layer."""
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{owner}: {name} must be a list of 0 and 1, got {value!r:.80}")
+        raise ConfigError(f"{label}: {name} must be a list of 0 and 1, got {value!r:.80}")
     bad = [v for v in value if isinstance(v, bool) or v not in (0, 1)]
     if bad:
-        raise ConfigError(f"{owner}: {name} holds {bad[:3]!r:.80}; expected 0 or 1 per layer")
+        raise ConfigError(f"{label}: {name} holds {bad[:3]!r:.80}; expected 0 or 1 per layer")
     return [int(v) for v in value]
 
 
-def _rope(owner: str, name: str, value: Any) -> dict[str, Any] | None:
+def _rope(label: str, name: str, value: Any) -> dict[str, Any] | None:
     """``None`` (default rotation, the architecture's theta) or rope parameters."""
-    return None if value is None else hf_llama.rope_parameters(f"{owner}: {name}", value)
+    return None if value is None else hf_llama.rope_parameters(f"{label}: {name}", value)
 
 
 class LlamaLM(TiedCausalLM):
@@ -295,8 +295,8 @@ class LlamaLM(TiedCausalLM):
     }
 
     @classmethod
-    def check_relations(cls, owner: str, args: Any) -> None:
-        hf_llama.check_variant(owner, args)
+    def check_relations(cls, label: str, args: Any) -> None:
+        hf_llama.check_variant(label, args)
 
     @classmethod
     def layout(cls, config: Any) -> list[tuple[str, tuple[int, ...]]]:

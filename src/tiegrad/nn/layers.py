@@ -39,15 +39,15 @@ def get_activation(name: str) -> Callable[[TensorRef], TensorRef]:
         ) from None
 
 
-def hidden_widths(owner: str, name: str, value: Any) -> list[int]:
+def hidden_widths(label: str, name: str, value: Any) -> list[int]:
     """One hidden width or a sequence of them (an ``MLP``'s ``hidden``), each >= 1."""
     if isinstance(value, (int, np.integer)):
-        return [size(owner, name, value)]
+        return [size(label, name, value)]
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ConfigError(
-            f"{owner}: {name} must be an integer or a sequence of integers, got {value!r:.80}"
+            f"{label}: {name} must be an integer or a sequence of integers, got {value!r:.80}"
         )
-    return [size(owner, f"{name}[{i}]", w) for i, w in enumerate(value)]
+    return [size(label, f"{name}[{i}]", w) for i, w in enumerate(value)]
 
 
 class Linear(Module):

@@ -218,7 +218,7 @@ class Module:
         self,
         prefix: str,
         out: list[tuple[str, Param]],
-        owners: dict[int, tuple[int, str]],
+        located: dict[int, tuple[int, str]],
         visited: set[int],
         ancestors: set[int],
     ) -> None:
@@ -231,15 +231,15 @@ class Module:
         for name, p in list(params.items()):
             path = prefix + name
             location = (me, name)
-            if owners.setdefault(id(p), location) != location:
+            if located.setdefault(id(p), location) != location:
                 p = self._hold(name, p.alias(name=path))  # the forward reads the alias (C4)
-                owners[id(p)] = location
+                located[id(p)] = location
             elif first_visit:
                 p.name = path
             out.append((path, p))
         ancestors.add(me)
         for name, m in self._modules.items():
-            m._collect(f"{prefix}{name}.", out, owners, visited, ancestors)
+            m._collect(f"{prefix}{name}.", out, located, visited, ancestors)
         ancestors.discard(me)
 
     def named_parameters(self) -> Iterator[tuple[str, Param]]:
@@ -329,7 +329,7 @@ class Module:
         return self
 
     # -- paths -------------------------------------------------------------------------
-    def _owner(self, path: str) -> tuple[Module, str]:
+    def _holder(self, path: str) -> tuple[Module, str]:
         """The module holding parameter ``path`` and its attribute name, or a SlotError."""
         if not isinstance(path, str):
             raise SlotError(f"{self.label()}: a parameter path is a str, got {path!r}")
@@ -355,14 +355,14 @@ class Module:
     def get_parameter(self, path: str) -> Param:
         """The handle at ``path`` (a SlotError names the path and close matches)."""
         self.named_slots()
-        m, leaf = self._owner(path)
+        m, leaf = self._holder(path)
         return m._params[leaf]
 
     def set_parameter(self, path: str, param: Param) -> None:
         """Install ``param`` at the existing ``path``; shape and dtype must match (C6).
 
         A handle another path holds is installed as an alias, as by assignment (C4)."""
-        m, leaf = self._owner(path)
+        m, leaf = self._holder(path)
         if not isinstance(param, Param):
             raise SlotError(f"set_parameter {path!r}: expected a Param, got {type(param).__name__}")
         old = m._params[leaf]

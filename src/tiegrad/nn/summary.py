@@ -32,13 +32,13 @@ def summary(module: Module) -> str:
     for k, members in enumerate(rows.values()):
         p = slots[members[0]][1]
         frozen = [slots[i][0] for i in members if not slots[i][1].requires_grad]
-        owner = next((canonical[i] for i in members if canonical[i] is not None), None)
+        canonical_slot = next((canonical[i] for i in members if canonical[i] is not None), None)
         table.append(
             (
                 f"S{k}",
                 ", ".join(slots[i][0] for i in members),
                 ", ".join(frozen) or "-",
-                "-" if owner is None else str(owner),
+                "-" if canonical_slot is None else str(canonical_slot),
                 str(p.shape),
                 p.dtype.name,
                 str(p.size),

@@ -57,7 +57,7 @@ from .foreach import ForeachOps
 from .gradients import check_complete, check_recorded, list_gradients
 from .plan import StepPlan
 from .state import FlatState, SlotSpec
-from .update import Owner, Update
+from .update import Labeler, Update
 
 _NONE_FRESH: frozenset[str] = frozenset()  # no state entry made this step (all but the first)
 
@@ -136,7 +136,7 @@ class DeviceProgram:
         self.revision = state.revision
 
 
-def device_backend(gradients: Any) -> Backend | None:
+def gradients_backend(gradients: Any) -> Backend | None:
     """The device backend of ``Optimizer.step``'s gradients (after ``gradients.given``);
     None where they are host arrays."""
     if isinstance(gradients, Gradients):
@@ -166,11 +166,11 @@ class DeviceExecutor:
         self._recorded: tuple[Any, ...] | None = None  # (plan, registrations, groups, slots)
 
     @contextmanager
-    def gradients(self, owner: Owner, plan: StepPlan, given: Any) -> Iterator[list[Any]]:
+    def gradients(self, labeler: Labeler, plan: StepPlan, given: Any) -> Iterator[list[Any]]:
         bk = self.backend
         grads: list[Any] = [None] * len(plan.slots)
         if isinstance(given, Gradients):
-            groups, order = self._groups(owner, plan, given)
+            groups, order = self._groups(labeler, plan, given)
             check_device_gradient_groups(groups, given, bk)
             with checked_device_sums(groups, given, bk) as sums:
                 for i, total in zip(order, sums):
@@ -180,14 +180,14 @@ class DeviceExecutor:
                 finally:
                     grads.clear()
             return
-        raw = list_gradients(owner, given, plan)
-        check_complete(owner, plan, {i for i in plan.canonical if raw[i] is not None})
+        raw = list_gradients(labeler, given, plan)
+        check_complete(labeler, plan, {i for i in plan.canonical if raw[i] is not None})
         for i in plan.canonical:
-            grads[i] = self._checked(owner, i, raw[i])
+            grads[i] = self._checked(labeler, i, raw[i])
         yield grads
 
     def _groups(
-        self, owner: Owner, plan: StepPlan, gradients: Gradients
+        self, labeler: Labeler, plan: StepPlan, gradients: Gradients
     ) -> tuple[list[Any], list[int]]:
         """The recorded groups of storages ``plan`` trains and the canonical slot of each.
 
@@ -201,23 +201,23 @@ class DeviceExecutor:
             return hit[2], hit[3]
         index = plan.index
         recorded = gradients.parameter_groups()
-        check_recorded(owner, recorded, plan)
+        check_recorded(labeler, recorded, plan)
         groups = [g for g in recorded if g.storage is not None and id(g.storage) in index]
         order = [index[id(g.storage)] for g in groups]
-        check_complete(owner, plan, set(order), " (no trainable use of its storage on the tape)")
+        check_complete(labeler, plan, set(order), " (no trainable use of its storage on the tape)")
         self._recorded = (
             (plan, registrations, groups, order) if len(groups) == len(recorded) else None
         )
         return groups, order
 
-    def _checked(self, owner: Owner, slot: int, g: Any) -> Any:
-        what = f"{owner.kind}.step: gradient of {owner.label(slot)}"
+    def _checked(self, labeler: Labeler, slot: int, g: Any) -> Any:
+        what = f"{labeler.kind}.step: gradient of {labeler.label(slot)}"
         where = backend_of(g) if _is_tensor(g) or isinstance(g, np.ndarray) else None
         if where is None or where is NUMPY:
             raise DeviceError(f"{what} is a {type(g).__name__}, expected a device tensor")
         if where is not self.backend:
             raise DeviceError(f"{what} is on {where.device!r}, expected {self.backend.device!r}")
-        p = owner.params[slot]
+        p = labeler.params[slot]
         if tuple(g.shape) != p.shape:
             raise ShapeError(f"{what}: expected shape {p.shape}, got {tuple(g.shape)}")
         if dtype_name(g) != p.dtype.name:

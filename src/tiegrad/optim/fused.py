@@ -10,9 +10,9 @@ canonical slots (C5) in order, cut into ``Piece``s of up to ``GROUP`` consecutiv
 one run (a slot larger than ``4 * CHUNK_MIN`` elements is cut into parts), one kernel
 call each, since a call costs microseconds. A step flattens its gradients once per
 dtype (``GradientTable``), checks them all for NaN and infinity before any write (C6, one
-read), then hands ``run`` each run of slots that share coefficients with its ``Batch``:
-the run's pieces with their views of the state (``FlatState`` keeps it in one flat
-buffer per name and dtype), made once per program.
+read), then hands ``run`` each run of slots that share coefficients with its
+``RunOperands``: the run's pieces with their views of the state (``FlatState`` keeps it in
+one flat buffer per name and dtype), made once per program.
 
 Threads. A run or check of at least ``2 * CHUNK_MIN`` elements is shared among up to
 ``tiegrad._threads.count(CORES)`` threads (read at every step: ``TIEGRAD_NUM_THREADS``,
@@ -194,7 +194,7 @@ class GradientTable:
         return None
 
 
-class Batch:
+class RunOperands:
     """The fixed operands of ``rule``'s kernel over the run ``run`` of ``layout``, per program.
 
     ``rows``: the run's rows in the layout, in the run's order; ``state``: ``{name: (flat
@@ -234,18 +234,20 @@ class Batch:
         self.written: tuple[list[np.ndarray], list[np.ndarray], Owners] | None = None
 
 
-def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: GradientTable) -> None:
-    """Update ``params`` and their state in place with ``batch``'s kernel, one pass.
+def run(
+    operands: RunOperands, coefficients: tuple, params: list[np.ndarray], grads: GradientTable
+) -> None:
+    """Update ``params`` and their state in place with the kernel of ``operands``, one pass.
 
     ``params``: the run's writable C-contiguous arrays of one dtype in ``DTYPES``, of the
-    shapes ``batch`` was built for; ``grads``: the step's gradient table, checked
+    shapes ``operands`` was built for; ``grads``: the step's gradient table, checked
     (``first_nonfinite``). A gradient that shares memory with anything written is
     copied first.
     """
-    kernel, calls, pad = batch.kernel, batch.calls, batch.pad
-    flat_params, owners = _written(batch, params)
-    flat_grads = [grads.flat[row] for row in batch.rows]
-    everything = [*params, *batch.buffers]
+    kernel, calls, pad = operands.kernel, operands.calls, operands.pad
+    flat_params, owners = _written(operands, params)
+    flat_grads = [grads.flat[row] for row in operands.rows]
+    everything = [*params, *operands.buffers]
     for i, g in enumerate(flat_grads):
         owner = _owner(g)
         if owner is g:  # a copy
@@ -265,12 +267,12 @@ def run(batch: Batch, coefficients: tuple, params: list[np.ndarray], grads: Grad
             team.run(threads, blocks, p + filler[0], g + filler[1], *state, *coefficients,
                      CHUNK_MIN)  # fmt: skip
 
-    threads, team = _threads_and_team(batch.size)
-    if team is None or batch.blocks is None:
+    threads, team = _threads_and_team(operands.size)
+    if team is None or operands.blocks is None:
         _threads.share(call, len(calls), threads)
         return
     for k, (_, _, lo, hi, _, _) in enumerate(calls):
-        call(k, batch.blocks if hi - lo >= 2 * CHUNK_MIN else None)
+        call(k, operands.blocks if hi - lo >= 2 * CHUNK_MIN else None)
 
 
 def _rows(
@@ -304,7 +306,7 @@ def _read_only_view(a: np.ndarray) -> tuple[np.ndarray, bool]:
         return flat, False
     of_writable = a.flags.c_contiguous
     flat = (flat if flags.c_contiguous else flat.copy()).view()  # a strided 1-D ``a``: a view
-    flat.setflags(write=False)  # 0.8 against 1.25 us through ``flags.writeable``
+    flat.setflags(write=False)  # cheaper than ``flags.writeable = False`` (docs/performance.md)
     return flat, of_writable
 
 
@@ -315,22 +317,22 @@ def _owner(a: np.ndarray) -> np.ndarray | None:
     return owner if isinstance(owner, np.ndarray) and owner.base is None else None
 
 
-def _written(batch: Batch, params: list[np.ndarray]) -> tuple[list[np.ndarray], Owners]:
+def _written(operands: RunOperands, params: list[np.ndarray]) -> tuple[list[np.ndarray], Owners]:
     """The 1-D views of ``params`` and ``{id of an owner: the arrays written in its memory}``
-    for ``params`` and ``batch``'s state, None where one of them lives in a foreign
-    buffer; kept in ``batch.written`` for as long as ``params`` are the same arrays."""
-    last = batch.written
+    for ``params`` and ``operands``'s state, None where one of them lives in a foreign
+    buffer; kept in ``operands.written`` for as long as ``params`` are the same arrays."""
+    last = operands.written
     if last is not None and len(last[0]) == len(params) and all(map(_same, last[0], params)):
         return last[1], last[2]
     owners: Owners = {}
-    for a in [*params, *batch.buffers]:
+    for a in [*params, *operands.buffers]:
         owner = _owner(a)
         if owner is None:
             owners = None
             break
         owners.setdefault(id(owner), []).append(a)
     flat = [a.reshape(-1) for a in params]
-    batch.written = (list(params), flat, owners)
+    operands.written = (list(params), flat, owners)
     return flat, owners
 
 

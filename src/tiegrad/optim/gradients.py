@@ -28,43 +28,43 @@ from ..params import dense_group_gradient
 from ..params.storage import check_host_array
 from ..session import Gradients, latest_gradients
 from .plan import StepPlan
-from .update import Owner
+from .update import Labeler
 
 _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
 _SESSION_HINT = " (no trainable use of its storage was recorded before that backward)"
 
 
-def given(owner: Owner, gradients: Any) -> Any:
+def given(labeler: Labeler, gradients: Any) -> Any:
     """``gradients``, or for None the latest ``backward``'s result of this thread."""
     if gradients is None:
         gradients = latest_gradients()
         if gradients is None:
             raise MissingGradientError(
-                f"{owner.kind}.step: no gradients given, and no backward has run in this "
+                f"{labeler.kind}.step: no gradients given, and no backward has run in this "
                 "thread since the last zero_grad()"
             )
     return gradients
 
 
 def resolve(
-    owner: Owner, plan: StepPlan, gradients: Any, allow_missing: bool = False
+    labeler: Labeler, plan: StepPlan, gradients: Any, allow_missing: bool = False
 ) -> list[np.ndarray | None]:
     """The checked host gradient of each canonical slot of ``plan``, None elsewhere.
 
     A storage used once gets the very array ``backward`` produced (C4).
     ``allow_missing``: None, too, at a canonical slot that the gradients do not reach.
     """
-    gradients = given(owner, gradients)
+    gradients = given(labeler, gradients)
     if isinstance(gradients, Gradients):
-        raw = _session_gradients(owner, gradients, plan)
+        raw = _session_gradients(labeler, gradients, plan)
         hint = _SESSION_HINT
     elif isinstance(gradients, (list, tuple)):
-        raw = list_gradients(owner, gradients, plan)
+        raw = list_gradients(labeler, gradients, plan)
         hint = ""
     else:
         raise SlotError(
-            f"{owner.kind}.step: expected tiegrad.Gradients, a per-slot list or None, got "
+            f"{labeler.kind}.step: expected tiegrad.Gradients, a per-slot list or None, got "
             f"{type(gradients).__name__}"
         )
     present = [raw[i] for i in plan.canonical] if plan.spare else raw
@@ -79,19 +79,19 @@ def resolve(
         if g is None and allow_missing:
             continue
         if g is None:
-            raise _missing(owner, i, hint)
+            raise _missing(labeler, i, hint)
         raw[i] = check_host_array(
-            f"{owner.kind}.step: gradient of {owner.label(i)}", g, p.shape, p.dtype
+            f"{labeler.kind}.step: gradient of {labeler.label(i)}", g, p.shape, p.dtype
         )
     return raw
 
 
-def _session_gradients(owner: Owner, gradients: Gradients, plan: StepPlan) -> list[Any]:
+def _session_gradients(labeler: Labeler, gradients: Gradients, plan: StepPlan) -> list[Any]:
     """The session's group gradients at the canonical slots of their storages (C1)."""
     to_numpy = gradients.session.backend.to_numpy
     index = plan.index
     groups = gradients.parameter_groups()
-    check_recorded(owner, groups, plan)
+    check_recorded(labeler, groups, plan)
     raw: list[Any] = [None] * len(plan.slots)
     for group in groups:
         i = None if group.storage is None else index.get(id(group.storage))
@@ -100,7 +100,7 @@ def _session_gradients(owner: Owner, gradients: Gradients, plan: StepPlan) -> li
     return raw
 
 
-def check_recorded(owner: Owner, groups: Sequence[Any], plan: StepPlan) -> None:
+def check_recorded(labeler: Labeler, groups: Sequence[Any], plan: StepPlan) -> None:
     """``AliasError`` if a recorded group's storage is held here but trained at no slot.
 
     Its use was trainable when recorded and is frozen at every slot now: stepping
@@ -111,23 +111,23 @@ def check_recorded(owner: Owner, groups: Sequence[Any], plan: StepPlan) -> None:
         if group.storage is None or id(group.storage) in plan.index:
             continue
         if held is None:
-            held = {id(p.storage): slot for slot, p in reversed(list(enumerate(owner.params)))}
+            held = {id(p.storage): slot for slot, p in reversed(list(enumerate(labeler.params)))}
         if id(group.storage) in held:
             raise AliasError(
-                f"{owner.kind}.step: the layout changed since backward: leaf "
+                f"{labeler.kind}.step: the layout changed since backward: leaf "
                 f"{group.id} recorded a trainable use of the storage of "
-                f"{owner.label(held[id(group.storage)])}, which is frozen at every slot "
+                f"{labeler.label(held[id(group.storage)])}, which is frozen at every slot "
                 f"now; its recorded gradient would be dropped (record again, or restore "
                 f"the trainability before stepping)"
             )
 
 
-def list_gradients(owner: Owner, gradients: Sequence[Any], plan: StepPlan) -> list[Any]:
+def list_gradients(labeler: Labeler, gradients: Sequence[Any], plan: StepPlan) -> list[Any]:
     """A copy of a per-slot list, checked to hold None at frozen and alias slots (C5)."""
     slots = plan.slots
     if len(gradients) != len(slots):
         raise SlotError(
-            f"{owner.kind}.step: {len(gradients)} gradients for {len(slots)} slots; "
+            f"{labeler.kind}.step: {len(gradients)} gradients for {len(slots)} slots; "
             f"expected one entry per slot (None at frozen and alias slots)"
         )
     for i in plan.spare:
@@ -135,20 +135,20 @@ def list_gradients(owner: Owner, gradients: Sequence[Any], plan: StepPlan) -> li
             c = slots[i]
             what = "frozen" if c is None else f"an alias of slot {c}"
             raise SlotError(
-                f"{owner.kind}.step: slot {i} is {what} and its entry must be None; sum "
+                f"{labeler.kind}.step: slot {i} is {what} and its entry must be None; sum "
                 f"per-slot gradients with opt.params.canonical_gradients(slots, grads)"
             )
     return list(gradients)
 
 
-def check_complete(owner: Owner, plan: StepPlan, have: set[int], hint: str = "") -> None:
+def check_complete(labeler: Labeler, plan: StepPlan, have: set[int], hint: str = "") -> None:
     """``MissingGradientError`` naming the first canonical slot not in ``have``."""
     for i in plan.canonical:
         if i not in have:
-            raise _missing(owner, i, hint)
+            raise _missing(labeler, i, hint)
 
 
-def _missing(owner: Owner, slot: int, hint: str) -> MissingGradientError:
+def _missing(labeler: Labeler, slot: int, hint: str) -> MissingGradientError:
     return MissingGradientError(
-        f"{owner.kind}.step: {owner.label(slot)} is trainable but has no gradient{hint}"
+        f"{labeler.kind}.step: {labeler.label(slot)} is trainable but has no gradient{hint}"
     )

@@ -29,7 +29,7 @@ from .gradients import resolve
 from .norms import all_finite
 from .plan import CHUNK, Program, Run, StepPlan
 from .rule import UpdateRule
-from .update import Owner, Update
+from .update import Labeler, Update
 
 
 class HostExecutor:
@@ -39,8 +39,8 @@ class HostExecutor:
         self._work: dict[np.dtype, list[np.ndarray]] = {}
 
     @contextmanager
-    def gradients(self, owner: Owner, plan: StepPlan, given: Any) -> Iterator[list[Any]]:
-        yield resolve(owner, plan, given)
+    def gradients(self, labeler: Labeler, plan: StepPlan, given: Any) -> Iterator[list[Any]]:
+        yield resolve(labeler, plan, given)
 
     def first_nonfinite(self, update: Update, grads: list[Any]) -> int | None:
         program = _program(update)
@@ -70,11 +70,11 @@ class HostExecutor:
                 names = program.specs[run.slots[0]][2]
                 c = update.coefficients(gi, step, fresh)
                 if dtype in tables and rule.fused is not None:
-                    batch = program.batches.get(i)
-                    if batch is None:
-                        batch = _batch(rule.fused, update, program, i, names)
-                        program.batches[i] = batch
-                    _update_fused(batch, run, tables[dtype], c)
+                    operands = program.operands.get(i)
+                    if operands is None:
+                        operands = _operands(rule.fused, update, program, i, names)
+                        program.operands[i] = operands
+                    _update_fused(operands, run, tables[dtype], c)
                 elif len(run.slots) == 1:
                     self._update_one(rule, update, run, grads[run.slots[0]], names, c)
                 else:
@@ -160,22 +160,24 @@ def _program(update: Update) -> Program:
     return program
 
 
-def _batch(
+def _operands(
     rule: fused.FusedRule, update: Update, program: Program, i: int, names: tuple[str, ...]
-) -> fused.Batch:
-    """The ``fused.Batch`` of ``program``'s run ``i`` on the arranged state."""
+) -> fused.RunOperands:
+    """The ``fused.RunOperands`` of ``program``'s run ``i`` on the arranged state."""
     run = program.runs[i]
     rows = np.array(run.slots, np.intp)
     flat = update.state.flat
     state = {name: flat.offsets(rows, name) for name in names}
-    return fused.Batch(rule, program.fused[run.key[3]], i, run.rows, state)
+    return fused.RunOperands(rule, program.fused[run.key[3]], i, run.rows, state)
 
 
-def _update_fused(batch: fused.Batch, run: Run, grads: fused.GradientTable, c: Any) -> None:
-    """The slots of ``run`` updated by ``batch``'s kernel calls, in place."""
+def _update_fused(
+    operands: fused.RunOperands, run: Run, grads: fused.GradientTable, c: Any
+) -> None:
+    """The slots of ``run`` updated by ``operands``' kernel calls, in place."""
     storages = run.storages
     arrs = [_contiguous(storage.host_for_update()) for storage in storages]
-    fused.run(batch, c, arrs, grads)
+    fused.run(operands, c, arrs, grads)
     for storage, arr in zip(storages, arrs):
         storage.commit_host(arr)
 

@@ -1,13 +1,18 @@
 """``KeyedState``: optimizer state that belongs to storages and is keyed by canonical slot.
 
 The tensors live in a ``FlatState`` (``optim.state``) keyed by canonical slot (C5); the
-slot is only a key. ``owners`` names the storage of every entry, so when the layout
-changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot) each entry moves
-to the canonical slot of its storage: one history per storage however its uses are
-frozen or tied (C1, C5). An entry of a storage no longer trained at any slot stays where
-no canonical slot is, or is parked aside when another storage's canonical slot takes its
-key, until the next write drops it: a refused step, or a look at the state, loses
-nothing (C6), and a storage trained again before that write finds its history.
+slot is only a key. ``storages`` names the storage of every entry.
+
+Guarantees:
+
+- One history per storage, however its uses are frozen or tied (C1, C5). When the
+  layout changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot),
+  ``rekey`` moves each entry to the canonical slot of its storage.
+- Nothing is lost before the next write (C6). An entry of a storage that no longer
+  trains at any slot stays under its old key, or is parked aside when another
+  storage's canonical slot takes that key. A refused step or a look at the state
+  keeps it, and a storage that trains again before the next write finds its history.
+  The next write drops it.
 
 The state may be mirrored on a device (``mirror``, a ``DeviceState`` of
 ``optim.device``), as a parameter is (C7): ``sync`` downloads a newer mirror, ``release``
@@ -29,7 +34,7 @@ class KeyedState:
 
     def __init__(self) -> None:
         self.flat = FlatState()
-        self.owners: dict[int, ParameterStorage] = {}
+        self.storages: dict[int, ParameterStorage] = {}
         self.keyed_by: StepPlan | None = None  # the plan the entries are keyed by
         self.mirror: Any = None
         self.parked: dict[int, tuple[ParameterStorage, SlotSpec, dict[str, Any]]] = {}
@@ -55,12 +60,12 @@ class KeyedState:
             return
         moves: dict[int, int] = {}
         kept: dict[int, ParameterStorage] = {}
-        for slot, storage in self.owners.items():
+        for slot, storage in self.storages.items():
             new = plan.index.get(id(storage))
             if new is not None:
                 moves[slot] = new
                 kept[new] = storage
-        for slot, storage in self.owners.items():
+        for slot, storage in self.storages.items():
             if slot not in moves and plan.slots[slot] != slot:
                 moves[slot] = slot
                 kept[slot] = storage
@@ -69,9 +74,9 @@ class KeyedState:
             for key in self.parked
             if key in plan.index and plan.index[key] not in kept
         }
-        if len(moves) < len(self.owners) or back or any(a != b for a, b in moves.items()):
+        if len(moves) < len(self.storages) or back or any(a != b for a, b in moves.items()):
             self.release()
-            for slot, storage in self.owners.items():
+            for slot, storage in self.storages.items():
                 if slot not in moves:
                     self.parked[id(storage)] = (
                         storage,
@@ -86,7 +91,7 @@ class KeyedState:
                     {slot: entry for slot, (_, _, entry) in parked.items()},
                 )
                 kept |= {slot: storage for slot, (storage, _, _) in parked.items()}
-        self.owners = kept
+        self.storages = kept
         self.keyed_by = plan
 
     def trained_slots(self, plan: StepPlan) -> list[int]:
@@ -100,7 +105,7 @@ class KeyedState:
         """``FlatState.arrange`` for ``specs`` (canonical slots of ``plan``); new tensors
         start at ``initial(slot, name)``. Returns the ``(slot, name)`` pairs created."""
         created = self.flat.arrange(specs, initial)
-        self.owners = {slot: plan.storages[slot] for slot in specs}
+        self.storages = {slot: plan.storages[slot] for slot in specs}
         self.parked.clear()
         return created
 
@@ -116,5 +121,5 @@ class KeyedState:
         self.parked.clear()
         plan.program = None
         self.flat.install(specs, entries)
-        self.owners = {slot: plan.storages[slot] for slot in specs}
+        self.storages = {slot: plan.storages[slot] for slot in specs}
         self.keyed_by = plan

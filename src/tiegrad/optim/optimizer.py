@@ -44,7 +44,7 @@ from ..checkpoint.schema import SlotRecord, slot_records
 from ..errors import AliasError, HyperparameterError, NonFiniteError, SlotError
 from ..params import Param, ParamList
 from ..session import Gradients, forget_latest_gradients, note_step
-from .device import DeviceExecutor, device_backend
+from .device import DeviceExecutor, gradients_backend
 from .fused import FusedRule
 from .gradients import given, resolve
 from .host import HostExecutor
@@ -55,7 +55,7 @@ from .rule import UpdateRule
 from .state import SlotSpec
 from .state_dict import check_layout, check_structure, checked_state, counter
 from .state_values import check_state_values
-from .update import Executor, Owner, Update
+from .update import Executor, Labeler, Update
 
 NONFINITE_MODES = ("raise", "skip")
 
@@ -98,7 +98,7 @@ class Optimizer:
         self.params: ParamList = plist
         self.param_groups: list[dict[str, Any]] = groups
         self._slot_group = slot_group
-        self._owner = Owner(self.kind, plist)
+        self._labeler = Labeler(self.kind, plist)
         self._state = KeyedState()
         self._host = HostExecutor()
         self._devices: dict[Any, DeviceExecutor] = {}  # backend -> its executor
@@ -111,13 +111,13 @@ class Optimizer:
             group.update(hp)
 
     # -- subclass hooks ------------------------------------------------------------------
-    def _check_group(self, owner: str, hp: dict[str, Any], dtypes: set[np.dtype]) -> None:
+    def _check_group(self, label: str, hp: dict[str, Any], dtypes: set[np.dtype]) -> None:
         """Checks across hyperparameters of one group (dtypes: its trainable parameters').
 
         By default: an ``eps`` hyperparameter must not round to 0 in those dtypes.
         """
         if "eps" in hp:
-            check_eps_in(owner, hp["eps"], dtypes)
+            check_eps_in(label, hp["eps"], dtypes)
 
     def _state_names(self, hp: Mapping[str, Any]) -> tuple[str, ...]:
         """The state tensors a slot of a group with hyperparameters ``hp`` holds."""
@@ -161,7 +161,7 @@ class Optimizer:
         do not reach (a micro-batch or a rank that did not use it) instead of raising:
         the caller sums such parts, and ``step`` checks the sum.
         """
-        return resolve(self._owner, self._plan(), gradients, allow_missing)
+        return resolve(self._labeler, self._plan(), gradients, allow_missing)
 
     def step(self, gradients: GradientsArg = None) -> None:
         """One update of every trainable storage (C3-C6); see the module docstring.
@@ -170,10 +170,10 @@ class Optimizer:
         device executor: mirrors and state updated on the device (C7, C8). A host step
         first syncs and releases a device state.
         """
-        gradients = given(self._owner, gradients)
+        gradients = given(self._labeler, gradients)
         executor = self._executor(gradients)
         plan = self._plan()
-        with executor.gradients(self._owner, plan, gradients) as grads:
+        with executor.gradients(self._labeler, plan, gradients) as grads:
             hps = self._checked_groups(self.param_groups, plan)
             names = tuple(self._state_names(hp) for hp in hps)
             update = Update(plan, hps, names, self._slot_group, self._state, self._rule())
@@ -289,7 +289,7 @@ class Optimizer:
 
     def _executor(self, gradients: Any) -> Executor:
         """The executor of ``gradients``' backend: the host's, or one per device backend."""
-        backend = device_backend(gradients)
+        backend = gradients_backend(gradients)
         if backend is None:
             return self._host
         executor = self._devices.get(backend)
@@ -316,20 +316,20 @@ class Optimizer:
         groups: list[dict[str, Any]] = []
         slot_group: list[int] = []
         for gi, g in enumerate(raw):
-            owner = f"{self.kind} group {gi}"
+            label = f"{self.kind} group {gi}"
             if "params" not in g:
-                raise SlotError(f"{owner}: a parameter group needs a 'params' entry")
+                raise SlotError(f"{label}: a parameter group needs a 'params' entry")
             unknown = sorted(set(g) - {"params"} - set(self.hyperparameters))
             if unknown:
                 raise HyperparameterError(
-                    f"{owner}: unknown hyperparameter(s) {unknown}; {self.kind} takes "
+                    f"{label}: unknown hyperparameter(s) {unknown}; {self.kind} takes "
                     f"{list(self.hyperparameters)}"
                 )
             members = [g["params"]] if isinstance(g["params"], Param) else list(g["params"])
             for j, p in enumerate(members):
                 if not isinstance(p, Param):
                     raise SlotError(
-                        f"{owner}: params[{j}] must be a tiegrad.Param, got {type(p).__name__}"
+                        f"{label}: params[{j}] must be a tiegrad.Param, got {type(p).__name__}"
                     )
             start = len(handles)
             handles.extend(members)
@@ -343,14 +343,14 @@ class Optimizer:
 
     # -- validation ----------------------------------------------------------------------
     def _checked_hyper(
-        self, values: Mapping[str, Any], owner: str, dtypes: Iterable[np.dtype]
+        self, values: Mapping[str, Any], label: str, dtypes: Iterable[np.dtype]
     ) -> dict[str, Any]:
         hp = {}
         for name, check in self.hyperparameters.items():
             if name not in values:
-                raise HyperparameterError(f"{owner}: missing hyperparameter {name!r}")
-            hp[name] = check(owner, name, values[name])
-        self._check_group(owner, hp, set(dtypes))
+                raise HyperparameterError(f"{label}: missing hyperparameter {name!r}")
+            hp[name] = check(label, name, values[name])
+        self._check_group(label, hp, set(dtypes))
         return hp
 
     def _plan(self) -> StepPlan:
@@ -378,7 +378,7 @@ class Optimizer:
         for i, c in plan.aliases:
             if hps[sg[i]] != hps[sg[c]]:
                 a, b = hps[sg[c]], hps[sg[i]]
-                label = self._owner.label
+                label = self._labeler.label
                 diff = ", ".join(f"{k} {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k])
                 raise AliasError(
                     f"{self.kind}: {label(c)} in group {sg[c]} and {label(i)} in "
@@ -404,6 +404,6 @@ class Optimizer:
             note_step()  # the gradients were read: the step happened, as a skip
             return
         raise NonFiniteError(
-            f"{self.kind}.step: the gradient of {self._owner.label(bad)} holds NaN or "
+            f"{self.kind}.step: the gradient of {self._labeler.label(bad)} holds NaN or "
             f"infinity; nothing was updated (nonfinite='skip' skips such steps)"
         )

@@ -116,7 +116,7 @@ class Program:
     ``specs``: the state layout; ``runs``: the rule calls in order; ``created``: the
     state tensors the next step creates; ``fused``: per dtype that runs fused, the
     ``fused.Layout`` of its canonical slots;
-    ``rest``: the canonical slots of the other dtypes; ``batches``: the ``fused.Batch``
+    ``rest``: the canonical slots of the other dtypes; ``operands``: the ``fused.RunOperands``
     of each fused run by run index, made by its first step (after the state is
     arranged); ``arranged``: whether the state has this layout.
     """
@@ -131,7 +131,7 @@ class Program:
         "state",
         "revision",
         "arranged",
-        "batches",
+        "operands",
     )
 
     def __init__(
@@ -170,7 +170,7 @@ class Program:
         self.state = state
         self.revision: int | None = state.revision
         self.arranged = False
-        self.batches: dict[int, fused.Batch] = {}
+        self.operands: dict[int, fused.RunOperands] = {}
 
     def current(self, key: tuple[Any, ...], state: FlatState) -> bool:
         """Whether this program still holds for ``key`` and ``state`` (unchanged since)."""
@@ -210,17 +210,17 @@ def _runs(
     per coefficients.
     """
     runs: list[tuple[RunKey, list[int]]] = []
-    batches: dict[RunKey, list[int]] = {}
+    fused_run: dict[RunKey, list[int]] = {}  # the run of each key of a fusable dtype
     total = 0
     for slot in sorted(specs):
         shape, dtype, names = specs[slot]
         fresh = frozenset(n for n in names if (slot, n) in created) if created else NOTHING
         key = (slot_group[slot], steps(slot) + 1, fresh, dtype)
         if dtype in fusable:
-            if key not in batches:
-                batches[key] = []
-                runs.append((key, batches[key]))
-            batches[key].append(slot)
+            if key not in fused_run:
+                fused_run[key] = []
+                runs.append((key, fused_run[key]))
+            fused_run[key].append(slot)
             continue
         size = math.prod(shape)
         small = size <= SMALL

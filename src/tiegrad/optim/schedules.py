@@ -445,8 +445,8 @@ def _per_group(value: Any, groups: int) -> Any:
 
 
 def _checked_list(
-    owner: str, name: str, values: Any, groups: int, check: Callable[[str, str, Any], float]
+    label: str, name: str, values: Any, groups: int, check: Callable[[str, str, Any], float]
 ) -> list[float]:
     if not isinstance(values, (list, tuple)) or len(values) != groups:
-        raise HyperparameterError(f"{owner}: {name} needs one value per group ({groups})")
-    return [check(owner, f"{name}[{i}]", v) for i, v in enumerate(values)]
+        raise HyperparameterError(f"{label}: {name} needs one value per group ({groups})")
+    return [check(label, f"{name}[{i}]", v) for i, v in enumerate(values)]

@@ -111,10 +111,10 @@ class SGD(Optimizer):
         }
         super().__init__(params, defaults, nonfinite=nonfinite)
 
-    def _check_group(self, owner: str, hp: dict[str, Any], dtypes: set[np.dtype]) -> None:
+    def _check_group(self, label: str, hp: dict[str, Any], dtypes: set[np.dtype]) -> None:
         if hp["nesterov"] and (hp["momentum"] <= 0 or hp["dampening"] != 0):
             raise HyperparameterError(
-                f"{owner}: nesterov needs momentum > 0 and dampening 0, got momentum "
+                f"{label}: nesterov needs momentum > 0 and dampening 0, got momentum "
                 f"{hp['momentum']!r} and dampening {hp['dampening']!r}"
             )
 

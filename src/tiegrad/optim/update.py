@@ -22,8 +22,8 @@ from .rule import Hyper, UpdateRule
 from .state import SlotSpec
 
 
-class Owner(NamedTuple):
-    """The optimizer a step belongs to, as its messages name it: its kind and its slots."""
+class Labeler(NamedTuple):
+    """How a step's messages name its optimizer (``kind``) and its slots (``label``)."""
 
     kind: str
     params: ParamList
@@ -89,7 +89,7 @@ class Executor(Protocol):
     """
 
     def gradients(
-        self, owner: Owner, plan: StepPlan, given: Any
+        self, labeler: Labeler, plan: StepPlan, given: Any
     ) -> AbstractContextManager[list[Any]]: ...
 
     def first_nonfinite(self, update: Update, grads: list[Any]) -> int | None: ...

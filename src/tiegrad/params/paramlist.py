@@ -203,18 +203,18 @@ class ParamList:
                     f"expected {self._params[c].dtype.name}"
                 )
         sums: list[Any | None] = [None] * n
-        owned = [False] * n
+        made = [False] * n  # whether a sum is one this loop made: added into in place
         for i, c in enumerate(slots):
             if c is None:
                 continue
             g = gradients[i]
             if sums[c] is None:
                 sums[c] = g
-            elif owned[c]:
+            elif made[c]:
                 sums[c] += g
             else:
                 sums[c] = add_new(sums[c], g)
-                owned[c] = True
+                made[c] = True
         return sums
 
     @staticmethod

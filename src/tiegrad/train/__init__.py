@@ -1,6 +1,8 @@
-"""Training: the ``Trainer`` loop, its callbacks, run folders, metrics, progress and plots."""
+"""Training: the ``Trainer`` loop and its ``TrainConfig``, callbacks, run folders,
+metrics, progress and plots."""
 
 from .callbacks import Callback, LossPlot, MetricsLogger, TensorBoardLogger, TextSample
+from .config import TrainConfig
 from .metrics import MetricsWriter, read_metrics
 from .plot import plot_losses
 from .rundir import RunDir
@@ -14,6 +16,7 @@ __all__ = [
     "RunDir",
     "TensorBoardLogger",
     "TextSample",
+    "TrainConfig",
     "TrainResult",
     "Trainer",
     "plot_losses",

@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..data.loader import Batch, BatchSource, check_positive
-from ..errors import ConfigError
+from ..errors import ConfigError, shown_list
 from ..session import EagerSession, TensorRef
 from .callbacks import Callback
+from .config import TrainConfig
 
 LossFn = Callable[[EagerSession, Batch], TensorRef]
 
@@ -62,27 +63,51 @@ def check_optimizer(optimizer: Any) -> None:
             )
 
 
-def checked_length(
-    max_steps: int | None, epochs: int | None, grad_accum: int, batches: int
-) -> tuple[int, int]:
-    """``(grad_accum, max_steps)`` of a run given ``max_steps`` or ``epochs`` (exactly one),
-    ``batches`` being the batches of an epoch."""
-    if (max_steps is None) == (epochs is None):
+#: The ``Trainer`` keywords that are settings, and the ``TrainConfig`` key each sets
+#: (``None``: the length, ``max_steps`` or ``epochs``); their defaults are the signature's.
+SETTING_KEYWORDS: dict[str, str | None] = {
+    "max_steps": None,
+    "epochs": None,
+    "grad_accum": "grad_accum",
+    "clip_norm": "clip_norm",
+    "eval_every": "eval_every",
+    "checkpoint_every": "checkpoint_every",
+    "keep_last": "keep_last",
+    "patience": "patience",
+    "min_delta": "min_delta",
+    "run_dir": "run",
+    "seed": "seed",
+    "device": "device",
+    "progress": "progress",
+    "recompute": "recompute",
+}
+
+
+def keyword_config(settings: dict[str, Any], batches: int) -> TrainConfig:
+    """The ``TrainConfig`` of the ``Trainer``'s setting keywords (``SETTING_KEYWORDS``),
+    ``batches`` being the batches of an epoch of ``train_data``.
+
+    The keywords say "off" with ``None`` (``clip_norm``, ``eval_every``,
+    ``checkpoint_every``, ``patience``: 0 in the configuration, where 0 turns them
+    off), so 0 given as a keyword is refused; ``epochs`` becomes the step count. A bad
+    value is a ``ConfigError`` naming the keyword (``Trainer: NAME``) (C6).
+    """
+    if (settings["max_steps"] is None) == (settings["epochs"] is None):
         raise ConfigError("Trainer: give exactly one of max_steps and epochs")
-    grad_accum = check_positive("Trainer: grad_accum", grad_accum)
-    if max_steps is not None:
-        return grad_accum, check_positive("Trainer: max_steps", max_steps)
-    epochs = check_positive("Trainer: epochs", epochs)
-    return grad_accum, max(1, epochs * batches // grad_accum)
-
-
-def optional_positive(what: str, value: Any) -> int | None:
-    """``None``, or ``value`` checked as a positive int."""
-    return None if value is None else check_positive(what, value)
-
-
-def checked_clip_norm(clip_norm: Any) -> float | None:
-    """``None`` (no clipping) or a finite number > 0, as a float."""
+    grad_accum = check_positive("Trainer: grad_accum", settings["grad_accum"])
+    if settings["max_steps"] is not None:
+        steps = check_positive("Trainer: max_steps", settings["max_steps"])
+    else:
+        steps = max(
+            1, check_positive("Trainer: epochs", settings["epochs"]) * batches // grad_accum
+        )
+    off = {
+        name: check_positive(f"Trainer: {name}", settings[name])
+        if settings[name] is not None
+        else 0
+        for name in ("eval_every", "checkpoint_every", "patience")
+    }
+    clip_norm = settings["clip_norm"]
     if clip_norm is not None and (
         isinstance(clip_norm, bool)
         or not isinstance(clip_norm, (int, float))
@@ -91,19 +116,52 @@ def checked_clip_norm(clip_norm: Any) -> float | None:
         raise ConfigError(
             f"Trainer: clip_norm must be a finite number > 0 or None, got {clip_norm!r}"
         )
-    return None if clip_norm is None else float(clip_norm)
+    run_dir = settings["run_dir"]
+    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+        raise ConfigError(
+            f"Trainer: run_dir must be a str, os.PathLike or None, got {type(run_dir).__name__}"
+        )
+    device = settings["device"]
+    if not isinstance(settings["recompute"], bool):
+        raise ConfigError(
+            f"Trainer: recompute must be True or False, got {settings['recompute']!r:.80}"
+        )
+    values = {
+        "steps": steps,
+        "grad_accum": grad_accum,
+        "clip_norm": clip_norm or 0.0,
+        **off,
+        "keep_last": settings["keep_last"],
+        "min_delta": settings["min_delta"],
+        "seed": settings["seed"],
+        "device": "cpu" if device is None else device,
+        "progress": settings["progress"],
+        "recompute": settings["recompute"],
+        "run": "" if run_dir is None else os.fspath(run_dir),
+    }
+    names = {key: name for name, key in SETTING_KEYWORDS.items() if key is not None}
+    names["steps"] = "max_steps" if settings["max_steps"] is not None else "epochs"
+    return TrainConfig.from_mapping(values, labels={k: f"Trainer: {n}" for k, n in names.items()})
 
 
-def check_min_delta(min_delta: Any) -> None:
-    """A number >= 0."""
-    if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
-        raise ConfigError(f"Trainer: min_delta must be a number >= 0, got {min_delta!r}")
-
-
-def check_seed(seed: Any) -> None:
-    """An integer >= 0 (not a bool)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError(f"Trainer: seed must be an integer >= 0, got {seed!r}")
+def check_config_alone(config: Any, settings: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """With ``config`` (a ``TrainConfig``), every setting keyword keeps its default (in
+    ``defaults``): the settings come from one place. Else a ``ConfigError`` naming the
+    keywords given."""
+    if not isinstance(config, TrainConfig):
+        raise ConfigError(
+            f"Trainer: config must be a tiegrad.train.TrainConfig, got {type(config).__name__}"
+        )
+    given = [
+        name
+        for name, value in settings.items()
+        if value is not defaults[name] and value != defaults[name]
+    ]
+    if given:
+        raise ConfigError(
+            f"Trainer: give the settings in config or as keywords, not both (config and "
+            f"{shown_list(given)})"
+        )
 
 
 def callback_list(callbacks: Any) -> list[Any]:
@@ -127,14 +185,6 @@ def check_callbacks(callbacks: list[Any]) -> None:
             )
 
 
-def check_run_dir(run_dir: Any) -> None:
-    """``None``, a ``str`` or an ``os.PathLike``."""
-    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
-        raise ConfigError(
-            f"Trainer: run_dir must be a str, os.PathLike or None, got {type(run_dir).__name__}"
-        )
-
-
 def checked_extra(extra: Any) -> dict[str, Any]:
     """``extra`` as a dict that a checkpoint can store (JSON), without the key
     ``"trainer"`` that the trainer's own state takes."""
@@ -151,11 +201,9 @@ def checked_extra(extra: Any) -> dict[str, Any]:
     return dict(extra)
 
 
-def check_recompute(model: Any, recompute: Any) -> None:
-    """``recompute`` a bool; when true, ``model`` has transformers' switch
+def check_recompute(model: Any, recompute: bool) -> None:
+    """When ``recompute``, ``model`` has transformers' switch
     ``gradient_checkpointing_enable()`` (the language models: ``TiedCausalLM.recompute``)."""
-    if not isinstance(recompute, bool):
-        raise ConfigError(f"Trainer: recompute must be True or False, got {recompute!r:.80}")
     if recompute and not callable(getattr(model, "gradient_checkpointing_enable", None)):
         raise ConfigError(
             f"Trainer: recompute=True needs a model with gradient_checkpointing_enable() "

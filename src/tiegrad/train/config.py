@@ -1,11 +1,16 @@
-"""The configuration of a language-model run: defaults, TOML files, flags, validation.
+"""The settings of a training run: ``TrainConfig``, its TOML files and flags.
 
-A configuration is a flat dict with exactly the keys of ``DEFAULTS``. It is
-resolved in three layers, later ones winning: ``DEFAULTS``, a TOML file
-(``--config FILE.toml``, flat ``key = value`` pairs), then command-line flags. A key
-that does not exist, a value of the wrong type or out of range is a ``ConfigError``
-naming the key (and the file), raised before anything is built; integers are
-64-bit (TOML's range), so ``steps = 10**26`` is refused rather than run forever.
+``TrainConfig`` is the one description of a run's settings. Each field carries its
+default, type, help text, flag and allowed values (``setting``), so adding a setting
+is one field: the ``Trainer`` reads it, ``tiegrad train`` gets its flag and ``--help``
+line, TOML files and ``config.json`` read and write it.
+
+A configuration is resolved in three layers, later ones winning: the defaults, a TOML
+file (``--config FILE.toml``, flat ``key = value`` pairs), then command-line flags
+(``resolve``). A key that does not exist, a value of the wrong type or out of range is
+one ``ConfigError`` naming the key (its flag, or the file) with the expected and the
+actual value, raised before anything is built or written (C6); integers are 64-bit
+(TOML's range), so ``steps = 10**26`` is refused rather than run forever.
 
 The defaults are the main job, ``tiegrad train`` with no arguments: a character
 ``TiedLM`` trained on the standard library's source (``text = ""``), sized to finish
@@ -14,158 +19,278 @@ within a few minutes on two CPU cores.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.fileio import MAX_JSON_BYTES, read_limited
-from ..errors import ConfigError
+from ..errors import ConfigError, shown_list
 from ..optim.hyperparams import INT64_LIMIT
 from .lora import parse_lora
 
-DEFAULTS: dict[str, Any] = {
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    low: float | None = None,
+    low_excluded: bool = False,
+    below: float | None = None,
+    path: bool = False,
+) -> Any:
+    """A ``TrainConfig`` field: its ``default`` (whose type is the field's: ``bool``,
+    ``int``, ``float`` or ``str``) and its ``help`` text, the command-line ``flag``
+    (default ``--`` and the name with dashes) and ``metavar``, the allowed values
+    (``choices``; or ``low`` (excluded with ``low_excluded``) up to ``below``, excluded),
+    and whether it is a file or folder (``path``: relative to a TOML file's folder)."""
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "flag": flag,
+            "metavar": metavar,
+            "choices": choices,
+            "low": low,
+            "low_excluded": low_excluded,
+            "below": below,
+            "path": path,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig(Mapping[str, Any]):
+    """The settings of a training run, checked when made (C6).
+
+    ``Trainer(model, optimizer, ..., config=TrainConfig(steps=500, eval_every=50))``
+    reads the loop's settings: ``steps``, ``grad_accum``, ``clip_norm``, ``eval_every``,
+    ``checkpoint_every``, ``keep_last``, ``patience``, ``min_delta``, ``seed``,
+    ``device``, ``progress`` and ``run`` (its folder; empty: none). The other fields
+    describe the job ``tiegrad train`` builds from them (data, model, optimizer and
+    schedule: ``tiegrad.train.job``); a ``Trainer`` is given those objects instead.
+
+    Every value is checked against its field (type, 64-bit integers, choices, range)
+    and the rules between fields; a bad one is a ``ConfigError`` naming the key, the
+    expected and the actual value. The instance is frozen, so a checked configuration
+    stays checked: ``replace(key=value)`` returns a new one, checked again.
+
+    It is also a read-only mapping of its fields (``config["steps"]``, ``dict(config)``),
+    the form of a run's ``config.json`` and of the job builders' input.
+    """
+
     # data
-    "text": "",
-    "chat": "",
-    "vocab": "char",
-    "corpus_chars": 2_000_000,
-    "val_fraction": 0.1,
-    "init": "",
-    "lora": "",
-    "freeze": "",
+    text: str = setting(
+        "",
+        "training text file (UTF-8); empty: the Python standard library's source",
+        metavar="FILE",
+        path=True,
+    )
+    chat: str = setting(
+        "",
+        'JSON Lines file of conversations ({"messages": [{"role": ..., "content": ...}, '
+        "...]}) rendered with the chat template of init; the loss is taken on the "
+        "assistant's tokens alone; empty: train on text",
+        metavar="FILE.jsonl",
+        path=True,
+    )
+    vocab: str = setting("char", "token vocabulary: char or byte", choices=("char", "byte"))
+    corpus_chars: int = setting(
+        2_000_000, "size cap of the standard-library corpus, in characters", low=1
+    )
+    val_fraction: float = setting(
+        0.1,
+        "fraction of the text (its end) held out for validation",
+        low=0.0,
+        low_excluded=True,
+        below=1.0,
+    )
+    init: str = setting(
+        "",
+        "Hugging Face model directory to fine-tune: GPT-2 or the Llama family (llama, "
+        "qwen2, qwen3, smollm3, mistral); empty: a new TiedLM",
+        metavar="DIR",
+        path=True,
+    )
+    lora: str = setting(
+        "",
+        "train LoRA adapters only, the --init model frozen: "
+        "rank=N,alpha=A,dropout=P,targets=NAME[+NAME...]; empty: train every weight",
+        metavar="SPEC",
+    )
+    freeze: str = setting(
+        "",
+        "parameter paths whose use does not train: comma-separated globs "
+        "(model.embed_tokens.weight freezes the input use; a tied storage trains through "
+        "its other uses); empty: every weight trains",
+        metavar="PATHS",
+    )
     # model (TiedLM)
-    "d_model": 128,
-    "n_layers": 2,
-    "n_heads": 4,
-    "seq_len": 64,
-    "mlp_ratio": 4,
-    "dropout": 0.0,
+    d_model: int = setting(128, "model width", low=1)
+    n_layers: int = setting(2, "transformer blocks", flag="--layers", low=1)
+    n_heads: int = setting(4, "attention heads (must divide d_model)", flag="--heads", low=1)
+    seq_len: int = setting(64, "context length in tokens", low=1)
+    mlp_ratio: int = setting(4, "MLP hidden width as a multiple of d_model", low=1)
+    dropout: float = setting(0.0, "dropout probability in [0, 1)", low=0.0, below=1.0)
     # optimization
-    "steps": 1000,
-    "batch_size": 32,
-    "grad_accum": 1,
-    "lr": 3e-3,
-    "min_lr": 3e-4,
-    "warmup_steps": -1,
-    "warmup_ratio": 0.05,
-    "weight_decay": 0.01,
-    "clip_norm": 1.0,
-    "recompute": False,
+    steps: int = setting(1000, "optimizer steps", low=1)
+    batch_size: int = setting(32, "sequences per batch", low=1)
+    grad_accum: int = setting(1, "batches accumulated into one step", low=1)
+    lr: float = setting(3e-3, "peak learning rate (AdamW)", low=0.0, low_excluded=True)
+    min_lr: float = setting(3e-4, "learning rate at the end of the cosine decay", low=0.0)
+    warmup_steps: int = setting(
+        -1,
+        "linear warmup steps (at most the step count); -1: warmup_ratio of the steps",
+        low=-1,
+    )
+    warmup_ratio: float = setting(
+        0.05,
+        "linear warmup as a fraction of the steps, when warmup_steps is -1",
+        low=0.0,
+        below=1.0,
+    )
+    weight_decay: float = setting(0.01, "AdamW weight decay", low=0.0)
+    clip_norm: float = setting(1.0, "global gradient-norm clip; 0 turns clipping off", low=0.0)
+    recompute: bool = setting(
+        False,
+        "recompute each block in backward instead of keeping its activations (less memory, "
+        "the same gradients, about one more forward per step)",
+    )
     # evaluation, checkpoints, run
-    "eval_every": 100,
-    "eval_batches": 8,
-    "sample_every": 100,
-    "log": "",
-    "checkpoint_every": 250,
-    "keep_last": 3,
-    "patience": 0,
-    "seed": 0,
-    "device": "cpu",
-    "shard": "",
-    "run": "",
-    "progress": True,
-}
+    eval_every: int = setting(
+        100,
+        "evaluate on the validation split every N steps (and at the end); 0: at the end only",
+        low=0,
+    )
+    eval_batches: int = setting(8, "validation batches per evaluation", low=1)
+    sample_every: int = setting(
+        100, "print a text sample at the evaluations every N steps; 0 prints none", low=0
+    )
+    log: str = setting(
+        "",
+        "extra log writers: tensorboard (event files in RUN/tensorboard); empty: none",
+        choices=("", "tensorboard"),
+        metavar="{tensorboard}",
+    )
+    checkpoint_every: int = setting(
+        250, "write a checkpoint every N steps (and at the end); 0: at the end only", low=0
+    )
+    keep_last: int = setting(3, "periodic checkpoints kept (the best is kept as well)", low=1)
+    patience: int = setting(
+        0, "stop after N evaluations without improvement; 0 never stops early", low=0
+    )
+    min_delta: float = setting(
+        0.0,
+        "the least decrease of the validation loss that counts as an improvement",
+        low=0.0,
+    )
+    seed: int = setting(0, "seed of initialization, batches and dropout", low=0)
+    device: str = setting("cpu", "cpu, or a device backend (cuda, mps, torch:cpu)")
+    shard: str = setting(
+        "",
+        "data parallel: split the optimizer state (optimizer) or also the gradients "
+        "(gradients) over the processes; empty: every process holds all",
+        choices=("", "optimizer", "gradients"),
+        metavar="{optimizer,gradients}",
+    )
+    run: str = setting("", "run folder; empty: runs/<date-time>", metavar="DIR", path=True)
+    progress: bool = setting(
+        True, "show the progress bar (--no-progress hides it)", flag="--no-progress"
+    )
 
-#: What each key means (the command's help and the README reference use it).
-HELP: dict[str, str] = {
-    "text": "training text file (UTF-8); empty: the Python standard library's source",
-    "chat": 'JSON Lines file of conversations ({"messages": [{"role": ..., "content": '
-    "...}, ...]}) rendered with the chat template of init; the loss is taken on the "
-    "assistant's tokens alone; empty: train on text",
-    "vocab": "token vocabulary: char or byte",
-    "corpus_chars": "size cap of the standard-library corpus, in characters",
-    "val_fraction": "fraction of the text (its end) held out for validation",
-    "init": "Hugging Face model directory to fine-tune: GPT-2 or the Llama family (llama, "
-    "qwen2, qwen3, smollm3, mistral); empty: a new TiedLM",
-    "lora": "train LoRA adapters only, the --init model frozen: "
-    "rank=N,alpha=A,dropout=P,targets=NAME[+NAME...]; empty: train every weight",
-    "freeze": "parameter paths whose use does not train: comma-separated globs "
-    "(model.embed_tokens.weight freezes the input use; a tied storage trains through its "
-    "other uses); empty: every weight trains",
-    "d_model": "model width",
-    "n_layers": "transformer blocks",
-    "n_heads": "attention heads (must divide d_model)",
-    "seq_len": "context length in tokens",
-    "mlp_ratio": "MLP hidden width as a multiple of d_model",
-    "dropout": "dropout probability in [0, 1)",
-    "steps": "optimizer steps",
-    "batch_size": "sequences per batch",
-    "grad_accum": "batches accumulated into one step",
-    "lr": "peak learning rate (AdamW)",
-    "min_lr": "learning rate at the end of the cosine decay",
-    "warmup_steps": "linear warmup steps (at most the step count); -1: warmup_ratio of the steps",
-    "warmup_ratio": "linear warmup as a fraction of the steps, when warmup_steps is -1",
-    "weight_decay": "AdamW weight decay",
-    "clip_norm": "global gradient-norm clip; 0 turns clipping off",
-    "recompute": "recompute each block in backward instead of keeping its activations "
-    "(less memory, the same gradients, about one more forward per step)",
-    "eval_every": "evaluate on the validation split every N steps",
-    "eval_batches": "validation batches per evaluation",
-    "sample_every": "print a text sample at the evaluations every N steps; 0 prints none",
-    "log": "extra log writers: tensorboard (event files in RUN/tensorboard); empty: none",
-    "checkpoint_every": "write a checkpoint every N steps",
-    "keep_last": "periodic checkpoints kept (the best is kept as well)",
-    "patience": "stop after N evaluations without improvement; 0 never stops early",
-    "seed": "seed of initialization, batches and dropout",
-    "device": "cpu, or a device backend (cuda, mps, torch:cpu)",
-    "shard": "data parallel: split the optimizer state (optimizer) or also the gradients "
-    "(gradients) over the processes; empty: every process holds all",
-    "run": "run folder; empty: runs/<date-time>",
-    "progress": "show the progress bar",
-}
+    def __post_init__(self) -> None:
+        for key, value in _checked(self._values(), {}).items():
+            object.__setattr__(self, key, value)  # floats given as ints become floats
 
-_PATH_KEYS = ("text", "chat", "init", "run")
-_CHOICES = {
-    "vocab": ("char", "byte"),
-    "log": ("", "tensorboard"),
-    "shard": ("", "optimizer", "gradients"),
-}
-#: key -> (lowest allowed, whether the lowest is excluded, highest or None).
-_RANGES: dict[str, tuple[float, bool, float | None]] = {
-    "corpus_chars": (1, False, None),
-    "val_fraction": (0.0, True, 1.0),
-    "d_model": (1, False, None),
-    "n_layers": (1, False, None),
-    "n_heads": (1, False, None),
-    "seq_len": (1, False, None),
-    "mlp_ratio": (1, False, None),
-    "dropout": (0.0, False, 1.0),
-    "steps": (1, False, None),
-    "batch_size": (1, False, None),
-    "grad_accum": (1, False, None),
-    "lr": (0.0, True, None),
-    "min_lr": (0.0, False, None),
-    "warmup_steps": (-1, False, None),
-    "warmup_ratio": (0.0, False, 1.0),
-    "sample_every": (0, False, None),
-    "weight_decay": (0.0, False, None),
-    "clip_norm": (0.0, False, None),
-    "eval_every": (1, False, None),
-    "eval_batches": (1, False, None),
-    "checkpoint_every": (1, False, None),
-    "keep_last": (1, False, None),
-    "patience": (0, False, None),
-    "seed": (0, False, None),
-}
+    @classmethod
+    def from_mapping(
+        cls,
+        values: Mapping[str, Any],
+        where: str = "",
+        labels: Mapping[str, str] | None = None,
+    ) -> TrainConfig:
+        """The configuration of ``values`` (any subset of the keys, the rest their
+        defaults): a TOML file's pairs, a run's ``config.json``, keyword settings.
+        ``where`` (a file) and ``labels`` (key -> flag, ``--heads``) name the origin in
+        a ``ConfigError``; an unknown key is one."""
+        labels = labels or {}
+        given = {k: check_value(k, v, where, labels.get(k)) for k, v in values.items()}
+        return cls(**_checked({**DEFAULTS, **given}, labels))
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes``, checked as a new configuration is."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as a plain dict (JSON-ready), in field order."""
+        return self._values()
+
+    def to_toml(self) -> str:
+        """The settings as a TOML file that ``--config`` (``read_toml``) reads back to
+        this configuration: flat ``key = value`` lines, in field order."""
+        return "".join(f"{key} = {_toml_value(value)}\n" for key, value in self._values().items())
+
+    def _values(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in FIELDS}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FIELDS)
+
+    def __len__(self) -> int:
+        return len(FIELDS)
+
+
+#: Every setting's field, by key, in the order ``--help`` lists them.
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+#: Every setting's default (``tiegrad train`` with no arguments).
+DEFAULTS: dict[str, Any] = {key: f.default for key, f in FIELDS.items()}
+
+
+def flag(key: str) -> str:
+    """The command-line flag of the setting ``key`` (``n_layers``: ``--layers``)."""
+    return FIELDS[key].metadata["flag"] or "--" + key.replace("_", "-")
+
+
+def _toml_value(value: bool | int | float | str) -> str:
+    """``value`` as TOML writes it (JSON's escapes are TOML's basic-string escapes)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
 
 
 def check_value(key: str, value: Any, where: str = "", label: str | None = None) -> Any:
-    """``value`` checked (and, for float keys, converted) for ``key``; else ``ConfigError``.
-
-    The message names ``label`` (e.g. the flag ``--steps``) or the key and ``where``.
-    """
+    """``value`` checked (and, for float keys, converted) for the setting ``key``; else a
+    ``ConfigError`` naming ``label`` (e.g. the flag ``--steps``) or the key and ``where``,
+    the expected and the actual value. An unknown key names a few known ones."""
     origin = f" in {where}" if where else ""
-    if key not in DEFAULTS:
-        known = ", ".join(sorted(DEFAULTS))
-        raise ConfigError(f"unknown config key {key!r}{origin} (known keys: {known})")
+    if key not in FIELDS:
+        close = difflib.get_close_matches(key, FIELDS, n=3)
+        known = shown_list(close) if close else shown_list(FIELDS)
+        hint = "did you mean" if close else "known keys:"
+        raise ConfigError(
+            f"unknown config key {key!r:.80}{origin} ({hint} {known}; {len(FIELDS)} keys "
+            "in all, listed by 'tiegrad train --help')"
+        )
     name = label or f"config key {key!r}{origin}"
-    default = DEFAULTS[key]
-    kind = type(default)
+    meta = FIELDS[key].metadata
+    kind = type(DEFAULTS[key])
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:
@@ -179,43 +304,39 @@ def check_value(key: str, value: Any, where: str = "", label: str | None = None)
         ok = isinstance(value, str)
     if not ok:
         article = {float: "a finite", int: "an"}.get(kind, "a")
-        raise ConfigError(f"{name}: expected {article} {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{name}: expected {article} {kind.__name__}, got {value!r:.80}")
     if kind is int and not -INT64_LIMIT <= value < INT64_LIMIT:  # steps = 10**26, seed 2**70
         raise ConfigError(
             f"{name}: expected a 64-bit integer (|value| < 2**63), got an integer of "
             f"{value.bit_length()} bits"
         )
-    if key in _CHOICES and value not in _CHOICES[key]:
-        listed = ", ".join(repr(c) for c in _CHOICES[key] if c)
-        empty = " or empty" if "" in _CHOICES[key] else ""
-        raise ConfigError(f"{name}: expected one of {listed}{empty}, got {value!r}")
+    choices = meta["choices"]
+    if choices is not None and value not in choices:
+        listed = ", ".join(repr(c) for c in choices if c)
+        empty = " or empty" if "" in choices else ""
+        raise ConfigError(f"{name}: expected one of {listed}{empty}, got {value!r:.80}")
     if key == "lora" and value:
         parse_lora(value, name)
     if key == "freeze" and value:
         parse_freeze(value, name)
-    if key in _RANGES:
-        low, strict, high = _RANGES[key]
+    low, below = meta["low"], meta["below"]
+    if low is not None:
+        strict = meta["low_excluded"]
         bad_low = value <= low if strict else value < low
-        bad_high = high is not None and value >= high
+        bad_high = below is not None and value >= below
         if bad_low or bad_high:
             span = f"{'>' if strict else '>='} {low}" + (
-                f" and < {high}" if high is not None else ""
+                f" and < {below}" if below is not None else ""
             )
             raise ConfigError(f"{name}: expected a value {span}, got {value!r}")
     return value
 
 
-def check_config(
-    config: Mapping[str, Any], labels: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """Check every key of a complete configuration and the rules between keys; a rule's
-    message names each key by its flag in ``labels`` (``--heads``) where it has one
-    (the command line set it), else by the key."""
-    missing = sorted(set(DEFAULTS) - set(config))
-    if missing:
-        raise ConfigError(f"configuration lacks keys {missing}")
-    out = {k: check_value(k, v) for k, v in config.items()}
-    labels = labels or {}
+def _checked(values: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, Any]:
+    """Every value of a complete configuration checked (``check_value``), then the
+    rules between keys; a rule's message names each key by its flag in ``labels``
+    (``--heads``) where it has one (the command line set it), else by the key."""
+    out = {k: check_value(k, v) for k, v in values.items()}
 
     def named(key: str) -> str:
         return labels.get(key, key)
@@ -293,7 +414,7 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         value = check_value(key, value, str(path))
-        if key in _PATH_KEYS and value and not os.path.isabs(value):
+        if FIELDS[key].metadata["path"] and value and not os.path.isabs(value):
             value = os.path.normpath(path.parent / value)
         out[key] = value
     return out
@@ -378,15 +499,15 @@ def resolve(
     file: str | os.PathLike | None = None,
     overrides: Mapping[str, Any] | None = None,
     labels: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """``DEFAULTS``, then the TOML ``file``, then ``overrides`` (flags), checked.
+) -> TrainConfig:
+    """The defaults, then the TOML ``file``, then ``overrides`` (flags), checked.
 
     ``labels`` names the flag of each override key in error messages.
     """
-    config = dict(DEFAULTS)
-    if file is not None:
-        config.update(read_toml(file))
+    values = read_toml(file) if file is not None else {}
     labels = labels or {}
     for key, value in (overrides or {}).items():
-        config[key] = check_value(key, value, "the command line", labels.get(key))
-    return check_config(config, {k: labels[k] for k in overrides or {} if k in labels})
+        values[key] = check_value(key, value, "the command line", labels.get(key))
+    return TrainConfig.from_mapping(
+        values, labels={k: labels[k] for k in overrides or {} if k in labels}
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -38,7 +39,7 @@ class TextSource:
     sha256: str
 
 
-def load_text(config: dict[str, Any]) -> TextSource:
+def load_text(config: Mapping[str, Any]) -> TextSource:
     """The configured chat file (``data.chat.read_chat``), text file, or the
     standard-library corpus when both are empty."""
     if config["chat"]:
@@ -59,7 +60,7 @@ def load_text(config: dict[str, Any]) -> TextSource:
 
 
 def build_dataset(
-    config: dict[str, Any], source: TextSource, vocab: Vocab | None = None
+    config: Mapping[str, Any], source: TextSource, vocab: Vocab | None = None
 ) -> TextDataset | ChatDataset:
     """The windows dataset of ``source`` (with a stored ``vocab`` when resuming), or the
     conversations of a chat source rendered with ``vocab``'s chat template (of the
@@ -78,7 +79,7 @@ def build_dataset(
     )
 
 
-def model_config(config: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def model_config(config: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     """The ``TiedLM`` constructor arguments of a run."""
     return {
         "vocab_size": vocab_size,
@@ -131,7 +132,7 @@ def apply_freeze(model: Any, text: str, label: str = "--freeze") -> list[str]:
 
 
 def build_init(
-    config: dict[str, Any], source: TextSource, vocab: Any = None, model: Any = None
+    config: Mapping[str, Any], source: TextSource, vocab: Any = None, model: Any = None
 ) -> tuple[Any, TextDataset]:
     """The model of ``config["init"]`` (a transformers directory, of the class its
     ``model_type`` names: ``models.from_pretrained``) with the LoRA adapters of
@@ -160,7 +161,7 @@ def build_init(
     return model, build_dataset(config, source, vocab)
 
 
-def build_optimizer(config: dict[str, Any], model: Any) -> tuple[Any, Any]:
+def build_optimizer(config: Mapping[str, Any], model: Any) -> tuple[Any, Any]:
     """AdamW over the model's parameters and a cosine schedule with linear warmup."""
     from ..optim import AdamW
     from ..optim.schedules import CosineWarmup

@@ -27,6 +27,7 @@ and a sharded validation loader's loss is averaged over the ranks.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -51,6 +52,7 @@ from .checkpointing import (
     rng_state,
     set_rng_state,
 )
+from .config import TrainConfig
 from .memory import peak_memory
 from .progress import Progress
 from .reporting import Reporting
@@ -77,20 +79,20 @@ def patience_exhausted(bad_evals: int, patience: int | None) -> bool:
     return patience is not None and bad_evals >= patience
 
 
-def _accumulate(total: list[Any], new: list[Any], owned: set[int]) -> list[Any]:
+def _accumulate(total: list[Any], new: list[Any], made: set[int]) -> list[Any]:
     """``total + new`` per slot, None counted as zeros (a micro-batch that did not use a
-    storage). A slot's first addition makes a new array (listed in ``owned``) and later
+    storage). A slot's first addition makes a new array (listed in ``made``) and later
     ones add into it, so the arrays the optimizer handed out are never written."""
     for i, g in enumerate(new):
         if g is None:
             continue
         if total[i] is None:
             total[i] = g
-        elif i in owned:
+        elif i in made:
             total[i] += g
         else:
             total[i] = total[i] + g
-            owned.add(i)
+            made.add(i)
     return total
 
 
@@ -129,14 +131,21 @@ class Trainer(Checkpointing, Reporting):
     each step, evaluation, checkpoint and at the end, between the built-in metrics
     writer and the loss plot.
 
-    ``recompute=True`` calls the model's ``gradient_checkpointing_enable()`` (as
-    transformers' ``TrainingArguments(gradient_checkpointing=True)`` does): each block is
-    recomputed in backward instead of kept, with the same gradients (``tiegrad.nn.checkpoint``).
-    Every step's record also carries the process's peak memory so far, ``peak_rss_mb`` and,
-    on a CUDA device, ``device_peak_mb`` (``tiegrad.train.memory``).
+    ``recompute=True`` (``config.recompute``) calls the model's
+    ``gradient_checkpointing_enable()`` (as transformers'
+    ``TrainingArguments(gradient_checkpointing=True)`` does): each block is recomputed in
+    backward instead of kept, with the same gradients (``tiegrad.nn.checkpoint``). Every
+    step's record also carries the process's peak memory so far, ``peak_rss_mb`` and, on a
+    CUDA device, ``device_peak_mb`` (``tiegrad.train.memory``).
+
+    Settings: ``config`` (a ``TrainConfig``) holds them all, as ``tiegrad train`` passes
+    them; or the keywords ``max_steps``/``epochs`` through ``progress`` describe them
+    (``None`` turning a setting off), and the trainer makes its ``TrainConfig`` from
+    them. The two do not mix: with ``config`` every setting keyword keeps its default.
+    ``trainer.config`` is the configuration in force; raising ``max_steps`` replaces it.
 
     Bad settings raise ``ConfigError`` in the constructor, before anything runs or the
-    model is changed.
+    model is changed (C6).
     """
 
     def __init__(
@@ -148,6 +157,7 @@ class Trainer(Checkpointing, Reporting):
         val_data: BatchSource | Sequence[Batch] | None = None,
         schedule: Any = None,
         *,
+        config: TrainConfig | None = None,
         max_steps: int | None = None,
         epochs: int | None = None,
         grad_accum: int = 1,
@@ -173,36 +183,38 @@ class Trainer(Checkpointing, Reporting):
     ) -> None:
         arguments.check_data(train_data, val_data)
         arguments.check_optimizer(optimizer)
-        self.grad_accum, self.max_steps = arguments.checked_length(
-            max_steps, epochs, grad_accum, len(train_data)
-        )
-        self.eval_every = arguments.optional_positive("eval_every", eval_every)
-        self.checkpoint_every = arguments.optional_positive("checkpoint_every", checkpoint_every)
-        self.keep_last = check_positive("Trainer: keep_last", keep_last)
-        self.log_every = check_positive("Trainer: log_every", log_every)
-        self.patience = arguments.optional_positive("Trainer: patience", patience)
-        if patience is not None and val_data is None:
+        given = locals()  # the setting keywords as passed (arguments.SETTING_KEYWORDS)
+        settings = {name: given[name] for name in arguments.SETTING_KEYWORDS}
+        if config is None:
+            config = arguments.keyword_config(settings, len(train_data))
+        else:
+            arguments.check_config_alone(config, settings, _SETTING_DEFAULTS)
+        if config.patience and val_data is None:
             raise ConfigError("Trainer: early stopping (patience) needs val_data")
-        self.clip_norm = arguments.checked_clip_norm(clip_norm)
-        arguments.check_min_delta(min_delta)
-        arguments.check_seed(seed)
+        self.log_every = check_positive("Trainer: log_every", log_every)
         callbacks = arguments.callback_list(callbacks)
-        arguments.check_run_dir(run_dir)
         extra = arguments.checked_extra(extra)
         arguments.check_callbacks(callbacks)
         loss_fn = arguments.loss_fn_of(model, loss_fn)
-        arguments.check_recompute(model, recompute)
+        arguments.check_recompute(model, config.recompute)
+        self.config = config
+        self.grad_accum = config.grad_accum
+        self.eval_every = config.eval_every or None
+        self.checkpoint_every = config.checkpoint_every or None
+        self.keep_last = config.keep_last
+        self.patience = config.patience or None
+        self.clip_norm = config.clip_norm or None
+        self.min_delta = config.min_delta
+        self.seed = config.seed
+        self.progress_enabled = config.progress
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.train_data = train_data
         self.val_data = val_data
-        self.min_delta = float(min_delta)
-        self.seed = seed
-        self.run = RunDir(run_dir) if run_dir is not None else None
+        self.run = RunDir(config.run) if config.run else None
         self.resume = resume
-        self.progress_enabled = progress
         self.plot_enabled = plot
         self.extra = extra
         self.resume_hint = resume_hint
@@ -212,9 +224,11 @@ class Trainer(Checkpointing, Reporting):
         #: the step the current (or last) ``fit`` started from: 0 for a new run.
         self.start_step = 0
         self._progress: Progress | None = None
-        data_seed, session_seed = derive_seeds(seed)
+        data_seed, session_seed = derive_seeds(config.seed)
         self.data_rng = np.random.default_rng(data_seed)
-        self.session = EagerSession(device=device, seed=session_seed)
+        self.session = EagerSession(
+            device=None if config.device == "cpu" else config.device, seed=session_seed
+        )
         self._own_stream = False  # whether this rank's session generator is its own yet
         self.step = 0
         self.epoch = 0
@@ -228,9 +242,20 @@ class Trainer(Checkpointing, Reporting):
             check_run_folder(self.run, resume)
         self.parallel = parallel if parallel is not None else default_parallel(model)
         self.main = self.parallel is None or self.parallel.is_main
-        self.recompute = recompute
-        if recompute:
+        self.recompute = config.recompute
+        if config.recompute:
             model.gradient_checkpointing_enable()
+
+    @property
+    def max_steps(self) -> int:
+        """The step count the run goes to (``config.steps``)."""
+        return self.config.steps
+
+    @max_steps.setter
+    def max_steps(self, steps: int) -> None:
+        """Raise (or lower) the step count; a later ``fit`` continues to it. Checked as
+        ``TrainConfig.steps`` is: a bad value is a ``ConfigError`` and changes nothing."""
+        self.config = self.config.replace(steps=steps)
 
     # -- data ------------------------------------------------------------------------
     def _next_batch(self) -> Batch:
@@ -283,7 +308,7 @@ class Trainer(Checkpointing, Reporting):
         items = 0
         scale = 1.0 / self.grad_accum
         grads: list[Any] | None = None
-        owned: set[int] = set()
+        made: set[int] = set()
         for _ in range(self.grad_accum):
             batch = self._next_batch()
             items += self.train_data.count(batch)
@@ -298,7 +323,7 @@ class Trainer(Checkpointing, Reporting):
             new = self.optimizer.canonical_gradients(
                 s.backward(loss), allow_missing=self.grad_accum > 1
             )
-            grads = new if grads is None else _accumulate(grads, new, owned)
+            grads = new if grads is None else _accumulate(grads, new, made)
         if self.parallel is not None and self.grad_accum > 1:
             grads = self.parallel.average(grads)
         s.reset()  # nothing pins the storages any more: the update is written in place
@@ -482,3 +507,11 @@ class Trainer(Checkpointing, Reporting):
             result.checkpoint = self.run.latest()
             result.best_checkpoint = self.run.best_path if self.run.best_path.is_file() else None
         return result
+
+
+#: The defaults of the ``Trainer``'s setting keywords (``arguments.SETTING_KEYWORDS``).
+_SETTING_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(Trainer.__init__).parameters.items()
+    if name in arguments.SETTING_KEYWORDS
+}
