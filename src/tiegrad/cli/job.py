@@ -88,10 +88,12 @@ def run_job(
     if speaks:
         text = os.path.abspath(config["text"]) if config["text"] else ""
         init = os.path.abspath(config["init"]) if config["init"] else ""
+        added = os.path.abspath(config["add_tokens"]) if config["add_tokens"] else ""
         saved = dict(
             config,
             text=text,
             init=init,
+            add_tokens=added,
             vocab_table=dataset.vocab.to_dict(),
             text_sha256=source.sha256,
             **identity,

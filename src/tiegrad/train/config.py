@@ -37,6 +37,8 @@ DEFAULTS: dict[str, Any] = {
     "init": "",
     "lora": "",
     "freeze": "",
+    "add_tokens": "",
+    "train_rows": "all",
     # model (TiedLM)
     "d_model": 128,
     "n_layers": 2,
@@ -82,6 +84,10 @@ HELP: dict[str, str] = {
     "freeze": "parameter paths whose use does not train: comma-separated globs "
     "(model.embed_tokens.weight freezes the input use; a tied storage trains through its "
     "other uses); empty: every weight trains",
+    "add_tokens": "a file of tokens, one per line, added to the --init folder's tokenizer; "
+    "the model's vocabulary grows to match (new rows: the mean of the old); empty: none",
+    "train_rows": "rows of the token embedding (and head) that train: all, or new (the "
+    "added tokens' rows alone; the other rows stay as they are)",
     "d_model": "model width",
     "n_layers": "transformer blocks",
     "n_heads": "attention heads (must divide d_model)",
@@ -112,8 +118,9 @@ HELP: dict[str, str] = {
     "progress": "show the progress bar",
 }
 
-_PATH_KEYS = ("text", "init", "run")
+_PATH_KEYS = ("text", "init", "run", "add_tokens")
 _CHOICES = {
+    "train_rows": ("all", "new"),
     "vocab": ("char", "byte"),
     "log": ("", "tensorboard"),
     "shard": ("", "optimizer", "gradients"),
@@ -221,6 +228,20 @@ def check_config(
     if out["lora"] and not out["init"]:
         raise ConfigError(
             "config: lora (--lora) adapts the model of init: give --init DIR with --lora"
+        )
+    if out["add_tokens"] and not out["init"]:
+        raise ConfigError(
+            f"config: {named('add_tokens')} grows the model of init: give --init DIR with it"
+        )
+    if out["train_rows"] == "new" and not out["add_tokens"]:
+        raise ConfigError(
+            f"config: {named('train_rows')} new trains the rows of added tokens: give "
+            f"{named('add_tokens')} FILE with it"
+        )
+    if out["train_rows"] == "new" and out["lora"]:
+        raise ConfigError(
+            f"config: {named('train_rows')} new and {named('lora')} do not go together: "
+            "--lora freezes the embedding whose new rows would train"
         )
     if out["lora"] and out["freeze"]:
         raise ConfigError(

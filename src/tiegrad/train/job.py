@@ -15,6 +15,7 @@ from typing import Any
 
 from ..data import TextDataset, Vocab, directory_tokenizer, read_text, stdlib_corpus
 from ..errors import AliasError, ConfigError, shown_list
+from .added_tokens import add_tokens
 from .config import parse_freeze, warmup_steps
 from .lora import parse_lora
 
@@ -119,14 +120,19 @@ def build_init(
 ) -> tuple[Any, TextDataset]:
     """The model of ``config["init"]`` (a transformers directory, of the class its
     ``model_type`` names: ``models.from_pretrained``) with the LoRA adapters of
-    ``config["lora"]`` (``tiegrad.train.lora``), or ``model`` (the one a resumed run's
-    checkpoint describes, adapters and frozen uses included), and the dataset of
-    ``source`` tokenised by the directory's tokenizer (``data.directory_tokenizer``) or by
-    ``vocab`` (the one a resumed run stored)."""
+    ``config["lora"]`` (``tiegrad.train.lora``), grown by the tokens of
+    ``config["add_tokens"]`` (``tiegrad.train.added_tokens``), or ``model`` (the one a
+    resumed run's checkpoint describes, adapters, row masks and frozen uses included), and
+    the dataset of ``source`` tokenised by the directory's tokenizer
+    (``data.directory_tokenizer``, with the added tokens) or by ``vocab`` (the one a
+    resumed run stored)."""
     from ..models import from_pretrained
 
     if model is None:
         model = from_pretrained(config["init"])
+        vocab = directory_tokenizer(config["init"])
+        if config["add_tokens"]:
+            vocab = add_tokens(model, vocab, config["add_tokens"], config["train_rows"])
         if config["lora"]:
             parse_lora(config["lora"]).attach(model, "--lora")
     vocab = vocab if vocab is not None else directory_tokenizer(config["init"])
