@@ -43,6 +43,7 @@ RULES = {
     "adagrad": lambda ps: Adagrad(ps, lr=0.05, weight_decay=0.1),
 }
 X = np.random.default_rng(1).integers(0, NEW, (2, 7))
+DEVICE = os.environ.get("TIEGRAD_TEST_DEVICE", "torch:cpu")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_only_the_new_rows_train_with_every_rule(folders, kind, rule):
 def test_the_device_route_leaves_the_old_rows_bit_identical(folders, rule):
     model = grown(folders["qwen2-tied"])
     before = values(model)
-    steps(model, RULES[rule](model.parameters()), 3, device="torch:cpu")
+    steps(model, RULES[rule](model.parameters()), 3, device=DEVICE)
     after = values(model)
     assert np.array_equal(after[EMBED][:OLD], before[EMBED][:OLD])
     assert not np.allclose(after[EMBED][OLD:], before[EMBED][OLD:])
@@ -234,3 +235,61 @@ def test_resize_refuses_a_lora_adapter_on_the_head(folders):
     with pytest.raises(ConfigError, match="LoRA adapters on the embedding or the head"):
         resize_vocab(model, NEW)
     assert model.vocab_size == OLD
+
+
+def test_a_sharded_optimizer_refuses_a_row_mask(folders):
+    from tiegrad.distributed.sharding import ShardPlan
+    from tiegrad.errors import DistributedError
+
+    model = grown(folders["qwen2-tied"])
+    with pytest.raises(DistributedError, match=f"'{EMBED}' has a row mask"):
+        ShardPlan(model.param_list(), 2, 0)
+
+
+def test_a_mask_set_or_cleared_between_steps_starts_the_state_afresh(folders):
+    model = grown(folders["qwen2-tied"], train="all")
+    optimizer = RULES["adam"](model.parameters())
+    steps(model, optimizer, 2)
+    assert optimizer.state[0]["exp_avg"].shape == (NEW, 16)
+    train_rows(model, EMBED, [5, 6])
+    before = values(model)[EMBED]
+    steps(model, optimizer, 2)
+    after = values(model)[EMBED]
+    assert optimizer.state[0]["exp_avg"].shape == (2, 16) and optimizer.state[0]["step"] == 2
+    assert np.array_equal(np.delete(after, [5, 6], 0), np.delete(before, [5, 6], 0))
+    train_rows(model, EMBED, None)
+    steps(model, optimizer, 1)
+    assert optimizer.state[0]["exp_avg"].shape == (NEW, 16) and optimizer.state[0]["step"] == 1
+
+
+def test_a_grown_gpt2_exports_to_transformers_with_the_new_size(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=OLD, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    model = from_pretrained(tmp_path / "gpt2")
+    model.resize_token_embeddings(NEW, train="new")
+    steps(model, RULES["sgd"](model.parameters()), 2)
+    model.save_pretrained(tmp_path / "out")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    assert hf.config.vocab_size == NEW and hf.lm_head.weight is hf.transformer.wte.weight
+    with torch.no_grad():
+        expected = hf(torch.tensor(X)).logits.numpy()
+    assert np.allclose(model(EagerSession(), X).numpy(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", [None, DEVICE])
+def test_plain_sgd_steps_honour_the_mask(device):
+    p = tiegrad.Param(np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32))
+    p.storage.train_rows([1, 3])
+    before = np.array(p.value)
+    s = EagerSession(device=device) if device else EagerSession()
+    x = s.use(p)
+    grads = s.backward((x * x).sum())
+    s.sgd_step(0.1, grads)
+    tiegrad.ParamList([p]).sgd_step(0.1, [np.ones((5, 3), np.float32)])
+    after = p.value_synced()
+    assert np.array_equal(after[[0, 2, 4]], before[[0, 2, 4]])
+    assert np.allclose(after[[1, 3]], before[[1, 3]] * 0.8 - 0.1)

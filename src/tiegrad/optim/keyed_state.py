@@ -4,7 +4,8 @@ The tensors live in a ``FlatState`` (``optim.state``) keyed by canonical slot (C
 slot is only a key. ``owners`` names the storage of every entry, so when the layout
 changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot) each entry moves
 to the canonical slot of its storage: one history per storage however its uses are
-frozen or tied (C1, C5). An entry of a storage no longer trained at any slot stays where
+frozen or tied (C1, C5); a row mask set or cleared (``params.rows``) starts it afresh.
+An entry of a storage no longer trained at any slot stays where
 no canonical slot is, or is parked aside when another storage's canonical slot takes its
 key, until the next write drops it: a refused step, or a look at the state, loses
 nothing (C6), and a storage trained again before that write finds its history.
@@ -56,7 +57,7 @@ class KeyedState:
         moves: dict[int, int] = {}
         kept: dict[int, ParameterStorage] = {}
         for slot, storage in self.owners.items():
-            new = plan.index.get(id(storage))
+            new = self._slot_of(plan, storage)
             if new is not None:
                 moves[slot] = new
                 kept[new] = storage
@@ -65,9 +66,9 @@ class KeyedState:
                 moves[slot] = slot
                 kept[slot] = storage
         back = {
-            plan.index[key]: key
-            for key in self.parked
-            if key in plan.index and plan.index[key] not in kept
+            slot: key
+            for key, (storage, _, _) in self.parked.items()
+            if (slot := self._slot_of(plan, storage)) is not None and slot not in kept
         }
         if len(moves) < len(self.owners) or back or any(a != b for a, b in moves.items()):
             self.release()
@@ -88,6 +89,14 @@ class KeyedState:
                 kept |= {slot: storage for slot, (storage, _, _) in parked.items()}
         self.owners = kept
         self.keyed_by = plan
+
+    @staticmethod
+    def _slot_of(plan: StepPlan, owner: Any) -> int | None:
+        """The canonical slot where ``plan`` steps ``owner`` itself, or None. A storage
+        stepped through its row mask's ``TrainedRows`` (or the reverse) is another owner:
+        its state has another shape and starts afresh (``params.rows``)."""
+        slot = plan.index.get(id(owner))
+        return slot if slot is not None and plan.storages[slot] is owner else None
 
     def trained_slots(self, plan: StepPlan) -> list[int]:
         """The slots of the entries of storages ``plan`` trains (its canonical slots)."""
