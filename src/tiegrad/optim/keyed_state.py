@@ -5,10 +5,10 @@ slot is only a key. ``owners`` names the storage of every entry, so when the lay
 changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot) each entry moves
 to the canonical slot of its storage: one history per storage however its uses are
 frozen or tied (C1, C5); a row mask set or cleared (``params.rows``) starts it afresh.
-An entry of a storage no longer trained at any slot stays where
-no canonical slot is, or is parked aside when another storage's canonical slot takes its
-key, until the next write drops it: a refused step, or a look at the state, loses
-nothing (C6), and a storage trained again before that write finds its history.
+An entry of a storage no longer trained at any slot stays where no canonical slot is,
+or is parked aside when another storage's canonical slot takes its key, until the next
+write drops it: a refused step, or a look at the state, loses nothing (C6), and a
+storage trained again before that write finds its history.
 
 The state may be mirrored on a device (``mirror``, a ``DeviceState`` of
 ``optim.device``), as a parameter is (C7): ``sync`` downloads a newer mirror, ``release``

@@ -65,8 +65,8 @@ class StepPlan:
     ``(slot, canonical slot)`` of each trainable non-canonical slot; ``index``: id of a
     canonical storage (and of the storage of a ``TrainedRows``) -> its slot;
     ``masked``: ``(slot, TrainedRows)`` of the canonical slots with a row mask;
-    ``types``, ``dtypes``, ``shapes``: what the gradients
-    of the canonical slots must be, in order, and ``dtype_set`` the distinct dtypes;
+    ``types``, ``dtypes``, ``shapes``: what the gradients of the canonical slots must
+    be, in order, and ``dtype_set`` the distinct dtypes;
     ``group_dtypes``: the dtypes of each group's trainable slots; ``program``: the
     cached ``Program`` or None.
     """
