@@ -293,3 +293,30 @@ def test_plain_sgd_steps_honour_the_mask(device):
     after = p.value_synced()
     assert np.array_equal(after[[0, 2, 4]], before[[0, 2, 4]])
     assert np.allclose(after[[1, 3]], before[[1, 3]] * 0.8 - 0.1)
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ({"0": [40, 99]}, r"row mask of slot 0 .*rows 99 are outside \[-46, 46\)"),
+        ({"0": [41, 41]}, "rows 41 are given more than once"),
+        ({"0": [-1]}, r"rows -1 < 0"),
+        ({"0": "40"}, "expected a list of row indices"),
+        ({"999": [0]}, "'999' is not the storage slot of a parameter"),
+    ],
+    ids=["range", "twice", "negative", "type", "slot"],
+)
+def test_a_crafted_row_mask_is_refused_and_changes_nothing(folders, tmp_path, rows, match):
+    from test_checkpoint_file import read_doc, write_doc
+
+    model = grown(folders["qwen2-tied"])
+    path = tmp_path / "ck.safetensors"
+    tiegrad.save(path, model)
+    tensors, doc = read_doc(path)
+    write_doc(path, tensors, {**doc, "rows": rows})
+    model.get_parameter(EMBED).set_value(np.zeros((NEW, 16), np.float32))
+    before = values(model)
+    with pytest.raises(CheckpointError, match=match):
+        tiegrad.load(path, model)
+    assert all(np.array_equal(values(model)[p], v) for p, v in before.items())
+    assert list(trained_rows(model, EMBED)) == list(range(OLD, NEW))
