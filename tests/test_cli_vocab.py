@@ -126,3 +126,12 @@ def test_a_refused_add_tokens_is_one_line_and_writes_nothing(work, capsys, token
     )  # fmt: skip
     assert_one_line_error(result, *fragments)
     assert files_of(work) == before and not (work / "again").exists()
+
+
+def test_resume_refuses_another_train_rows_and_changes_nothing(work, capsys):
+    path = RunDir(work / "run").config_path
+    path.write_text(json.dumps({**json.loads(path.read_text()), "train_rows": "all"}))
+    before = files_of(work)
+    result = cli(capsys, "resume", "run", "--steps", 5)
+    assert_one_line_error(result, "train_rows (--train-rows) is 'all'", "holds row masks")
+    assert files_of(work) == before
