@@ -380,7 +380,7 @@ def test_every_damaged_tensor_is_counted_in_a_bounded_message(tmp_path):
 
 def test_the_checksums_are_crc32_of_each_tensors_bytes(checkpoint):
     tensors, doc = read_doc(checkpoint)
-    assert doc["format_version"] == tiegrad.checkpoint.FORMAT_VERSION == 2
+    assert doc["format_version"] == tiegrad.checkpoint.FORMAT_VERSION == 3
     assert doc["checksums"]["algorithm"] == "crc32"
     assert doc["checksums"]["tensors"] == {k: zlib.crc32(v.tobytes()) for k, v in tensors.items()}
     assert "checksums: CRC-32 of each of" in tiegrad.inspect(checkpoint)
@@ -408,9 +408,9 @@ def test_a_checksum_covers_the_bytes_as_stored_whatever_the_byte_order(tmp_path)
 
 def legacy(path) -> None:
     """Rewrite the checkpoint at ``path`` as tiegrad wrote it before checksums: format
-    version 1, no ``checksums`` key."""
+    version 1, no ``checksums`` key (nor the later ``rows``)."""
     tensors, doc = read_doc(path)
-    del doc["checksums"]
+    del doc["checksums"], doc["rows"]
     doc["format_version"] = 1
     write_doc(path, tensors, doc)
 
@@ -435,7 +435,7 @@ def test_a_current_checkpoint_stripped_of_its_checksums_is_refused(checkpoint):
     write_doc(checkpoint, tensors, doc)
     model, optimizer = trained(seed=1)
     before = state(model, optimizer)
-    with pytest.raises(CheckpointError, match="expected .*'checksums'.* \\(format version 2\\)"):
+    with pytest.raises(CheckpointError, match="expected .*'checksums'.* \\(format version 3\\)"):
         tiegrad.load(checkpoint, model, optimizer=optimizer)
     assert_same(state(model, optimizer), before)
 

@@ -27,7 +27,8 @@ from tiegrad.train.config import DEFAULTS, FIELDS, TrainConfig, flag, resolve
 from tiegrad.train.rundir import RUN_ID
 
 #: Every field away from its default; ``lora`` needs ``init`` and excludes ``freeze``,
-#: and ``chat`` excludes ``text``, so the settings of each pair go in two configurations.
+#: ``chat`` excludes ``text`` and ``train_rows = "new"`` excludes ``lora``, so the settings
+#: of each pair go in two configurations.
 CHANGED = {
     "text": "corpus.txt", "vocab": "byte", "corpus_chars": 1234, "val_fraction": 0.25,
     "init": "hf-folder", "freeze": "model.embed_tokens.weight,lm_head.*", "d_model": 24,
@@ -37,9 +38,9 @@ CHANGED = {
     "eval_every": 0, "eval_batches": 3, "sample_every": 0, "log": "tensorboard",
     "checkpoint_every": 0, "keep_last": 9, "patience": 4, "min_delta": 0.001,
     "seed": 2**63 - 1, "device": "torch:cpu", "shard": "gradients", "run": "runs/a b",
-    "progress": False, "recompute": True,
+    "progress": False, "recompute": True, "add_tokens": "tokens.txt", "train_rows": "new",
 }  # fmt: skip
-WITH_LORA = {k: v for k, v in CHANGED.items() if k not in ("freeze", "text")}
+WITH_LORA = {k: v for k, v in CHANGED.items() if k not in ("freeze", "text", "train_rows")}
 WITH_LORA["lora"] = "rank=4,alpha=8.0,dropout=0.0,targets=c_attn"
 WITH_LORA["chat"] = "chats.jsonl"
 
@@ -66,7 +67,7 @@ def test_toml_flags_and_config_json_round_trip_every_field(tmp_path, values):
     values = absolute(values, tmp_path)
     config = TrainConfig(**values)
     assert {k: v for k, v in config.items() if v != DEFAULTS[k]} == values
-    assert set(values) | {"lora", "freeze", "text", "chat"} == set(FIELDS)
+    assert set(values) | {"lora", "freeze", "text", "chat", "train_rows"} == set(FIELDS)
     toml = tmp_path / "run.toml"
     toml.write_text(config.to_toml())
     from_file = resolve(toml)
@@ -185,7 +186,7 @@ def test_config_and_setting_keywords_together_are_refused(tmp_path):
     assert trainer.max_steps == 3 and trainer.config.steps == 3
 
 
-# -- a run folder written before min_delta, chat and recompute existed ----------------------
+# -- a run folder written before min_delta and the keys of chat, recompute and vocabulary growth
 #: The keys ``config.json`` held before ``TrainConfig`` (main's ``DEFAULTS``), with the
 #: run's own records.
 OLD_KEYS = {
@@ -205,7 +206,7 @@ def test_an_old_config_json_resumes(tmp_path, monkeypatch, capsys):
     new = json.loads(path.read_text())
     assert new["min_delta"] == 0.0
     old = {k: v for k, v in new.items() if k in OLD_KEYS | {"vocab_table", "text_sha256", RUN_ID}}
-    assert set(new) - set(old) == {"min_delta", "chat", "recompute"}
+    assert set(new) - set(old) == {"min_delta", "chat", "recompute", "add_tokens", "train_rows"}
     path.write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")  # as the old code wrote
     capsys.readouterr()
     assert main(["resume", "old", "--steps", "6"]) == 0

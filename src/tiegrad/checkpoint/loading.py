@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, TiegradError
+from ..errors import CheckpointError, TiegradError, shown_list
 from ..params import ParameterStorage
 from .fileio import SafetensorsFile, _is_int, checkpoint_path, read_safetensors
 from .finite import finite_cast
 from .integrity import verify
 from .saving import as_param_list, check_methods, check_optimizer_params, generator_of
-from .schema import OptimizerRecord, Schema, SlotRecord, layout_table, slot_records
+from .schema import OptimizerRecord, Schema, SlotRecord, layout_table, slot_records, slot_rows
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ def load(
     name (a file written before tiegrad stored checksums loads with a warning naming
     it, ``integrity.verify``); then everything is validated against the targets: slot
     paths, shapes, dtypes, the alias layout (the storage and canonical slot of every
-    slot, so [p, q, p] and [p, q, q] differ), trainability, the optimizer's kind and
+    slot, so [p, q, p] and [p, q, q] differ), trainability, the row masks (strict: each
+    storage's must be the file's, ``params.rows``), the optimizer's kind and
     state shapes, the RNG's bit generator. Only then is anything written: the optimizer,
     the schedule, one value per storage, the RNG state. On any error nothing has changed
     (C6) and a ``CheckpointError`` names the file and the slot; a layout mismatch shows
@@ -93,6 +94,8 @@ def load(
     target = slot_records(plist)
     pairs, missing, unexpected = _match_slots(schema.slots, target, strict, where)
     exact = not missing and not unexpected and all(a == b for a, b in pairs)
+    if strict:
+        check_rows(schema.rows, slot_rows(plist), target, where)
 
     opt_state = None
     if optimizer is not None:
@@ -177,6 +180,28 @@ def _match_slots(
     else:
         _check_ties(pairs, file_slots, target, where)
     return pairs, missing, unexpected
+
+
+def check_rows(
+    stored: dict[int, tuple[int, ...]],
+    target: dict[int, tuple[int, ...]],
+    slots: Sequence[SlotRecord],
+    where: str,
+) -> None:
+    """``CheckpointError`` at the first storage whose row mask (``params.rows``) differs
+    between the file (``stored``) and the model (``target``), both by storage slot."""
+    for slot in sorted(set(stored) | set(target)):
+        a, b = stored.get(slot), target.get(slot)
+        if a != b:
+
+            def told(rows: tuple[int, ...] | None) -> str:
+                return "every row" if rows is None else f"{len(rows)} rows ({shown_list(rows)})"
+
+            raise CheckpointError(
+                f"{where}: row mask mismatch at slot {slot} ({slots[slot].path!r}): the file "
+                f"trains {told(a)}, the model {told(b)} (set the model's with "
+                f"tiegrad.nn.train_rows before loading)"
+            )
 
 
 def _aligned(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from .schema import (
     SlotState,
     json_value,
     slot_records,
+    slot_rows,
 )
 
 
@@ -95,12 +96,13 @@ def save(
     ``model`` is a ``ParamList`` or anything with ``param_list()``. Each storage is stored
     once, under ``param/<path of its first slot>``, from ``values_synced()`` (C7); the
     schema records every slot with its canonical slot and storage slot, so ties and the
-    trainability mask survive (C9). ``optimizer.state_dict()`` is stored with its tensors
-    keyed by canonical slot (``optim/<slot>/<name>``); ``schedule.state_dict()``,
-    ``extra`` (JSON) and the bit-generator state of ``rng`` (a numpy Generator or a
-    session) go into the schema, with the CRC-32 of every tensor's bytes, which ``load``
-    verifies (``integrity``). Everything is validated before the file is touched; the
-    write is atomic (see ``write_safetensors``). Errors are ``CheckpointError``.
+    trainability mask survive (C9), and each storage's row mask (``params.rows``).
+    ``optimizer.state_dict()`` is stored with its tensors keyed by canonical slot
+    (``optim/<slot>/<name>``); ``schedule.state_dict()``, ``extra`` (JSON) and the
+    bit-generator state of ``rng`` (a numpy Generator or a session) go into the schema,
+    with the CRC-32 of every tensor's bytes, which ``load`` verifies (``integrity``).
+    Everything is validated before the file is touched; the write is atomic (see
+    ``write_safetensors``). Errors are ``CheckpointError``.
     """
     path = checkpoint_path(path)
     where = f"checkpoint {path}"
@@ -108,6 +110,7 @@ def save(
     check_methods(optimizer, "optimizer", ("state_dict",), where)
     check_methods(schedule, "schedule", ("state_dict",), where)
     slots = slot_records(plist)
+    rows = slot_rows(plist)
     tensors: dict[str, np.ndarray] = {}
     values = plist.values_synced()
     for i, s in enumerate(slots):
@@ -120,7 +123,8 @@ def save(
     record = None
     if optimizer is not None:
         check_optimizer_params(optimizer, plist, where)
-        record = _optimizer_record(optimizer.state_dict(), slots, tensors, where)
+        shapes = Schema(tuple(slots), rows=rows).state_shape
+        record = _optimizer_record(optimizer.state_dict(), slots, shapes, tensors, where)
     schedule_state = None
     if schedule is not None:
         schedule_state = json_value(schedule.state_dict(), "the schedule state", where)
@@ -131,7 +135,9 @@ def save(
     extra = json_value(extra, "extra", where)
     check_entries(where, "slots", len(slots), sum(t.nbytes for t in tensors.values()))
     checksums = {name: tensor_checksum(value) for name, value in tensors.items()}
-    schema = Schema(tuple(slots), record, schedule_state, rng_state, extra, checksums=checksums)
+    schema = Schema(
+        tuple(slots), record, schedule_state, rng_state, extra, checksums=checksums, rows=rows
+    )
     return write_safetensors(path, tensors, {METADATA_KEY: schema.to_json()})
 
 
@@ -143,7 +149,11 @@ def _plain(value: Any) -> Any:
 
 
 def _optimizer_record(
-    sd: Any, slots: list[SlotRecord], tensors: dict[str, np.ndarray], where: str
+    sd: Any,
+    slots: list[SlotRecord],
+    state_shape: Callable[[int], tuple[int, ...]],
+    tensors: dict[str, np.ndarray],
+    where: str,
 ) -> OptimizerRecord:
     if not isinstance(sd, Mapping) or not isinstance(sd.get("kind"), str):
         raise CheckpointError(f"{where}: optimizer.state_dict() must be a mapping with a 'kind'")
@@ -171,10 +181,11 @@ def _optimizer_record(
         for name, value in entry.items():
             if isinstance(value, np.ndarray):
                 floating = np.issubdtype(value.dtype, np.floating)
-                if value.shape != s.shape or not floating or not supported_dtype(value.dtype):
+                shape = state_shape(slot)
+                if value.shape != shape or not floating or not supported_dtype(value.dtype):
                     raise CheckpointError(
                         f"{label}: tensor {name!r} is {value.shape} {value.dtype}, expected "
-                        f"shape {s.shape} and a floating dtype"
+                        f"shape {shape} and a floating dtype"
                     )
                 key = f"{OPTIM_PREFIX}{slot}/{name}"
                 tensors[key] = value

@@ -16,7 +16,11 @@ file's tensors before anything else reads it (C6):
   the file holds no other tensor;
 - optimizer state is keyed by canonical slots only, its tensors shaped like the slot;
 - from version 2 on, ``checksums`` has one CRC-32 for each tensor of the file (a file of
-  version 1, written before tiegrad stored them, has none; ``integrity.verify`` warns).
+  version 1, written before tiegrad stored them, has none; ``integrity.verify`` warns);
+- from version 3 on, ``rows`` holds the row mask of each storage that has one
+  (``tiegrad.params.rows``), keyed by its storage slot: distinct rows within its first
+  axis; the optimizer state of that storage's canonical slot has the trained rows'
+  shape ``(len(rows), *shape[1:])``.
 """
 
 from __future__ import annotations
@@ -30,16 +34,20 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, shown_list
+from ..errors import CheckpointError, TiegradError, shown_list
 from ..params import ParamList
+from ..params.rows import checked_rows
 from .fileio import SafetensorsFile, _is_int, entry_limit, parse_json, supported_dtype
 from .integrity import checksums_json, parse_checksums
 
 FORMAT = "tiegrad-checkpoint"
-#: 2: the schema holds a CRC-32 of each tensor (``checksums``); 1: without them.
-FORMAT_VERSION = 2
+#: 3: the schema holds row masks (``rows``); 2: a CRC-32 of each tensor
+#: (``checksums``); 1: without them.
+FORMAT_VERSION = 3
 #: The first format version whose files hold checksums.
 CHECKSUMS_SINCE = 2
+#: The first format version whose files hold row masks.
+ROWS_SINCE = 3
 METADATA_KEY = "tiegrad"
 PARAM_PREFIX = "param/"
 OPTIM_PREFIX = "optim/"
@@ -50,6 +58,7 @@ TABLE_ROWS = 20
 
 _TOP_KEYS = {"format", "format_version", "slots", "optimizer", "schedule", "rng", "extra"}
 _CHECKSUMS_KEY = "checksums"
+_ROWS_KEY = "rows"
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,8 @@ class Schema:
     """A parsed checkpoint schema; see the module docstring for its invariants.
 
     ``checksums`` maps every tensor of the file to the CRC-32 of its stored bytes; it is
-    None only in a file of format version 1.
+    None only in a file of format version 1. ``rows``: storage slot -> its row mask
+    (ascending rows), for the storages that have one.
     """
 
     slots: tuple[SlotRecord, ...]
@@ -118,6 +128,14 @@ class Schema:
     extra: Any = None
     version: int = FORMAT_VERSION
     checksums: dict[str, int] | None = None
+    rows: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def state_shape(self, slot: int) -> tuple[int, ...]:
+        """The shape of the optimizer state of canonical slot ``slot``: the slot's shape,
+        or its trained rows' where its storage has a row mask."""
+        s = self.slots[slot]
+        rows = self.rows.get(s.storage)
+        return s.shape if rows is None else (len(rows), *s.shape[1:])
 
     def to_json(self) -> str:
         """The schema as the JSON text stored under ``__metadata__["tiegrad"]``."""
@@ -132,6 +150,8 @@ class Schema:
         }
         if self.checksums is not None:
             doc[_CHECKSUMS_KEY] = checksums_json(self.checksums)
+        if self.version >= ROWS_SINCE:
+            doc[_ROWS_KEY] = {str(slot): list(rows) for slot, rows in sorted(self.rows.items())}
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
@@ -156,6 +176,7 @@ class Schema:
                 f"(up to {FORMAT_VERSION}); upgrade tiegrad to load it"
             )
         keys = _TOP_KEYS | ({_CHECKSUMS_KEY} if version >= CHECKSUMS_SINCE else set())
+        keys |= {_ROWS_KEY} if version >= ROWS_SINCE else set()
         if set(doc) != keys:
             raise CheckpointError(
                 f"{where}: schema keys {sorted(doc)}, expected {sorted(keys)} (format "
@@ -167,7 +188,8 @@ class Schema:
         rng = doc["rng"]
         if rng is not None and not isinstance(rng, dict):
             raise CheckpointError(f"{where}: the RNG state must be a JSON object or null")
-        schema = cls(slots, optimizer, doc["schedule"], rng, doc["extra"], version)
+        rows = _parse_rows(doc.get(_ROWS_KEY, {}), slots, where)
+        schema = cls(slots, optimizer, doc["schedule"], rng, doc["extra"], version, rows=rows)
         _check_tensors(schema, file, where)
         if _CHECKSUMS_KEY not in doc:
             return schema
@@ -219,6 +241,44 @@ def parse_slots(raw: Any, where: str, limit: int | None = None) -> list[SlotReco
                 path, tuple(shape), dtype, s["requires_grad"], canonical, storage, s["tensor"]
             )
         )
+    return out
+
+
+def _parse_rows(raw: Any, slots: Sequence[SlotRecord], where: str) -> dict[int, tuple[int, ...]]:
+    """The ``rows`` object: storage slot -> its row mask, each checked (``checked_rows``)."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: schema 'rows' must be a JSON object")
+    out: dict[int, tuple[int, ...]] = {}
+    for key, rows in raw.items():
+        slot = int(key) if key.isascii() and key.isdigit() and len(key) <= 19 else -1
+        if not 0 <= slot < len(slots) or str(slot) != key or slots[slot].storage != slot:
+            raise CheckpointError(
+                f"{where}: row mask key {key!r:.40} is not the storage slot of a parameter"
+            )
+        label = f"{where}: row mask of {_slot_label(slot, slots[slot].path)}"
+        if not isinstance(rows, list) or not all(_is_int(r) for r in rows):
+            raise CheckpointError(f"{label}: expected a list of row indices")
+        if any(r < 0 for r in rows):
+            raise CheckpointError(f"{label}: rows {shown_list([r for r in rows if r < 0])} < 0")
+        try:
+            checked = checked_rows(label, rows, slots[slot].shape)
+        except TiegradError as e:
+            raise CheckpointError(str(e)) from None
+        out[slot] = tuple(checked.tolist())
+    return out
+
+
+def slot_rows(plist: ParamList) -> dict[int, tuple[int, ...]]:
+    """The row mask of each storage of ``plist`` that has one, by storage slot (C9)."""
+    out: dict[int, tuple[int, ...]] = {}
+    seen: set[int] = set()
+    for i, p in enumerate(plist):
+        if id(p.storage) in seen:
+            continue
+        seen.add(id(p.storage))
+        rows = p.storage.trained_rows
+        if rows is not None:
+            out[i] = tuple(rows.tolist())
     return out
 
 
@@ -323,7 +383,7 @@ def _check_tensors(schema: Schema, file: SafetensorsFile, where: str) -> None:
                 what = f"optimizer state {name!r} of {_slot_label(slot, s.path)}"
                 if key in expected:
                     raise CheckpointError(f"{where}: {what} reuses tensor {key!r}")
-                expected[key] = (s.shape, None, what)
+                expected[key] = (schema.state_shape(slot), None, what)
     for key, (shape, dtype, what) in expected.items():
         entry = file.tensors.get(key)
         if entry is None:

@@ -124,10 +124,10 @@ def stored_model(path: Path, what: str, pretrained: bool = True) -> tuple[Any, A
     the file's tensors before anything is built (``checked_model_config``; the stored
     vocabulary's size too, where the file has one), and the model is its class's own
     rebuild, ``cls(**config)`` (C9), with what the run changed on it: its LoRA adapters
-    (``attach_stored_lora``) and its frozen uses (``apply_stored_freeze``), so the
-    checkpoint loads into it. A model of a transformers directory (``tiegrad train
-    --init``) keeps, of the stored transformers configuration, only
-    ``CARRIED_HF_KEYS`` (``carried_hf_config``), so what ``export`` writes and a resumed
+    (``attach_stored_lora``), its frozen uses (``apply_stored_freeze``) and row masks
+    (``apply_stored_rows``), so the checkpoint loads into it. A model of a transformers
+    directory (``tiegrad train --init``) keeps, of the stored transformers configuration,
+    only ``CARRIED_HF_KEYS`` (``carried_hf_config``), so what ``export`` writes and a resumed
     run stores again holds the model's own keys and no key the file made up."""
     from ..data import tokenizer_from_dict
     from ..train.job import MODEL_CLASS, PRETRAINED_CLASSES, build_model
@@ -158,7 +158,17 @@ def stored_model(path: Path, what: str, pretrained: bool = True) -> tuple[Any, A
         model.source_config = source
     attach_stored_lora(model, schema, path)
     apply_stored_freeze(model, extra, path)
+    apply_stored_rows(model, schema)
     return model, extra
+
+
+def apply_stored_rows(model: Any, schema: Any) -> None:
+    """Set the row masks a checkpoint's ``schema`` holds (``params.rows``: a ``tiegrad
+    train --train-rows new`` run's) on the storages of ``model`` at the same paths, so
+    the checkpoint loads into it and a resumed run trains those rows alone. The schema
+    checked each mask against its slot's shape, which is the model's (C6)."""
+    for slot, rows in schema.rows.items():
+        model.get_parameter(schema.slots[slot].path).storage.train_rows(rows)
 
 
 def apply_stored_freeze(model: Any, extra: Any, path: Path) -> None:

@@ -92,8 +92,9 @@ def run_job(
         text = os.path.abspath(config.text) if config.text else ""
         chat = os.path.abspath(config.chat) if config.chat else ""
         init = os.path.abspath(config.init) if config.init else ""
+        added = os.path.abspath(config.add_tokens) if config.add_tokens else ""
         saved = {
-            **config.replace(text=text, chat=chat, init=init).to_dict(),
+            **config.replace(text=text, chat=chat, init=init, add_tokens=added).to_dict(),
             "vocab_table": dataset.vocab.to_dict(),
             "text_sha256": source.sha256,
             **identity,

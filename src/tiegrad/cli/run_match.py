@@ -11,8 +11,8 @@ another run's checkpoint copied into the folder, is refused instead of continued
   has none in either and is matched by its model alone);
 - the model class (``init``: one of ``PRETRAINED_CLASSES``, the ``GPT2`` or
   ``LlamaLM`` of a transformers directory, else a ``TiedLM``), the vocabulary
-  (``vocab_table``, and ``vocab`` for a ``TiedLM``), ``lora`` and ``freeze`` must be the
-  checkpoint's;
+  (``vocab_table``, and ``vocab`` for a ``TiedLM``: the tokens ``--add-tokens`` added
+  included), ``lora``, ``freeze`` and ``train_rows`` must be the checkpoint's;
 - a ``TiedLM``'s constructor arguments (``d_model``, ``n_layers``, ``n_heads``,
   ``seq_len``, ``mlp_ratio``, ``dropout``, ``seed``) must be the checkpoint's; a
   fine-tuned run's model is the checkpoint's own;
@@ -79,6 +79,7 @@ def check_checkpoint(
         )
     _check_lora(config_path, config["lora"], path, extra.get(KEY))
     _check_freeze(config_path, config["freeze"], path, extra.get(FREEZE))
+    _check_train_rows(config_path, config["train_rows"], path, schema.rows)
     if fine_tuned:
         checked_model_config(path, schema, kwargs, None, stored_class, lora=KEY in extra)
         return run_id
@@ -179,6 +180,18 @@ def _check_freeze(config_path: Path, text: str, path: Path, stored: Any) -> None
         raise ConfigError(
             f"{config_path}: freeze (--freeze) is {text!r:.80}, but the checkpoint {path} was "
             f"trained with {'freeze ' + repr(stored)[:80] if theirs else 'every weight training'}"
+        )
+
+
+def _check_train_rows(config_path: Path, setting: str, path: Path, rows: dict) -> None:
+    """``train_rows`` of the configuration says what the checkpoint's row masks do:
+    ``new`` where it holds some (``params.rows``), ``all`` where it holds none."""
+    stored = "new" if rows else "all"
+    if setting != stored:
+        held = "holds row masks" if rows else "trains every row"
+        raise ConfigError(
+            f"{config_path}: train_rows (--train-rows) is {setting!r}, but the checkpoint "
+            f"{path} {held} ({stored!r})"
         )
 
 

@@ -164,6 +164,34 @@ class HFTokenizer:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "files": dict(self.files)}
 
+    def with_added_tokens(self, tokens: list[str], where: str = "add_tokens") -> HFTokenizer:
+        """A new tokenizer with ``tokens`` added (``tokenizers``' ``add_tokens``, as
+        transformers' ``tokenizer.add_tokens`` does), each given the next free id in order;
+        this one is unchanged. An empty token, one given twice and one the vocabulary
+        already holds are a ``ConfigError`` naming ``where`` and the token (transformers
+        would skip the last silently: its row would not be a new one)."""
+        from tokenizers import Tokenizer
+
+        seen: dict[str, int] = {}
+        for i, token in enumerate(tokens):
+            if not token:
+                raise ConfigError(f"{where}: token {i + 1} is empty")
+            if token in seen:
+                raise ConfigError(f"{where}: token {token!r:.60} is given twice")
+            known = self._tokenizer.token_to_id(token)
+            if known is not None:
+                raise ConfigError(
+                    f"{where}: token {token!r:.60} is in the vocabulary already (id {known})"
+                )
+            seen[token] = i
+        grown = Tokenizer.from_str(self._tokenizer.to_str())
+        grown.add_tokens(tokens)
+        return HFTokenizer({**self.files, "tokenizer.json": grown.to_str()})
+
+    def token_ids(self, tokens: list[str]) -> list[int]:
+        """The ids of ``tokens`` (each in the vocabulary)."""
+        return [self._tokenizer.token_to_id(t) for t in tokens]
+
     @property
     def size(self) -> int:
         """The number of token ids: the largest id (added tokens included) + 1; 0 when

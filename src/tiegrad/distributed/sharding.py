@@ -82,6 +82,12 @@ class ShardPlan:
 
     def __init__(self, plist: ParamList, world_size: int, rank: int) -> None:
         self.storages: list[ParameterStorage | None] = plist.optimizer_storage()
+        masked = [p.name or f"slot {i}" for i, p in enumerate(plist) if p.storage.rows_cell]
+        if masked:
+            raise DistributedError(
+                f"a sharded optimizer updates whole storages, and {masked[0]!r} has a row "
+                "mask (tiegrad.nn.train_rows); train it without shard, or without the mask"
+            )
         self.world_size = world_size
         self.rank = rank
         canonical = plist.canonical_slot_indices()

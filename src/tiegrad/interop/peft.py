@@ -85,12 +85,13 @@ from ..checkpoint.fileio import (
     write_safetensors,
 )
 from ..checkpoint.finite import finite_cast
-from ..errors import CheckpointError, HyperparameterError, SlotError
+from ..errors import CheckpointError, HyperparameterError, SlotError, TiegradError, shown_list
 from ..models.gpt2 import Conv1D
 from ..nn.layers import Embedding
 from ..nn.module import Module
+from ..params.rows import checked_rows
 
-__all__ = ["load_adapter", "save_adapter"]
+__all__ = ["load_adapter", "load_trainable_tokens", "save_adapter", "save_trainable_tokens"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -661,3 +662,173 @@ def _tied_groups(
             )
         out.append(paths)
     return out
+
+
+# -- PEFT's trainable tokens (TrainableTokensConfig): rows of the embedding train -----------
+#: The ``adapter_config.json`` fields of a ``TrainableTokensConfig`` (PEFT 0.22).
+TOKENS_KNOWN = (
+    "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path",
+    "revision", "inference_mode", "token_indices", "target_modules", "init_weights",
+)  # fmt: skip
+TOKENS_DELTA = ".trainable_tokens_delta"
+
+
+def _token_layers(model: Module) -> dict[str, str]:
+    """``{module path: weight path}`` of the embedding and the head (``VOCAB_PATHS``)."""
+    paths = getattr(model, "VOCAB_PATHS", None)
+    if paths is None:
+        raise SlotError(f"trainable tokens: {model.label()} has no token embedding")
+    return {path.rsplit(".", 1)[0]: path for path in paths}
+
+
+def save_trainable_tokens(
+    model: Module, directory: str | os.PathLike[str], *, base_model_name_or_path: str | None = None
+) -> list[int]:
+    """Write the row mask of ``model``'s token embedding as PEFT's trainable tokens.
+
+    ``adapter_config.json`` is a ``TrainableTokensConfig`` (``token_indices``: the rows
+    of the embedding's row mask, ``tiegrad.nn.train_rows``) and
+    ``adapter_model.safetensors`` holds those rows' current values per targeted module,
+    ``base_model.model.<module>.trainable_tokens_delta``, as PEFT writes them: a tied
+    head (one storage with the embedding, C1) is written under its own name too, with
+    the same rows; an untied head is targeted when it has the same row mask. Returns
+    the rows. The file can only hold those rows, so a model with another trainable
+    weight (whose training the file would lose), an embedding without a row mask or an
+    untied head with another one is refused before anything is written (C6).
+    """
+    layers = _token_layers(model)
+    embed_module, embed_path = next(iter(layers.items()))
+    storage = model.get_parameter(embed_path).storage
+    rows = storage.trained_rows
+    if rows is None:
+        raise SlotError(
+            f"save_trainable_tokens: {embed_path} has no row mask (tiegrad.nn.train_rows)"
+        )
+    targets = [
+        module
+        for module, path in layers.items()
+        if model.get_parameter(path).storage is storage
+        or np.array_equal(model.get_parameter(path).storage.trained_rows, rows)
+    ]
+    kept = {id(model.get_parameter(layers[m]).storage) for m in targets}
+    other = [
+        path for path, p in model.named_slots() if p.requires_grad and id(p.storage) not in kept
+    ]
+    if other:
+        raise SlotError(
+            f"save_trainable_tokens: {shown_list(other)} train too, and a trainable-tokens "
+            "adapter holds the embedding's trained rows alone (freeze them, or save a "
+            "checkpoint)"
+        )
+    tensors = {
+        f"{PREFIX}{module}{TOKENS_DELTA}": model.get_parameter(
+            layers[module]
+        ).storage.current_host_value()[rows]
+        for module in targets
+    }
+    config = {
+        "peft_type": "TRAINABLE_TOKENS",
+        "task_type": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "target_modules": [module.rsplit(".", 1)[-1] for module in targets],
+        "token_indices": rows.tolist(),
+        "init_weights": True,
+        "inference_mode": True,
+    }
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(os.fspath(folder / WEIGHTS), tensors, {"format": "pt"})
+    tmp = folder / f".{CONFIG}.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / CONFIG)
+    return rows.tolist()
+
+
+def load_trainable_tokens(
+    model: Module, directory: str | os.PathLike[str], *, allow_nonfinite: bool = False
+) -> list[int]:
+    """Load PEFT's trainable tokens (a ``TrainableTokensConfig`` folder) into ``model``.
+
+    As ``get_peft_model`` trains them: the targeted storages (the embedding's, which a
+    tied head shares, C1) train only the ``token_indices`` rows (a row mask,
+    ``tiegrad.nn.train_rows``) in every use, and every other weight is frozen; the rows
+    take the file's ``trainable_tokens_delta`` values (which are the rows themselves,
+    not a difference). Returns the rows. Checked before anything changes (C6): the
+    configuration's keys and ``peft_type``, that ``target_modules`` names the
+    embedding (and at most the head; a tied head is adapted with it, and its rows, which
+    PEFT writes too, must be the embedding's), the indices (distinct, within the vocabulary),
+    every tensor's name, shape and dtype, finiteness (unless ``allow_nonfinite``) and
+    that a tied head's rows equal the embedding's; the first problem is a
+    ``CheckpointError`` naming the file and the key or tensor.
+    """
+    folder = Path(directory)
+    path = folder / CONFIG
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{directory}: no {CONFIG} (not a PEFT adapter directory)")
+    config = read_json(path)
+    if config.get("peft_type") != "TRAINABLE_TOKENS":
+        raise CheckpointError(
+            f"{path}: peft_type {config.get('peft_type')!r:.40}, expected 'TRAINABLE_TOKENS'"
+        )
+    unknown = [k for k, v in config.items() if k not in TOKENS_KNOWN and not _unset(v)]
+    if unknown:
+        raise CheckpointError(
+            f"{path}: {shown_list(unknown)} not TrainableTokensConfig fields tiegrad knows "
+            "(PEFT 0.22's); they may change what the adapter computes"
+        )
+    layers = _token_layers(model)
+    targets = config.get("target_modules")
+    names = [targets] if isinstance(targets, str) else targets
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{path}: target_modules must be names, got {targets!r:.80}")
+    chosen = [
+        m
+        for m in layers
+        if (re.fullmatch(targets, m) if isinstance(targets, str) else _named_by(names, m))
+    ]
+    embed_module = next(iter(layers))
+    if embed_module not in chosen:
+        raise CheckpointError(
+            f"{path}: target_modules {targets!r:.80} does not name the token embedding "
+            f"{embed_module!r} of {model.label()}"
+        )
+    embed = model.get_parameter(layers[embed_module])
+    tied = [m for m in layers if model.get_parameter(layers[m]).storage is embed.storage]
+    chosen += [m for m in tied if m not in chosen]  # PEFT adapts a tied head with it
+    try:
+        rows = checked_rows(f"{path}: token_indices", config.get("token_indices"), embed.shape)
+    except TiegradError as e:
+        raise CheckpointError(str(e)) from None
+    file = read_safetensors(os.fspath(folder / WEIGHTS))
+    wanted = {f"{PREFIX}{m}{TOKENS_DELTA}": m for m in chosen}
+    stray = sorted(set(file.tensors) - set(wanted))
+    if stray or embed_module not in {wanted.get(k) for k in file.tensors}:
+        raise CheckpointError(
+            f"{file.path}: expected the tensors {shown_list(sorted(wanted))}, got "
+            f"{shown_list(sorted(file.tensors))}"
+        )
+    values: dict[Any, np.ndarray] = {}
+    for key in file.tensors:
+        p = model.get_parameter(layers[wanted[key]])
+        shape = (len(rows), *p.shape[1:])
+        if file.tensors[key].shape != shape:
+            raise CheckpointError(
+                f"{file.path}: tensor {key!r} has shape {file.tensors[key].shape}, expected "
+                f"{shape} (one row per token index)"
+            )
+        value = finite_cast(file.array(key), p.dtype, f"{file.path}: {key!r}", allow_nonfinite)
+        if p.storage in values and not np.array_equal(values[p.storage], value):
+            raise CheckpointError(
+                f"{file.path}: tensor {key!r} differs from the rows of the tied embedding "
+                "(one storage holds one value per row)"
+            )
+        values[p.storage] = value
+    trained = {id(st) for st in values}
+    for _, p in model.named_slots():
+        p.requires_grad = id(p.storage) in trained
+    for storage, value in values.items():
+        full = np.array(storage.current_host_value())
+        full[rows] = value
+        storage.write_host(full, f"load_trainable_tokens {file.path}")
+        storage.train_rows(rows)
+    return rows.tolist()

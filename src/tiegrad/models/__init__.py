@@ -8,6 +8,7 @@ from .mlp_classifier import MLPClassifier
 from .shared_block_lm import SharedBlockLM
 from .siamese import SiameseEncoder
 from .tied_lm import TiedLM
+from .vocab import resize_vocab
 
 __all__ = [
     "GPT2",
@@ -18,4 +19,5 @@ __all__ = [
     "SiameseEncoder",
     "TiedLM",
     "from_pretrained",
+    "resize_vocab",
 ]

@@ -58,6 +58,9 @@ class TiedCausalLM(ConfiguredModel):
         "mlp_ratio": size,
     }
 
+    #: The token embedding and the head, as ``resize_vocab`` grows them.
+    VOCAB_PATHS = ("embed.weight", "lm_head.weight")
+
     @classmethod
     def check_relations(cls, label: str, args: Mapping[str, Any]) -> None:
         if args["d_model"] % args["n_heads"]:
@@ -150,6 +153,16 @@ class TiedCausalLM(ConfiguredModel):
         self.ln_f = LayerNorm(d_model, dtype=dt)
         self.lm_head = Linear(d_model, vocab_size, bias=False, rng=rng, dtype=dt)
         tie(self, "lm_head.weight", "embed.weight")
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int, init: str = "mean", *, train: str = "all", seed: int = 0
+    ) -> Any:
+        """transformers' name for ``tiegrad.models.resize_vocab(self, new_num_tokens, ...)``;
+        returns the token embedding module, as transformers does."""
+        from .vocab import resize_vocab
+
+        resize_vocab(self, new_num_tokens, init, train=train, seed=seed)
+        return self._holder(self.VOCAB_PATHS[0])[0]
 
     def _build_blocks(self, new_block: Callable[[], TransformerBlock]) -> None:
         """Add the model's blocks, each made by ``new_block()`` (in drawing order)."""

@@ -222,6 +222,8 @@ class GPT2(TiedCausalLM):
     ``TiedLM``'s. ``config`` holds the constructor arguments: ``type(m)(**m.config)``.
     """
 
+    VOCAB_PATHS = ("transformer.wte.weight", "lm_head.weight")
+
     ARGS = {
         **dict.fromkeys(
             ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"), hyperparams.size

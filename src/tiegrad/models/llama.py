@@ -268,6 +268,8 @@ class LlamaLM(TiedCausalLM):
     ``type(m)(**m.config)``.
     """
 
+    VOCAB_PATHS = (hf_llama.EMBEDDING, hf_llama.HEAD)
+
     ARGS = {
         "model_type": _model_type,
         **dict.fromkeys(

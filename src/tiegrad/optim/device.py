@@ -11,7 +11,9 @@ The step keeps the host executor's contract and arithmetic:
   only when there is none (C3, C7). The new value is committed as the mirror, so the
   host becomes stale until a sync (C7).
 - The summed gradient of a storage used several times is an owned temporary,
-  released whether the step succeeds or raises (C8).
+  released whether the step succeeds or raises (C8). A storage with a row mask is
+  updated through its ``TrainedRows`` (``params.rows``): its gradient's trained rows
+  are gathered (a temporary too) and only those rows of the mirror are written.
 - One update per run of slots sharing hyperparameters and step count. An optimizer
   class with a ``device_kernel`` (``SGD``, ``Adam``, ``AdamW``: torch's fused kernels,
   ``tiegrad.optim.foreach``) runs it: one call updates every parameter and its state,
@@ -175,6 +177,8 @@ class DeviceExecutor:
             with checked_device_sums(groups, given, bk) as sums:
                 for i, total in zip(order, sums):
                     grads[i] = total
+                for i, cell in plan.masked:  # a row mask: the trained rows (params.rows)
+                    grads[i] = cell.gather(grads[i])
                 try:
                     yield grads
                 finally:
@@ -183,7 +187,7 @@ class DeviceExecutor:
         raw = list_gradients(labeler, given, plan)
         check_complete(labeler, plan, {i for i in plan.canonical if raw[i] is not None})
         for i in plan.canonical:
-            grads[i] = self._checked(labeler, i, raw[i])
+            grads[i] = self._checked(labeler, plan, i, raw[i])
         yield grads
 
     def _groups(
@@ -210,18 +214,22 @@ class DeviceExecutor:
         )
         return groups, order
 
-    def _checked(self, labeler: Labeler, slot: int, g: Any) -> Any:
+    def _checked(self, labeler: Labeler, plan: StepPlan, slot: int, g: Any) -> Any:
+        """A per-slot list's device gradient checked; of a row-masked storage, its
+        trained rows (given whole or already gathered, ``params.rows``)."""
         what = f"{labeler.kind}.step: gradient of {labeler.label(slot)}"
         where = backend_of(g) if _is_tensor(g) or isinstance(g, np.ndarray) else None
         if where is None or where is NUMPY:
             raise DeviceError(f"{what} is a {type(g).__name__}, expected a device tensor")
         if where is not self.backend:
             raise DeviceError(f"{what} is on {where.device!r}, expected {self.backend.device!r}")
-        p = labeler.params[slot]
-        if tuple(g.shape) != p.shape:
-            raise ShapeError(f"{what}: expected shape {p.shape}, got {tuple(g.shape)}")
-        if dtype_name(g) != p.dtype.name:
-            raise DTypeError(f"{what}: expected dtype {p.dtype.name}, got {dtype_name(g)}")
+        cell = plan.storages[slot]
+        if dtype_name(g) != cell.dtype.name:
+            raise DTypeError(f"{what}: expected dtype {cell.dtype.name}, got {dtype_name(g)}")
+        if cell is not labeler.params[slot].storage:
+            g = cell.trained_part(g)
+        if tuple(g.shape) != cell.shape:
+            raise ShapeError(f"{what}: expected shape {cell.shape}, got {tuple(g.shape)}")
         return g
 
     def first_nonfinite(self, update: Update, grads: list[Any]) -> int | None:

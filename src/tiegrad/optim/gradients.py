@@ -52,7 +52,8 @@ def resolve(
 ) -> list[np.ndarray | None]:
     """The checked host gradient of each canonical slot of ``plan``, None elsewhere.
 
-    A storage used once gets the very array ``backward`` produced (C4).
+    A storage used once gets the very array ``backward`` produced (C4); one with a row
+    mask, the rows it trains (``params.rows``: a whole-storage gradient is gathered).
     ``allow_missing``: None, too, at a canonical slot that the gradients do not reach.
     """
     gradients = given(labeler, gradients)
@@ -67,6 +68,8 @@ def resolve(
             f"{labeler.kind}.step: expected tiegrad.Gradients, a per-slot list or None, got "
             f"{type(gradients).__name__}"
         )
+    for i, cell in plan.masked:  # a row mask: the gradient of the trained rows
+        raw[i] = None if raw[i] is None else cell.trained_part(raw[i])
     present = [raw[i] for i in plan.canonical] if plan.spare else raw
     if (
         list(map(type, present)) == plan.types

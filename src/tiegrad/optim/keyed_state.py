@@ -7,7 +7,8 @@ Guarantees:
 
 - One history per storage, however its uses are frozen or tied (C1, C5). When the
   layout changes (a freeze, an unfreeze, a tie, an untie, a new storage at a slot),
-  ``rekey`` moves each entry to the canonical slot of its storage.
+  ``rekey`` moves each entry to the canonical slot of its storage. A row mask set or
+  cleared (``params.rows``) starts the storage's history afresh.
 - Nothing is lost before the next write (C6). An entry of a storage that no longer
   trains at any slot stays under its old key, or is parked aside when another
   storage's canonical slot takes that key. A refused step or a look at the state
@@ -61,7 +62,7 @@ class KeyedState:
         moves: dict[int, int] = {}
         kept: dict[int, ParameterStorage] = {}
         for slot, storage in self.storages.items():
-            new = plan.index.get(id(storage))
+            new = self._slot_of(plan, storage)
             if new is not None:
                 moves[slot] = new
                 kept[new] = storage
@@ -70,9 +71,9 @@ class KeyedState:
                 moves[slot] = slot
                 kept[slot] = storage
         back = {
-            plan.index[key]: key
-            for key in self.parked
-            if key in plan.index and plan.index[key] not in kept
+            slot: key
+            for key, (storage, _, _) in self.parked.items()
+            if (slot := self._slot_of(plan, storage)) is not None and slot not in kept
         }
         if len(moves) < len(self.storages) or back or any(a != b for a, b in moves.items()):
             self.release()
@@ -93,6 +94,14 @@ class KeyedState:
                 kept |= {slot: storage for slot, (storage, _, _) in parked.items()}
         self.storages = kept
         self.keyed_by = plan
+
+    @staticmethod
+    def _slot_of(plan: StepPlan, storage: Any) -> int | None:
+        """The canonical slot where ``plan`` steps ``storage`` itself, or None. A storage
+        stepped through its row mask's ``TrainedRows`` (or the reverse) is another key:
+        its state has another shape and starts afresh (``params.rows``)."""
+        slot = plan.index.get(id(storage))
+        return slot if slot is not None and plan.storages[slot] is storage else None
 
     def trained_slots(self, plan: StepPlan) -> list[int]:
         """The slots of the entries of storages ``plan`` trains (its canonical slots)."""

@@ -43,6 +43,7 @@ import numpy as np
 from ..checkpoint.schema import SlotRecord, slot_records
 from ..errors import AliasError, HyperparameterError, NonFiniteError, SlotError
 from ..params import Param, ParamList
+from ..params.rows import optimizer_cells
 from ..session import Gradients, forget_latest_gradients, note_step
 from .device import DeviceExecutor, gradients_backend
 from .fused import FusedRule
@@ -357,9 +358,10 @@ class Optimizer:
         """The step plan of the current layout (``tiegrad.optim.plan``).
 
         The cached one while every slot holds the same storage object with the same
-        trainability (compared by identity, C1, C5), else a new one.
+        trainability and row mask (compared by identity, C1, C5), else a new one. A
+        storage with a row mask is stepped through its ``TrainedRows`` (``params.rows``).
         """
-        storages = self.params.optimizer_storage()
+        storages = optimizer_cells(self.params.optimizer_storage())
         plan = self._step_plan
         if plan is None or plan.storages != storages:  # element by element: identity
             plan = StepPlan(storages, self._slot_group, len(self.param_groups))

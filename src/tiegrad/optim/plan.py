@@ -7,8 +7,9 @@ kernel calls. ``Optimizer`` keeps one plan and reuses every part while what it w
 derived from holds, so a step over an unchanged layout does little per slot:
 
 - ``StepPlan`` is derived from the storage at every slot (``ParamList.optimizer_storage``,
-  None at frozen slots), compared by identity on every step (C1): a re-tie, a replaced
-  storage or a changed ``requires_grad`` makes a new plan.
+  None at frozen slots; a storage's ``TrainedRows`` where it has a row mask,
+  ``params.rows``), compared by identity on every step (C1): a re-tie, a replaced
+  storage, a new row mask or a changed ``requires_grad`` makes a new plan.
 - Its ``Program`` (state specs, runs, fused layouts) is also derived from the state names
   of every group (the hyperparameters), the dtypes that run fused, and the
   ``FlatState`` object and its ``revision``, which every layout and step count change
@@ -30,6 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..params.canonical import canonical_indices
+from ..params.rows import TrainedRows
 from ..params.storage import ParameterStorage
 from . import fused
 from .state import FlatState, SlotSpec
@@ -61,8 +63,10 @@ class StepPlan:
     identity). ``slots``: the alias map (C5); ``canonical``: its canonical slots,
     ascending; ``spare``: the other slots (their list entry must be None); ``aliases``:
     ``(slot, canonical slot)`` of each trainable non-canonical slot; ``index``: id of a
-    canonical storage -> its slot; ``types``, ``dtypes``, ``shapes``: what the gradients
-    of the canonical slots must be, in order, and ``dtype_set`` the distinct dtypes;
+    canonical storage (and of the storage of a ``TrainedRows``) -> its slot;
+    ``masked``: ``(slot, TrainedRows)`` of the canonical slots with a row mask;
+    ``types``, ``dtypes``, ``shapes``: what the gradients of the canonical slots must
+    be, in order, and ``dtype_set`` the distinct dtypes;
     ``group_dtypes``: the dtypes of each group's trainable slots; ``program``: the
     cached ``Program`` or None.
     """
@@ -74,6 +78,7 @@ class StepPlan:
         "spare",
         "aliases",
         "index",
+        "masked",
         "types",
         "dtypes",
         "shapes",
@@ -92,6 +97,10 @@ class StepPlan:
         self.aliases = [(i, c) for i, c in enumerate(self.slots) if c is not None and c != i]
         canonical = [storages[i] for i in self.canonical]
         self.index = {id(st): i for i, st in zip(self.canonical, canonical)}
+        self.masked = [
+            (i, st) for i, st in zip(self.canonical, canonical) if type(st) is TrainedRows
+        ]
+        self.index.update((id(cell.storage), i) for i, cell in self.masked)
         self.types = [np.ndarray] * len(canonical)
         self.dtypes = [st.dtype for st in canonical]
         self.shapes = [st.shape for st in canonical]

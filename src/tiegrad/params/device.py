@@ -178,6 +178,7 @@ def _sgd_update(groups: Sequence[ParameterGroup], bk: Backend, lr: float, sums: 
         if storage is None:
             group.parameter.set(bk.download(group.current_device_value(bk) - lr * grad))
             continue
-        p = storage.device_for_update(bk)
-        p.sub_(lr * grad)
-        storage.commit_device(p)
+        cell = storage.rows_cell or storage  # a row mask: its rows alone (params.rows)
+        p = cell.device_for_update(bk)
+        p.sub_(lr * (grad if cell is storage else cell.gather(grad)))
+        cell.commit_device(p)

@@ -24,6 +24,7 @@ from ..errors import (
     TiegradError,
 )
 from .canonical import canonical_indices
+from .rows import subtract_scaled
 from .storage import ParameterStorage
 
 
@@ -242,7 +243,7 @@ def sgd_step_groups(session: Any, lr: float, gradients: Mapping[int, Any] | None
     for group, g in zip(groups, sums):
         if group.storage is not None:
             arr = group.storage.host_for_update()
-            arr -= lr * g
+            subtract_scaled(group.storage, arr, lr, g)
         else:
             arr = group.current_host_value() - lr * g
         write_group_value(group, arr)

@@ -17,6 +17,7 @@ from ..errors import DTypeError, MissingGradientError, ShapeError, SlotError
 from .canonical import canonical_indices
 from .groups import add_new, check_learning_rate
 from .param import Param
+from .rows import subtract_scaled
 from .storage import HOST_DEVICES, ParameterStorage, check_host_array
 
 
@@ -246,7 +247,7 @@ class ParamList:
             if c == i:
                 storage = self._params[i].storage
                 arr = storage.host_for_update()
-                arr -= lr * np.asarray(sums[i])
+                subtract_scaled(storage, arr, lr, np.asarray(sums[i]))
                 storage.commit_host(arr)
 
     # -- reporting ---------------------------------------------------------------------

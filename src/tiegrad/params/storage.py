@@ -24,6 +24,7 @@ import numpy as np
 
 from ..backend import NUMPY, Backend, backend_of, device_backend, dtype_name
 from ..errors import DeviceError, DTypeError, ShapeError
+from .rows import TrainedRows, checked_rows
 
 HOST_DEVICES = (None, "cpu", "host", "numpy")
 
@@ -81,6 +82,7 @@ class ParameterStorage:
         "_checked",
         "_uploads",
         "_downloads",
+        "rows_cell",
         "__weakref__",
     )
 
@@ -112,16 +114,40 @@ class ParameterStorage:
         self._checked: tuple[Any, Backend] | None = None
         self._uploads = 0
         self._downloads = 0
+        # the row mask (params.rows): what an optimizer updates in place of this storage
+        self.rows_cell: TrainedRows | None = None
 
     def __repr__(self) -> str:
         return f"ParameterStorage(shape={self.shape}, dtype={self.dtype.name}, id=0x{id(self):x})"
 
-    def __reduce__(self) -> tuple[type, tuple[np.ndarray]]:
+    def __reduce__(self) -> tuple[type, tuple[np.ndarray], np.ndarray | None]:
         """A copy (``copy``, ``deepcopy``, ``pickle``) is a new storage of the current host
-        value (a newer mirror synced first, C7), with no mirror and no pins: an update of
-        one never reaches the other. ``deepcopy`` copies a storage once, so the ties of a
-        module copied whole stay ties in the copy (C1)."""
-        return (ParameterStorage, (self.current_host_value(),))
+        value (a newer mirror synced first, C7) and row mask, with no mirror and no pins:
+        an update of one never reaches the other. ``deepcopy`` copies a storage once, so
+        the ties of a module copied whole stay ties in the copy (C1)."""
+        return (ParameterStorage, (self.current_host_value(),), self.trained_rows)
+
+    def __setstate__(self, rows: np.ndarray | None) -> None:
+        if rows is not None:
+            self.train_rows(rows)
+
+    # -- row mask (params.rows) ----------------------------------------------------------
+    @property
+    def trained_rows(self) -> np.ndarray | None:
+        """The rows an optimizer updates (ascending, read-only), or None: every row."""
+        return None if self.rows_cell is None else self.rows_cell.rows
+
+    def train_rows(self, rows: Any, what: str = "train_rows") -> None:
+        """Let optimizers update only ``rows`` of this storage (``params.rows.checked_rows``
+        forms; None: every row again). The mask is the storage's, so every use of a tie
+        sees it (C1); the other rows never change. Checked before it is set (C6)."""
+        if rows is None:
+            self.rows_cell = None
+            return
+        checked = checked_rows(f"{what} of {self!r}", rows, self.shape)
+        old = self.trained_rows
+        if old is None or not np.array_equal(old, checked):
+            self.rows_cell = TrainedRows(self, checked)
 
     # -- host side -------------------------------------------------------------------
     @property

@@ -135,6 +135,19 @@ class TrainConfig(Mapping[str, Any]):
         "its other uses); empty: every weight trains",
         metavar="PATHS",
     )
+    add_tokens: str = setting(
+        "",
+        "a file of tokens, one per line, added to the --init folder's tokenizer; the "
+        "model's vocabulary grows to match (new rows: the mean of the old); empty: none",
+        metavar="FILE",
+        path=True,
+    )
+    train_rows: str = setting(
+        "all",
+        "rows of the token embedding (and head) that train: all, or new (the added "
+        "tokens' rows alone; the other rows stay as they are)",
+        choices=("all", "new"),
+    )
     # model (TiedLM)
     d_model: int = setting(128, "model width", low=1)
     n_layers: int = setting(2, "transformer blocks", flag="--layers", low=1)
@@ -359,6 +372,20 @@ def _checked(values: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, 
         raise ConfigError(
             f"config: {named('chat')} and {named('text')} do not go together: a run trains "
             "on conversations or on text"
+        )
+    if out["add_tokens"] and not out["init"]:
+        raise ConfigError(
+            f"config: {named('add_tokens')} grows the model of init: give --init DIR with it"
+        )
+    if out["train_rows"] == "new" and not out["add_tokens"]:
+        raise ConfigError(
+            f"config: {named('train_rows')} new trains the rows of added tokens: give "
+            f"{named('add_tokens')} FILE with it"
+        )
+    if out["train_rows"] == "new" and out["lora"]:
+        raise ConfigError(
+            f"config: {named('train_rows')} new and {named('lora')} do not go together: "
+            "--lora freezes the embedding whose new rows would train"
         )
     if out["lora"] and out["freeze"]:
         raise ConfigError(

@@ -18,6 +18,7 @@ from typing import Any
 from ..data import TextDataset, Vocab, directory_tokenizer, read_text, stdlib_corpus
 from ..data.chat import ChatDataset, ChatFile, ChatTemplate, read_chat
 from ..errors import AliasError, ConfigError, shown_list
+from .added_tokens import add_tokens
 from .config import parse_freeze, warmup_steps
 from .lora import parse_lora
 
@@ -133,18 +134,22 @@ def apply_freeze(model: Any, text: str, label: str = "--freeze") -> list[str]:
 
 def build_init(
     config: Mapping[str, Any], source: TextSource, vocab: Any = None, model: Any = None
-) -> tuple[Any, TextDataset]:
+) -> tuple[Any, TextDataset | ChatDataset]:
     """The model of ``config["init"]`` (a transformers directory, of the class its
     ``model_type`` names: ``models.from_pretrained``) with the LoRA adapters of
-    ``config["lora"]`` (``tiegrad.train.lora``), or ``model`` (the one a resumed run's
-    checkpoint describes, adapters and frozen uses included), and the dataset of
-    ``source`` tokenised by the directory's tokenizer (``data.directory_tokenizer``) or by
-    ``vocab`` (the one a resumed run stored); a chat source is rendered with that
-    tokenizer's chat template."""
+    ``config["lora"]`` (``tiegrad.train.lora``), grown by the tokens of
+    ``config["add_tokens"]`` (``tiegrad.train.added_tokens``), or ``model`` (the one a
+    resumed run's checkpoint describes, adapters, row masks and frozen uses included), and
+    the dataset of ``source`` tokenised by the directory's tokenizer
+    (``data.directory_tokenizer``, with the added tokens) or by ``vocab`` (the one a
+    resumed run stored); a chat source is rendered with that tokenizer's chat template."""
     from ..models import from_pretrained
 
     if model is None:
         model = from_pretrained(config["init"])
+        vocab = directory_tokenizer(config["init"])
+        if config["add_tokens"]:
+            vocab = add_tokens(model, vocab, config["add_tokens"], config["train_rows"])
         if config["lora"]:
             parse_lora(config["lora"]).attach(model, "--lora")
     vocab = vocab if vocab is not None else directory_tokenizer(config["init"])
