@@ -26,7 +26,7 @@ peft = pytest.importorskip("peft")
 from tiegrad import CheckpointError, EagerSession  # noqa: E402
 from tiegrad.adapters import add_lora, merge, unload, untied_by_merge  # noqa: E402
 from tiegrad.adapters.layers import LoRAPaddedEmbedding  # noqa: E402
-from tiegrad.checkpoint.fileio import read_safetensors  # noqa: E402
+from tiegrad.checkpoint.fileio import read_safetensors, write_safetensors  # noqa: E402
 from tiegrad.interop.peft import load_adapter, save_adapter  # noqa: E402
 from tiegrad.models import LlamaLM  # noqa: E402
 from tiegrad.optim import AdamW  # noqa: E402
@@ -185,10 +185,10 @@ def test_peft_loads_what_tiegrad_saves(folders, tmp_path, targets, share_tied):
     np.testing.assert_allclose(torch_logits(pm, x), logits(model, x), rtol=0, atol=1e-5)
 
 
-def _train_both(folder, targets, steps=20):
+def _train_both(folder, targets, steps=20, **extra):
     """20 AdamW steps of LoRA on both sides from PEFT's (non-zero) initial adapters."""
-    pm = peft_model(folder, targets)
-    initial = folder.parent / f"initial-{'-'.join(targets)}"
+    pm = peft_model(folder, targets, **extra)
+    initial = folder.parent / f"initial-{'-'.join(targets)}-{len(extra)}"
     peft_save(pm, initial)
     model = LlamaLM.from_pretrained(folder)
     load_adapter(model, initial)
@@ -315,3 +315,108 @@ def test_merging_the_input_use_alone_leaves_the_head_bit_identical(folders):
     assert model.lm_head.weight.storage is not model.model.embed_tokens.weight.storage
     np.testing.assert_array_equal(model.lm_head.weight.value, head)
     np.testing.assert_allclose(logits(model, x), adapted, rtol=0, atol=1e-5)
+
+
+# -- modules_to_save: the tied embedding trained in full --------------------------------------
+def test_a_tied_embedding_in_modules_to_save_loads_into_the_one_storage(folders, tmp_path):
+    folder = folders["qwen2-tied"]
+    pm = peft_model(folder, ["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True)
+    with torch.no_grad():
+        pm.base_model.model.model.embed_tokens.modules_to_save["default"].weight.normal_(0, 0.1)
+    peft_save(pm, tmp_path)
+    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= (
+        set(file_tensors(tmp_path))
+    )
+    model = LlamaLM.from_pretrained(folder)
+    load_adapter(model, tmp_path)
+    assert model.lm_head.weight.storage is model.model.embed_tokens.weight.storage
+    assert model.get_parameter(EMBED).requires_grad and model.get_parameter(HEAD).requires_grad
+    x = ids()
+    np.testing.assert_allclose(logits(model, x), torch_logits(pm, x), rtol=0, atol=1e-5)
+
+
+def test_peft_loads_a_tied_embedding_tiegrad_saves_in_full(folders, tmp_path):
+    folder = folders["llama-tied-llama3"]
+    model = LlamaLM.from_pretrained(folder)
+    add_lora(model, ["q_proj", "down_proj"], rank=4)
+    randomize_adapters(model)
+    embed = model.get_parameter(EMBED)
+    embed.set_value(embed.value + np.float32(0.05))
+    save_adapter(model, tmp_path, modules_to_save=["lm_head"])
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.embed_tokens"] and config["ensure_weight_tying"]
+    tensors = file_tensors(tmp_path)
+    np.testing.assert_array_equal(tensors["base_model.model.lm_head.weight"], embed.value)
+    np.testing.assert_array_equal(
+        tensors["base_model.model.model.embed_tokens.weight"], embed.value
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.PeftModel.from_pretrained(hf_base(folder), tmp_path)
+    x = ids()
+    np.testing.assert_allclose(torch_logits(pm, x), logits(model, x), rtol=0, atol=1e-5)
+
+
+def test_modules_to_save_without_ensure_weight_tying_unties_as_peft_does(folders, tmp_path):
+    folder = folders["qwen2-tied"]
+    pm = peft_model(folder, ["q_proj"], modules_to_save=["embed_tokens"])
+    with torch.no_grad():
+        pm.base_model.model.model.embed_tokens.modules_to_save["default"].weight.normal_(0, 0.1)
+    peft_save(pm, tmp_path)
+    model = LlamaLM.from_pretrained(folder)
+    head = model.lm_head.weight.value.copy()
+    load_adapter(model, tmp_path)
+    assert model.lm_head.weight.storage is not model.model.embed_tokens.weight.storage
+    np.testing.assert_array_equal(model.lm_head.weight.value, head)
+    assert not model.get_parameter(HEAD).requires_grad
+    x = ids()
+    np.testing.assert_allclose(logits(model, x), torch_logits(pm, x), rtol=0, atol=1e-5)
+
+
+def test_twenty_steps_with_the_tied_embedding_in_full_track_peft(folders, tmp_path):
+    model, pm = _train_both(
+        folders["qwen2-tied"], ["q_proj", "v_proj"], modules_to_save=["embed_tokens"],
+        ensure_weight_tying=True,
+    )  # fmt: skip
+    assert model.lm_head.weight.storage is model.model.embed_tokens.weight.storage
+    theirs = pm.base_model.model.model.embed_tokens.modules_to_save["default"].weight
+    np.testing.assert_allclose(
+        model.get_parameter(EMBED).value, theirs.detach().numpy(), rtol=0, atol=1e-4
+    )
+    save_adapter(model, tmp_path)
+    state = peft.get_peft_model_state_dict(pm, save_embedding_layers=False)
+    for key, value in file_tensors(tmp_path).items():
+        np.testing.assert_allclose(value, state[key].detach().numpy(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ("differ", "ensure_weight_tying ties 'model.embed_tokens.weight' and 'lm_head.weight'"),
+        ("missing", "'base_model.model.lm_head.weight' is missing"),
+        ("name", "modules_to_save 'nowhere' names no module"),
+    ],
+)
+def test_a_bad_full_copy_is_refused_and_changes_nothing(folders, tmp_path, edit, match):
+    folder = folders["qwen2-tied"]
+    pm = peft_model(folder, ["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True)
+    peft_save(pm, tmp_path)
+    tensors = file_tensors(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    if edit == "differ":
+        tensors["base_model.model.lm_head.weight"] = tensors["base_model.model.lm_head.weight"] + 1
+    elif edit == "missing":
+        del tensors["base_model.model.lm_head.weight"]
+    else:
+        config["modules_to_save"] = ["nowhere"]
+    write_safetensors(os.fspath(tmp_path / "adapter_model.safetensors"), tensors, {"format": "pt"})
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    model = LlamaLM.from_pretrained(folder)
+    before = slots(model)
+    with pytest.raises(CheckpointError, match=match):
+        load_adapter(model, tmp_path)
+    after = slots(model)
+    assert after.keys() == before.keys()
+    assert all(np.array_equal(after[k], v) for k, v in before.items())
+    assert all(h.requires_grad for _, h in model.named_slots())
+    assert model.lm_head.weight.storage is model.model.embed_tokens.weight.storage

@@ -174,7 +174,7 @@ def select(model: Module, targets: Any, op: str = "add_lora") -> list[Layer]:
                     hits += 1
         if not hits:
             slots = [p for p, _ in model.named_slots()]
-            paths = list(dict.fromkeys(q for p in slots for q in _prefixes(p)))
+            paths = list(dict.fromkeys(q for p in slots for q in prefixes(p)))
             other = [p for p in paths if matches(pattern, p)]
             found = (
                 f"names {_listing(other)}, which no adapter can take"
@@ -196,7 +196,7 @@ def select(model: Module, targets: Any, op: str = "add_lora") -> list[Layer]:
     return chosen
 
 
-def _prefixes(path: str) -> list[str]:
+def prefixes(path: str) -> list[str]:
     """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c``: the modules on a parameter path and itself."""
     parts = path.split(".")
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
