@@ -16,7 +16,9 @@ import warnings
 
 import numpy as np
 import pytest
+from test_cli import files_of
 from test_cli_llama import TEXT, TRAIN, qwen2_folder
+from test_untrusted_input import assert_one_line_error, cli
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 torch = pytest.importorskip("torch")
@@ -99,3 +101,48 @@ def test_export_merge_unties_the_head_says_so_and_reloads_in_transformers(export
     np.testing.assert_array_equal(hf.model.embed_tokens.weight.detach().numpy(), base)
     ours = tuned(root)(EagerSession(), IDS).numpy()
     np.testing.assert_allclose(torch_logits(hf), ours, rtol=0, atol=1e-5)
+
+
+def test_a_shared_adapter_trains_both_uses_and_merges_keeping_the_tie(exported, tmp_path):
+    root, _ = exported
+    out = io.StringIO()
+    spec = "rank=2,share_tied=true,targets=lm_head"
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.chdir(root)
+        assert (
+            main(
+                ["train", "--init", "model", "--run", str(tmp_path / "run"), "--lora", spec, *TRAIN]
+            )
+            == 0
+        )
+        assert main(["export", str(tmp_path / "run"), str(tmp_path / "merged"), "--merge"]) == 0
+    assert "untied" not in out.getvalue() and "share_tied=true" in out.getvalue()
+    model = LlamaLM.from_pretrained(root / "model")
+    add_lora(model, "lm_head", rank=2, share_tied=True)
+    load(RunDir(tmp_path / "run").best_or_latest(), model)
+    assert model.lm_head.lora.default is model.model.embed_tokens.lora.default
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    ours = model.eval()(EagerSession(), IDS).numpy()
+    np.testing.assert_allclose(torch_logits(hf), ours, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        ("share_tied=yes,targets=lm_head", "share_tied='yes' is not true or false"),
+        ("targets=q_proj+nothing", "target 'nothing' matches no path"),
+    ],
+)
+def test_a_bad_lora_on_the_folder_is_one_line_and_writes_no_run(
+    exported, tmp_path, capsys, spec, named
+):
+    root, _ = exported
+    before = files_of(root)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        result = cli(capsys, "train", "--init", "model", "--run", "bad", "--lora", spec, *TRAIN)
+    assert_one_line_error(result, "--lora", named)
+    assert files_of(root) == before
