@@ -5,7 +5,8 @@ run), ``make_data()`` (NumPy batches and initial weights, shared by every side) 
 ``build(data, sides=None)`` returning a ``runner.Built``; optionally
 ``extras(stats)`` for figures of its own (W5's GEMM bound, G2's optimizer state). G1
 (issue 18) needs transformers, G2 (issue 41) peft too; L1 and L2 (issue 48) need
-transformers and define ``make_quick_data`` (a two-layer model for the quick run).
+transformers and define ``make_quick_data`` (a two-layer model for the quick run), and
+G3 (issue 49, LoRA on L1's model) peft too.
 """
 
 from . import (
@@ -13,6 +14,7 @@ from . import (
     d2_sharded,
     g1_gpt2,
     g2_lora,
+    g3_llama_lora,
     l1_llama,
     l2_llama_generate,
     w1_tied_lm,
@@ -34,6 +36,7 @@ WORKLOADS = {
         g2_lora,
         l1_llama,
         l2_llama_generate,
+        g3_llama_lora,
         d1_data_parallel,
         d2_sharded,
     )
