@@ -228,7 +228,7 @@ def test_twenty_adamw_steps_track_peft_with_the_input_embedding_bit_identical(fo
     [
         (dict(use_dora=True), "use_dora=True is not supported"),
         (dict(alpha_pattern={"lm_head": 3.0}), "alpha_pattern gives them alphas"),
-        (dict(rank_pattern={"lm_head": 3}), "needs (3, 32)"),
+        (dict(rank_pattern={"lm_head": 3}), "(rank 3, from rank_pattern) needs (3, 32)"),
         (dict(lora_bias=True), "lora_bias=True is not supported"),
     ],
 )

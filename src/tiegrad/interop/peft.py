@@ -624,12 +624,13 @@ def _read_factors(
                 raise CheckpointError(f"{where}: {key!r} is missing")
         fan_in, fan_out = fans(layer.module)
         rank = int(_pattern_value(config, "rank_pattern", "r", path))
+        source = "r" if rank == config["r"] else "rank_pattern"
         for factor, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
             entry = file.tensors[keys[factor]]
             if tuple(entry.shape) != shape:
                 raise CheckpointError(
                     f"{where}: tensor {keys[factor]!r} has shape {tuple(entry.shape)}, "
-                    f"{path!r} (rank {rank}) needs {shape}"
+                    f"{path!r} (rank {rank}, from {source}) needs {shape}"
                 )
             if not np.issubdtype(np.dtype(entry.dtype), np.floating):
                 raise CheckpointError(f"{where}: tensor {keys[factor]!r} has dtype {entry.dtype}")
