@@ -420,3 +420,19 @@ def test_a_bad_full_copy_is_refused_and_changes_nothing(folders, tmp_path, edit,
     assert all(np.array_equal(after[k], v) for k, v in before.items())
     assert all(h.requires_grad for _, h in model.named_slots())
     assert model.lm_head.weight.storage is model.model.embed_tokens.weight.storage
+
+
+def test_two_adapters_on_the_two_uses_merge_into_two_storages(folders, tmp_path):
+    folder = folders["qwen3-tied-headdim"]
+    model = LlamaLM.from_pretrained(folder)
+    add_lora(model, ["embed_tokens", "lm_head"], rank=2)
+    randomize_adapters(model, scale=0.1)
+    x = ids()
+    adapted = logits(model, x)
+    assert untied_by_merge(model) == [(EMBED, HEAD)]
+    merge(model, untie=True)
+    unload(model)
+    model.save_pretrained(tmp_path)
+    hf = hf_base(tmp_path)
+    assert not hf.config.tie_word_embeddings
+    np.testing.assert_allclose(torch_logits(hf, x), adapted, rtol=0, atol=1e-5)

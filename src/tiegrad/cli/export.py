@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     if args.merge:
         for kept, split in merge_adapters(model):
             print(
-                f"untied {split} from {kept}: the merge changes {split} alone, so the "
-                f"export holds both tensors ({kept} as it was, tie_word_embeddings false)"
+                f"untied {split} from {kept}: the merge changes them differently, so the "
+                "export holds both tensors (tie_word_embeddings false)"
             )
     tokenizer = tokenizer_from_dict(extra["vocab"]) if "vocab" in extra else None
     model.save_pretrained(args.dir)
