@@ -31,6 +31,7 @@ PAIRS = {
     "G2": {("tiegrad", "torch")},
     "L1": {("tiegrad", "torch")},
     "L2": {("tiegrad", "torch")},
+    "G3": {("tiegrad", "torch")},
     "M1": {("tiegrad recompute", "torch"), ("tiegrad recompute", "torch checkpointing")},
     "D1": {("tiegrad", "torch DDP")},
     "D2": {
@@ -48,7 +49,21 @@ def quick_report():
 
 def test_quick_run_produces_every_row(quick_report):
     by_id = {w["id"]: w for w in quick_report["workloads"]}
-    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "G2", "L1", "L2", "M1", "D1", "D2"]
+    assert list(by_id) == [
+        "W1",
+        "W2",
+        "W3",
+        "W4",
+        "W5",
+        "G1",
+        "G2",
+        "L1",
+        "L2",
+        "G3",
+        "M1",
+        "D1",
+        "D2",
+    ]
     for wid, pairs in PAIRS.items():
         rows = by_id[wid]["rows"]
         got = {(r["tiegrad"], r["torch"]) for r in rows}

@@ -232,12 +232,8 @@ def gpt2_checkpoint(folder, name: str, lora=None, attach: bool = True) -> None:
 
 @pytest.fixture
 def sources(work):
-    """``plain.safetensors``, without adapters, and ``head.safetensors``, whose adapters
-    include the tied head's."""
+    """``plain.safetensors``, a checkpoint without adapters."""
     gpt2_checkpoint(work, "plain.safetensors")
-    gpt2_checkpoint(
-        work, "head.safetensors", "rank=2,alpha=16.0,dropout=0.0,targets=c_attn+lm_head"
-    )
 
 
 @pytest.mark.parametrize(
@@ -247,13 +243,38 @@ def sources(work):
         (["plain.safetensors", "out", "--merge"], "--merge folds LoRA adapters"),
         (["run", "out", "--format", "hf"], "needs --merge"),
         (["run", "out", "--format", "peft", "--merge"], "goes with --format hf"),
-        (["head.safetensors", "out", "--merge"], "'lm_head.weight' shares its storage"),
     ],
 )
 def test_an_export_the_source_cannot_give_is_refused(work, sources, capsys, args, named):
     before = files_of(work)
     assert_one_line_error(cli(capsys, "export", *args), named)
     assert files_of(work) == before and not (work / "out").exists()
+
+
+def test_merging_the_tied_heads_adapter_exports_untied_and_says_so(work, capsys):
+    model = GPT2.from_pretrained(work / "model")
+    wte = model.transformer.wte.weight.value.copy()
+    spec = "rank=2,alpha=16.0,dropout=0.0,targets=c_attn+lm_head"
+    parse_lora(spec).attach(model, "test")
+    rng = np.random.default_rng(0)
+    for path, p in model.named_parameters():
+        if ".lora." in path:
+            p.set_value(rng.normal(0.0, 0.1, p.shape).astype(p.dtype))
+    save(work / "head.safetensors", model, extra={
+        "model": {"class": "GPT2", "config": model.config}, "lora": spec,
+    })  # fmt: skip
+    code, out, err = cli(capsys, "export", "head.safetensors", "out", "--merge")
+    assert code == 0, err
+    untied = [line for line in out.splitlines() if line.startswith("untied")]
+    assert untied == [
+        "untied lm_head.weight from transformer.wte.weight: the merge changes them "
+        "differently, so the export holds both tensors (tie_word_embeddings false)"
+    ]
+    hf, info = transformers.GPT2LMHeadModel.from_pretrained(work / "out", output_loading_info=True)
+    assert all(not v for v in info.values()), info
+    assert not hf.config.tie_word_embeddings
+    np.testing.assert_array_equal(hf.transformer.wte.weight.detach().numpy(), wte)
+    np.testing.assert_allclose(torch_logits(hf), logits(model.eval()), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(

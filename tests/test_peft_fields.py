@@ -219,7 +219,6 @@ def test_a_flag_takes_true_false_or_null_only(base, c_attn, tmp_path, key, value
     [
         ("use_dora", True),
         ("lora_bias", True),
-        ("modules_to_save", ["lm_head"]),
         ("trainable_token_indices", [1, 2]),
         ("target_parameters", ["attn.c_attn.weight"]),
         ("layer_replication", [[0, 2], [1, 2]]),

@@ -6,7 +6,7 @@ run), ``make_data()`` (NumPy batches and initial weights, shared by every side) 
 ``extras(stats)`` for figures of its own (W5's GEMM bound, G2's optimizer state). G1
 (issue 18) needs transformers, G2 (issue 41) peft too; L1 and L2 (issue 48) need
 transformers and define ``make_quick_data`` (a two-layer model for the quick run), as
-does M1 (issue 50).
+do M1 (issue 50) and G3 (issue 49, LoRA on L1's model, peft too).
 """
 
 from . import (
@@ -14,6 +14,7 @@ from . import (
     d2_sharded,
     g1_gpt2,
     g2_lora,
+    g3_llama_lora,
     l1_llama,
     l2_llama_generate,
     m1_qwen_memory,
@@ -36,6 +37,7 @@ WORKLOADS = {
         g2_lora,
         l1_llama,
         l2_llama_generate,
+        g3_llama_lora,
         m1_qwen_memory,
         d1_data_parallel,
         d2_sharded,

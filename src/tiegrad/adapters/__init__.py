@@ -5,7 +5,14 @@
 of a model's adapters. PEFT's files are read and written by ``tiegrad.interop.peft``.
 """
 
-from .layers import LoRA, LoRAAdapters, LoRAConv1D, LoRAEmbedding, LoRALinear
+from .layers import (
+    LoRA,
+    LoRAAdapters,
+    LoRAConv1D,
+    LoRAEmbedding,
+    LoRALinear,
+    LoRAPaddedEmbedding,
+)
 from .lora import (
     MergeRefused,
     active_adapter,
@@ -17,6 +24,7 @@ from .lora import (
     set_adapter,
     unload,
     unmerge,
+    untied_by_merge,
 )
 
 __all__ = [
@@ -25,6 +33,7 @@ __all__ = [
     "LoRAConv1D",
     "LoRAEmbedding",
     "LoRALinear",
+    "LoRAPaddedEmbedding",
     "MergeRefused",
     "active_adapter",
     "adapter_names",
@@ -35,4 +44,5 @@ __all__ = [
     "set_adapter",
     "unload",
     "unmerge",
+    "untied_by_merge",
 ]

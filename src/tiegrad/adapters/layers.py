@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import ops
 from ..models.gpt2 import Conv1D
+from ..models.llama import PaddedEmbedding
 from ..nn import init
 from ..nn._input import layer_input
 from ..nn.layers import Embedding, Linear
@@ -174,12 +175,31 @@ class LoRAEmbedding(_Adapted, Embedding):
     def adapter_term(self, session: EagerSession, ids: Any, adapter: LoRA) -> TensorRef:
         a, b = session.use(adapter.A), session.use(adapter.B)
         if adapter.layout == IN_OUT:
-            return ops.linear(ops.embedding(a.T, ids) * adapter.scaling, b)
-        return ops.affine(ops.embedding(b, ids) * adapter.scaling, a)  # read transposed
+            return ops.linear(self.lookup(session, a.T, ids) * adapter.scaling, b)
+        return ops.affine(self.lookup(session, b, ids) * adapter.scaling, a)  # read transposed
+
+    def lookup(self, session: EagerSession, table: TensorRef, ids: Any) -> TensorRef:
+        """The rows ``ids`` of the adapter's factor ``table`` (V, rank)."""
+        return ops.embedding(table, ids)
+
+
+class LoRAPaddedEmbedding(LoRAEmbedding, PaddedEmbedding):
+    """A Llama-family ``PaddedEmbedding`` with adapters: the adapter factor's row of
+    ``padding_idx`` passes no gradient either, as PEFT's embedding adapter looks the
+    factor up with the base layer's ``padding_idx`` (the other factor's gradient counts
+    those positions)."""
+
+    def lookup(self, session: EagerSession, table: TensorRef, ids: Any) -> TensorRef:
+        return self.cut_padding(session, ids, super().lookup(session, table, ids))
 
 
 #: The adapted class of each adaptable class, and back.
-ADAPTED: dict[type, type] = {Linear: LoRALinear, Conv1D: LoRAConv1D, Embedding: LoRAEmbedding}
+ADAPTED: dict[type, type] = {
+    Linear: LoRALinear,
+    Conv1D: LoRAConv1D,
+    Embedding: LoRAEmbedding,
+    PaddedEmbedding: LoRAPaddedEmbedding,
+}
 BASE: dict[type, type] = {v: k for k, v in ADAPTED.items()}
 
 

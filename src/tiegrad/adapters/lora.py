@@ -27,7 +27,8 @@ storage has one value for all its uses, so where a use being merged shares its s
 with a use that would change differently (one without an adapter, or with another
 adapter), ``merge`` refuses and says so (``MergeRefused``, an ``AliasError``), unless
 ``untie=True``: then each such group of uses gets its own storage, and the group of the
-storage's first use keeps the original (uses without an adapter thus stay bit for bit).
+storage's uses without an adapter keeps the original, bit for bit (where every use has
+an adapter, the group of the storage's first use keeps it).
 ``unmerge`` subtracts what ``merge`` added (up to rounding; an untie stays). ``unload``
 removes every adapter and keeps the weights as they are (merged or not).
 
@@ -61,7 +62,7 @@ from .layers import (
     restore,
 )
 
-ADAPTABLE = "the weight of a Linear, an Embedding or a GPT-2 Conv1D"
+ADAPTABLE = "the weight of a Linear, an Embedding (a Llama-family one too) or a GPT-2 Conv1D"
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def select(model: Module, targets: Any, op: str = "add_lora") -> list[Layer]:
                     hits += 1
         if not hits:
             slots = [p for p, _ in model.named_slots()]
-            paths = list(dict.fromkeys(q for p in slots for q in _prefixes(p)))
+            paths = list(dict.fromkeys(q for p in slots for q in prefixes(p)))
             other = [p for p in paths if matches(pattern, p)]
             found = (
                 f"names {_listing(other)}, which no adapter can take"
@@ -195,7 +196,7 @@ def select(model: Module, targets: Any, op: str = "add_lora") -> list[Layer]:
     return chosen
 
 
-def _prefixes(path: str) -> list[str]:
+def prefixes(path: str) -> list[str]:
     """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c``: the modules on a parameter path and itself."""
     parts = path.split(".")
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
@@ -369,23 +370,20 @@ def enable(model: Module) -> None:
 
 @dataclass
 class _Write:
-    """A new value for the storage under ``handles``; ``separate``: a storage of their own."""
+    """A new value for the storage under ``handles`` (the uses at ``paths``);
+    ``separate``: a storage of their own, split from the use at ``kept``."""
 
     handles: list[Param]
+    paths: list[str]
     storage: ParameterStorage
     value: np.ndarray
     separate: bool
+    kept: str
 
 
-def merge(model: Module, untie: bool = False) -> list[str]:
-    """Fold every applied adapter into its weight; returns the merged weight paths.
-
-    The adapters stay (not applied while merged; ``unmerge`` takes them out again,
-    ``unload`` drops them). A shared storage whose uses would change differently is
-    refused unless ``untie`` (see the module docstring). Refused while disabled.
-    """
-    op = "merge"
-    untie = flag(op, "untie", untie)
+def _merge_plan(model: Module, untie: bool, op: str) -> tuple[list[Layer], list[_Write]]:
+    """The layers ``merge`` folds and the storage writes that do it, nothing changed;
+    ``MergeRefused`` where a storage's uses would change differently and not ``untie``."""
     layers = _require(model, op)
     if any(not x.adapters.enabled for x in layers):
         raise TiegradError(f"{op}: the adapters of {model.label()} are disabled; enable first")
@@ -406,10 +404,36 @@ def merge(model: Module, untie: bool = False) -> list[str]:
             raise MergeRefused(groups)
         base = members[0][1].storage
         value = base.current_host_value()
-        for k, (key, group) in enumerate(groups.items()):
+        keeper = None if None in groups else next(iter(groups))
+        kept = groups[keeper][0][0]
+        for key, group in groups.items():
             if key is not None:
                 delta = adapter_at[group[0][0]].weight_delta()
-                writes.append(_Write([p for _, p in group], base, value + delta, k > 0))
+                handles, paths = [p for _, p in group], [path for path, _ in group]
+                writes.append(_Write(handles, paths, base, value + delta, key != keeper, kept))
+    return todo, writes
+
+
+def untied_by_merge(model: Module) -> list[tuple[str, str]]:
+    """The ties ``merge(model, untie=True)`` would split, as ``(kept, split)`` pairs: the
+    first path of the uses that keep the storage (those without an adapter, else the
+    storage's first use's group) and the first path of a group of uses that gets a
+    storage of its own. Empty: the merge keeps every tie. Nothing changes."""
+    _, writes = _merge_plan(model, True, "untied_by_merge")
+    return [(w.kept, w.paths[0]) for w in writes if w.separate]
+
+
+def merge(model: Module, untie: bool = False) -> list[str]:
+    """Fold every applied adapter into its weight; returns the merged weight paths.
+
+    The adapters stay (not applied while merged; ``unmerge`` takes them out again,
+    ``unload`` drops them). A shared storage whose uses would change differently is
+    refused unless ``untie`` (see the module docstring; ``untied_by_merge`` says which
+    ties that splits). Refused while disabled.
+    """
+    op = "merge"
+    untie = flag(op, "untie", untie)
+    todo, writes = _merge_plan(model, untie, op)
     for w in writes:
         if w.separate:
             storage = ParameterStorage.adopting(w.value)
@@ -419,7 +443,8 @@ def merge(model: Module, untie: bool = False) -> list[str]:
             w.storage.commit_host(w.value)
     for x in todo:
         x.adapters.merged = True
-    return [p for p, _ in model.named_slots() if p in adapter_at]
+    merged = {p for x in todo for p in x.weight_paths()}
+    return [p for p, _ in model.named_slots() if p in merged]
 
 
 class MergeRefused(AliasError):

@@ -8,12 +8,16 @@ model class's ``save_pretrained`` folder, which transformers'
 ``tie_word_embeddings`` true), with the tokenizer files where the run has a Hugging
 Face tokenizer; a LoRA run
 (``tiegrad train --lora``) needs ``--merge``, which folds the adapters into the
-weights. ``peft``: a LoRA run's adapter, ``adapter_model.safetensors`` and
-``adapter_config.json``, which ``peft.PeftModel.from_pretrained`` loads onto the
+weights. Where an adapter is on one use of the tied embedding alone (the head's, say),
+the merge unties it: that use gets a storage of its own holding the merged weight, the
+other use keeps the base bit for bit, the folder holds both tensors with
+``tie_word_embeddings`` false (which transformers loads untied), and one line names the
+pair it untied. An adapter shared by both uses (``share_tied``) merges into the one
+storage and the tie stays. ``peft``: a LoRA run's adapter, ``adapter_model.safetensors``
+and ``adapter_config.json``, which ``peft.PeftModel.from_pretrained`` loads onto the
 ``--init`` model (``tiegrad.interop.peft``). A format the source cannot give (``peft``
-without adapters, ``hf`` of adapters without ``--merge``, ``--merge`` without adapters
-or where merging would change a tied use that has no adapter) is refused before
-anything is written (C6).
+without adapters, ``hf`` of adapters without ``--merge``, ``--merge`` without adapters)
+is refused before anything is written (C6).
 """
 
 from __future__ import annotations
@@ -95,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     if args.merge:
-        merge_adapters(model)
+        for kept, split in merge_adapters(model):
+            print(
+                f"untied {split} from {kept}: the merge changes them differently, so the "
+                "export holds both tensors (tie_word_embeddings false)"
+            )
     tokenizer = tokenizer_from_dict(extra["vocab"]) if "vocab" in extra else None
     model.save_pretrained(args.dir)
     if isinstance(tokenizer, HFTokenizer):
@@ -107,17 +115,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def merge_adapters(model: Any) -> None:
-    """Fold ``model``'s adapters into its weights and remove them; a merge that would
-    change a tied use without an adapter (``MergeRefused``) is a ``ConfigError``, the
-    model unchanged."""
-    from ..adapters import MergeRefused, merge, unload
+def merge_adapters(model: Any) -> list[tuple[str, str]]:
+    """Fold ``model``'s adapters into its weights and remove them; returns the ties the
+    merge split, ``(kept, split)`` (``tiegrad.adapters.untied_by_merge``)."""
+    from ..adapters import merge, unload, untied_by_merge
 
-    try:
-        merge(model)
-    except MergeRefused as e:
-        raise ConfigError(
-            f"export --merge: {e.conflict}, and a transformers directory holds one value "
-            "per tie; export the adapter with --format peft instead"
-        ) from None
+    untied = untied_by_merge(model)
+    merge(model, untie=True)
     unload(model)
+    return untied

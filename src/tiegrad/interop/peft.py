@@ -36,8 +36,8 @@ for a ``Linear``, unread by an ``Embedding``'s forward), so the file's value cha
 nothing. ``init_lora_weights`` may be any initialisation that leaves the base as it was
 (true, false, gaussian, orthogonal, nora, eva); those that change the base (PiSSA, OLoRA,
 CorDA, Astra, LoRA-GA, LoftQ) are refused with how to get a plain LoRA file, MiCA (B
-frozen while training) too. Refused when set: the ``UNSUPPORTED`` keys (DoRA, a trained
-bias, ``modules_to_save``, ``target_parameters``, ...), a ``bias`` other than
+frozen while training) too. ``modules_to_save``: see below. Refused when set: the
+``UNSUPPORTED`` keys (DoRA, a trained bias, ``target_parameters``, ...), a ``bias`` other than
 ``"none"``, and any key that is not PEFT 0.22's (``KNOWN``). The flags take true, false
 or null (false) only.
 
@@ -53,6 +53,19 @@ and with ``ensure_weight_tying`` every adaptable use of a targeted storage must 
 factors in the file (and ``tiegrad.shared``, where present, must group the same uses).
 The first mismatch is a ``CheckpointError`` naming the file and the tensor, the expected
 and the actual value.
+
+``modules_to_save`` (modules PEFT trains in full beside the adapters) are written and
+read in PEFT's layout: each parameter of such a module under ``base_model.model.<its
+path>``. Names match module paths as PEFT matches them (whole, or as a dotted suffix).
+A tied embedding is one storage: with ``ensure_weight_tying`` every use of a saved
+storage is saved (PEFT writes the same value under each use's name, the embedding named
+in ``modules_to_save``), and the file's copies must be equal; they load into the one
+storage, which stays tied and trains through every use (C1, C4). Without
+``ensure_weight_tying`` PEFT trains a copy of the named module alone, so the named uses
+get a storage of their own with the file's value and the other uses keep the base (the
+untie PEFT makes, said by the file). The loaded values replace the model's: they are
+the adapter's state, not kept apart from the base as PEFT keeps them (``disable`` and
+``unload`` leave them), so a model that has adapters already is refused.
 """
 
 from __future__ import annotations
@@ -60,6 +73,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +91,7 @@ from ..adapters.lora import (
     attach,
     check_model,
     check_name,
+    prefixes,
 )
 from ..checkpoint.fileio import (
     SafetensorsFile,
@@ -89,6 +105,7 @@ from ..errors import CheckpointError, HyperparameterError, SlotError, TiegradErr
 from ..models.gpt2 import Conv1D
 from ..nn.layers import Embedding
 from ..nn.module import Module
+from ..params import Param, ParameterStorage
 from ..params.rows import checked_rows
 
 __all__ = ["load_adapter", "load_trainable_tokens", "save_adapter", "save_trainable_tokens"]
@@ -116,7 +133,6 @@ UNSUPPORTED = (
     "velora_config",
     "kasa_config",
     "monteclora_config",
-    "modules_to_save",
     "trainable_token_indices",
     "target_parameters",
     "layer_replication",
@@ -149,6 +165,7 @@ KNOWN = (
     "bias",
     "init_lora_weights",
     "ensure_weight_tying",
+    "modules_to_save",
     "loftq_config",
     "eva_config",
     "corda_config",
@@ -194,12 +211,15 @@ def save_adapter(
     name: str | None = None,
     *,
     base_model_name_or_path: str | None = None,
+    modules_to_save: Sequence[str] = (),
 ) -> list[str]:
     """Write adapter ``name`` (None: the active one) of ``model`` as PEFT writes it.
 
     ``directory`` is created if needed; both files are written atomically. Returns the
     adapted module paths (``target_modules``). ``base_model_name_or_path`` goes into
-    the configuration as given.
+    the configuration as given. ``modules_to_save``: module paths whose parameters are
+    written in full beside the adapter (every use of a tied storage among them, with
+    ``ensure_weight_tying``; see the module docstring).
     """
     where = f"{Path(directory) / WEIGHTS}"
     check_model(model, "save_adapter")
@@ -220,6 +240,8 @@ def save_adapter(
             tensors[key] = np.ascontiguousarray(value)
         groups.setdefault(id(adapter), []).append(layer.paths[0])
     targets = [layer.paths[0] for layer, _ in holders]
+    saved, saved_modules, tied_saved = _full_copies_to_write(model, modules_to_save, holders)
+    tensors.update(saved)
     first = holders[0][1]
     config = {
         "peft_type": "LORA",
@@ -235,12 +257,12 @@ def save_adapter(
         "alpha_pattern": {x.paths[0]: a.alpha for x, a in holders if a.alpha != first.alpha},
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": saved_modules or None,
         "use_dora": False,
         "use_rslora": first.rslora,
     }
     shared = [paths for paths in groups.values() if len(paths) > 1]
-    config["ensure_weight_tying"] = bool(shared)
+    config["ensure_weight_tying"] = bool(shared) or tied_saved
     metadata = {"format": "pt"} | ({SHARED: json.dumps(shared)} if shared else {})
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
@@ -249,6 +271,59 @@ def save_adapter(
     tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, folder / CONFIG)
     return targets
+
+
+def _plain_slots(model: Module) -> dict[str, Param]:
+    """The model's parameter paths and handles, its adapters' left out."""
+    return {p: h for p, h in model.named_slots() if ".lora." not in f".{p}"}
+
+
+def _storage_uses(slots: dict[str, Param]) -> dict[int, list[str]]:
+    """``{id(storage): its paths in slot order}``."""
+    uses: dict[int, list[str]] = {}
+    for p, h in slots.items():
+        uses.setdefault(id(h.storage), []).append(p)
+    return uses
+
+
+def _full_copies_to_write(
+    model: Module, modules: Sequence[str], holders: list[tuple[Layer, LoRA]]
+) -> tuple[dict[str, np.ndarray], list[str], bool]:
+    """The ``modules_to_save`` tensors of ``save_adapter`` by PEFT's names, the module
+    names for its configuration (the module of each saved storage's first use: the
+    embedding of a tied pair, as PEFT names it) and whether a saved storage is tied
+    (then every use of it is written). A path that is no module of
+    ``model`` with parameters, or a saved storage that also has an adapter, is a
+    ``SlotError``."""
+    if isinstance(modules, str) or not all(isinstance(m, str) and m for m in modules):
+        raise SlotError(
+            f"save_adapter: modules_to_save must be a list of module paths, got {modules!r:.80}"
+        )
+    slots = _plain_slots(model)
+    uses = _storage_uses(slots)
+    chosen: dict[str, None] = {}
+    for module in modules:
+        under = [p for p in slots if p.startswith(f"{module}.")]
+        if not under:
+            raise SlotError(
+                f"save_adapter: modules_to_save {module!r} is no module with parameters of "
+                f"{model.label()}"
+            )
+        for p in under:
+            chosen.update(dict.fromkeys(uses[id(slots[p].storage)]))
+    adapted = {id(x.module.weight.storage): x.paths[0] for x, _ in holders}
+    for p in chosen:
+        if id(slots[p].storage) in adapted:
+            raise SlotError(
+                f"save_adapter: {p!r} is in modules_to_save and its storage has an adapter "
+                f"(at {adapted[id(slots[p].storage)]!r}); PEFT trains a module either way, "
+                "not both"
+            )
+    tied = any(len(uses[id(slots[p].storage)]) > 1 for p in chosen)
+    values = {PREFIX + p: np.ascontiguousarray(slots[p].value_synced()) for p in chosen}
+    firsts = {uses[id(slots[p].storage)][0] for p in chosen}
+    names = list(dict.fromkeys(p.rpartition(".")[0] for p in chosen if p in firsts))
+    return values, names, tied
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -470,7 +545,10 @@ def load_adapter(
         raise CheckpointError(
             f"{where}: target module {unmatched[0]!r} names no adaptable layer of {model.label()}"
         )
-    factors = _read_factors(file, config, layers, model, allow_nonfinite)
+    copies = _full_copies_to_read(file, config, model, allow_nonfinite)
+    skip = {PREFIX + p for c in copies for p in c.paths}
+    factors = _read_factors(file, config, layers, model, allow_nonfinite, skip)
+    _check_full_or_adapted(where, copies, factors, layers, model)
     groups = _shared_groups(file, factors, layers, config)
     dropout = float(config.get("lora_dropout", 0.0))
     specs = []
@@ -484,7 +562,9 @@ def load_adapter(
             )
         alpha, rslora = float(alphas[group[0]]), config["use_rslora"]
         specs.append(AdapterSpec(tuple(layers[p] for p in group), a, b, alpha, dropout, rslora))
-    return attach(model, name, specs)
+    adapted = attach(model, name, specs)
+    _apply_full_copies(model, copies)
+    return adapted
 
 
 def _read_factors(
@@ -493,14 +573,17 @@ def _read_factors(
     layers: dict[str, Layer],
     model: Module,
     allow_nonfinite: bool,
+    skip: Collection[str] = (),
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{module path: (A, B)}`` in the model's slot order, in the terms of each use,
-    cast to the weight's dtype; every name, shape, base weight and (unless
-    ``allow_nonfinite``) value checked."""
+    cast to the weight's dtype; every name (but those in ``skip``), shape, base weight
+    and (unless ``allow_nonfinite``) value checked."""
     where = file.path
     untargeted = _untargeted_paths(config, layers)
     found: dict[str, dict[str, str]] = {}
     for key in file.tensors:
+        if key in skip:
+            continue
         rest = key[len(PREFIX) :] if key.startswith(PREFIX) else None
         match = None if rest is None else next((s for s in FACTORS if rest.endswith(s)), None)
         if rest is not None and rest.endswith(BASE_WEIGHT):
@@ -542,12 +625,13 @@ def _read_factors(
                 raise CheckpointError(f"{where}: {key!r} is missing")
         fan_in, fan_out = fans(layer.module)
         rank = int(_pattern_value(config, "rank_pattern", "r", path))
+        source = "r" if rank == config["r"] else "rank_pattern"
         for factor, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
             entry = file.tensors[keys[factor]]
             if tuple(entry.shape) != shape:
                 raise CheckpointError(
                     f"{where}: tensor {keys[factor]!r} has shape {tuple(entry.shape)}, "
-                    f"{path!r} (rank {rank}) needs {shape}"
+                    f"{path!r} (rank {rank}, from {source}) needs {shape}"
                 )
             if not np.issubdtype(np.dtype(entry.dtype), np.floating):
                 raise CheckpointError(f"{where}: tensor {keys[factor]!r} has dtype {entry.dtype}")
@@ -559,6 +643,117 @@ def _read_factors(
     if not out:
         raise CheckpointError(f"{where}: holds no LoRA factors")
     return out
+
+
+@dataclass(frozen=True)
+class FullCopy:
+    """A file's full value of one storage PEFT trains in full (``modules_to_save``):
+    ``paths``, the uses that take it; ``untie``: they get a storage of their own (the
+    storage's other uses keep the base, as PEFT's copy of the named module leaves them)."""
+
+    paths: tuple[str, ...]
+    value: np.ndarray
+    untie: bool
+
+
+def _full_copies_to_read(
+    file: SafetensorsFile, config: dict[str, Any], model: Module, allow_nonfinite: bool
+) -> list[FullCopy]:
+    """The ``modules_to_save`` values of the file by storage, checked (see the module
+    docstring): each name matches a module, each saved parameter is in the file with
+    the slot's shape, a float dtype and (unless ``allow_nonfinite``) finite values, and
+    with ``ensure_weight_tying`` the copies of one storage are equal."""
+    where = file.path
+    names = config.get("modules_to_save") or []
+    if not names:
+        return []
+    if not _strings(names):
+        raise CheckpointError(f"{where}: modules_to_save must be a list of module names")
+    if adapted_layers(model):
+        raise CheckpointError(
+            f"{where}: modules_to_save {names!r:.80} replaces the model's values, and "
+            f"{model.label()} has adapters already; load it into a model without adapters"
+        )
+    slots = _plain_slots(model)
+    modules = dict.fromkeys(m for p in slots for m in prefixes(p)[:-1])
+    chosen: dict[str, None] = {}
+    for name in names:
+        hits = [m for m in modules if _named_by([name], m)]
+        if not hits:
+            raise CheckpointError(
+                f"{where}: modules_to_save {name!r} names no module of {model.label()}"
+            )
+        chosen.update(dict.fromkeys(p for p in slots for m in hits if p.startswith(f"{m}.")))
+    uses = _storage_uses(slots)
+    out = []
+    for paths_of_storage in uses.values():
+        paths = [p for p in paths_of_storage if p in chosen]
+        if paths and config["ensure_weight_tying"]:
+            paths = paths_of_storage
+        if not paths:
+            continue
+        values = [_full_value(file, slots[p], p, allow_nonfinite) for p in paths]
+        for p, value in zip(paths[1:], values[1:]):
+            if not np.array_equal(value, values[0]):
+                raise CheckpointError(
+                    f"{where}: ensure_weight_tying ties {paths[0]!r} and {p!r} (one storage "
+                    f"in the model), but the file's {PREFIX + paths[0]!r} and {PREFIX + p!r} "
+                    "differ"
+                )
+        out.append(FullCopy(tuple(paths), values[0], len(paths) < len(paths_of_storage)))
+    return out
+
+
+def _full_value(file: SafetensorsFile, slot: Param, path: str, allow_nonfinite: bool) -> Any:
+    """The file's full copy of the parameter at ``path``, checked against ``slot``."""
+    key = PREFIX + path
+    entry = file.tensors.get(key)
+    if entry is None:
+        raise CheckpointError(
+            f"{file.path}: {key!r} is missing (modules_to_save trains {path!r} in full)"
+        )
+    if tuple(entry.shape) != slot.shape:
+        raise CheckpointError(
+            f"{file.path}: tensor {key!r} has shape {tuple(entry.shape)}, {path!r} needs "
+            f"{slot.shape}"
+        )
+    if not np.issubdtype(np.dtype(entry.dtype), np.floating):
+        raise CheckpointError(f"{file.path}: tensor {key!r} has dtype {entry.dtype}")
+    return finite_cast(file.array(key), slot.dtype, f"{file.path}: tensor {key!r}", allow_nonfinite)
+
+
+def _check_full_or_adapted(
+    where: str,
+    copies: list[FullCopy],
+    factors: dict[str, tuple[np.ndarray, np.ndarray]],
+    layers: dict[str, Layer],
+    model: Module,
+) -> None:
+    """A storage the file trains in full may not have factors too."""
+    slots = dict(model.named_slots())
+    full = {id(slots[p].storage): p for c in copies for p in c.paths}
+    for path in factors:
+        storage = id(layers[path].module.weight.storage)
+        if storage in full:
+            raise CheckpointError(
+                f"{where}: {path!r} has LoRA factors and {full[storage]!r} (one storage) is "
+                "in modules_to_save; PEFT trains a module either way, not both"
+            )
+
+
+def _apply_full_copies(model: Module, copies: list[FullCopy]) -> None:
+    """Write the checked full copies into the model and make their uses trainable."""
+    slots = dict(model.named_slots())
+    for copy in copies:
+        handles = [slots[p] for p in copy.paths]
+        if copy.untie:
+            storage = ParameterStorage.adopting(np.ascontiguousarray(copy.value))
+            for handle in handles:
+                handle.storage = storage
+        else:
+            handles[0].storage.commit_host(np.ascontiguousarray(copy.value))
+        for handle in handles:
+            handle.requires_grad = True
 
 
 def _untargeted_paths(config: dict[str, Any], layers: dict[str, Layer]) -> dict[str, str]:

@@ -70,7 +70,11 @@ class PaddedEmbedding(Embedding):
         self.padding_idx = padding_idx
 
     def forward(self, session: EagerSession, indices: Any) -> TensorRef:
-        h = super().forward(session, indices)
+        return self.cut_padding(session, indices, super().forward(session, indices))
+
+    def cut_padding(self, session: EagerSession, indices: Any, h: TensorRef) -> TensorRef:
+        """``h`` (rows looked up for ``indices``) with the ``padding_idx`` rows' gradient
+        cut, their values kept."""
         if self.padding_idx is None:
             return h
         ids = indices.numpy() if isinstance(indices, TensorRef) else np.asarray(indices)

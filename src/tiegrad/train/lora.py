@@ -1,10 +1,12 @@
 """The LoRA adapters of a run: the ``--lora`` specification, read, written and attached.
 
 A specification is comma-separated ``key=value`` items: ``rank`` (an integer >= 1,
-default 8), ``alpha`` (> 0, default 16), ``dropout`` (in [0, 1), default 0) and
-``targets``, required: patterns of the layers to adapt, as ``add_lora`` takes them,
-separated by ``+``. A bare item (no ``=``) after ``targets=`` is one more target, so
-``rank=8,targets=c_attn,c_proj`` and ``targets=c_attn+c_proj,rank=8`` say the same.
+default 8), ``alpha`` (> 0, default 16), ``dropout`` (in [0, 1), default 0),
+``share_tied`` (``true`` or ``false``, default false: ``add_lora``'s, one adapter for
+every use of a targeted tied storage) and ``targets``, required: patterns of the layers
+to adapt, as ``add_lora`` takes them, separated by ``+``. A bare item (no ``=``) after
+``targets=`` is one more target, so ``rank=8,targets=c_attn,c_proj`` and
+``targets=c_attn+c_proj,rank=8`` say the same.
 A key given twice, an unknown key, a value out of range, a bare item before
 ``targets=`` or an empty target is a ``ConfigError`` naming the item and the expected
 form, raised before anything is built (C6).
@@ -24,11 +26,11 @@ from ..errors import AliasError, ConfigError, HyperparameterError, SlotError
 #: The checkpoint ``extra`` key holding a run's specification.
 KEY = "lora"
 FORM = (
-    "rank=N,alpha=A,dropout=P,targets=NAME[+NAME...] (targets required; bare NAMEs "
-    "after it are more targets)"
+    "rank=N,alpha=A,dropout=P,share_tied=true|false,targets=NAME[+NAME...] (targets "
+    "required; bare NAMEs after it are more targets)"
 )
-_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0}
-_KINDS = {int: "an integer", float: "a number"}
+_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "share_tied": False}
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,14 @@ class LoraSpec:
     rank: int
     alpha: float
     dropout: float
+    share_tied: bool = False
 
     def text(self) -> str:
-        """The specification in the form ``parse_lora`` reads (``parse_lora(s.text()) == s``)."""
+        """The specification in the form ``parse_lora`` reads (``parse_lora(s.text()) == s``;
+        ``share_tied`` written only when set, so older runs' texts read the same)."""
+        shared = ",share_tied=true" if self.share_tied else ""
         return (
-            f"rank={self.rank},alpha={self.alpha!r},dropout={self.dropout!r},"
+            f"rank={self.rank},alpha={self.alpha!r},dropout={self.dropout!r}{shared},"
             f"targets={'+'.join(self.targets)}"
         )
 
@@ -54,7 +59,10 @@ class LoraSpec:
         from ..adapters import add_lora
 
         try:
-            return add_lora(model, self.targets, self.rank, self.alpha, self.dropout)
+            return add_lora(
+                model, self.targets, self.rank, self.alpha, self.dropout,
+                share_tied=self.share_tied,
+            )  # fmt: skip
         except (SlotError, AliasError) as e:
             raise ConfigError(f"{label}: {e}") from None
 
@@ -83,7 +91,7 @@ def parse_lora(text: str, label: str = "--lora") -> LoraSpec:
         elif key in _DEFAULTS:
             values[key] = value.strip()
         else:
-            raise refuse(f"unknown key {key!r} (known: rank, alpha, dropout, targets)")
+            raise refuse(f"unknown key {key!r} (known: {', '.join(_DEFAULTS)}, targets)")
     if not targets:
         raise refuse("targets= is missing")
     if not all(targets):
@@ -92,7 +100,7 @@ def parse_lora(text: str, label: str = "--lora") -> LoraSpec:
     for key, default in _DEFAULTS.items():
         kind = type(default)
         try:
-            numbers[key] = kind(values[key]) if key in values else default
+            numbers[key] = _value(kind, values[key]) if key in values else default
         except ValueError:
             raise refuse(f"{key}={values[key]!r} is not {_KINDS[kind]}") from None
     try:
@@ -101,4 +109,14 @@ def parse_lora(text: str, label: str = "--lora") -> LoraSpec:
         dropout = decay_rate(label, "dropout", numbers["dropout"])
     except HyperparameterError as e:
         raise ConfigError(f"{e}; expected {FORM}") from None
-    return LoraSpec(tuple(targets), rank, alpha, dropout)
+    return LoraSpec(tuple(targets), rank, alpha, dropout, numbers["share_tied"])
+
+
+def _value(kind: type, text: str) -> Any:
+    """``text`` as a value of ``kind``: ``int``, ``float``, or ``bool`` from ``true`` or
+    ``false`` alone (ValueError otherwise)."""
+    if kind is not bool:
+        return kind(text)
+    if text not in ("true", "false"):
+        raise ValueError(text)
+    return text == "true"
