@@ -1,5 +1,5 @@
 """``ops.linear_cross_entropy``: the head's projection and its cross-entropy in one op
-(issue 50).
+(issue 50), and the models' ``loss`` on it.
 
 Tolerances: float64 agrees with the unfused ``cross_entropy(linear(h, W))`` to 1e-12 of
 the result's scale and with central differences to ``gradcheck``'s 1e-5; float32 agrees
@@ -27,6 +27,7 @@ from tiegrad import (
     ShapeError,
     TiegradError,
 )
+from tiegrad.models import GPT2, LlamaLM, SharedBlockLM, TiedLM
 
 LCE = importlib.import_module("tiegrad.ops.linear_cross_entropy")
 V, H = 11, 6
@@ -260,3 +261,70 @@ def test_out_of_range_device_targets_are_refused():
         rf"targets must lie in \[0, {V}\).*got values in \[0, {V + 4}\]",
         lambda: T.linear_cross_entropy(h, w, torch.tensor([0, V + 4, -100])),
     )
+
+
+# -- the models' loss ------------------------------------------------------------------------
+
+
+def tiny(kind):
+    if kind == "tied":
+        return TiedLM(vocab_size=23, d_model=8, n_layers=1, n_heads=2, max_seq_len=8, seed=1)
+    if kind == "shared":
+        return SharedBlockLM(23, d_model=8, n_heads=2, n_repeats=2, max_seq_len=8, seed=1)
+    if kind == "gpt2":
+        return GPT2(
+            vocab_size=23, n_positions=8, n_embd=8, n_layer=1, n_head=2, seed=1,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+    return LlamaLM(
+        vocab_size=23, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8,
+        tie_word_embeddings=kind == "llama tied", seed=1,
+    )  # fmt: skip
+
+
+def loss_and_gradients(model, fused, idx, targets):
+    s = EagerSession()
+    if fused:
+        loss = model.loss(s, idx, targets)
+    else:
+        loss = T.cross_entropy(model(s, idx), targets)
+    return float(loss.value), dict(model.named_gradients(s.backward(loss)))
+
+
+@pytest.mark.parametrize("kind", ["tied", "shared", "gpt2", "llama", "llama tied"])
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_model_loss_is_the_fused_op_and_matches_the_unfused_path(kind, frozen_head, monkeypatch):
+    model = tiny(kind)
+    if frozen_head:  # the head's use is frozen; a tied embedding still trains the storage
+        model.freeze("lm_head.weight")
+    calls = []
+    real = LCE.linear_cross_entropy
+    monkeypatch.setattr(T, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = np.random.default_rng(4)
+    idx, targets = g.integers(0, 23, (2, 5)), g.integers(0, 23, (2, 5))
+    targets[0, :2] = -100
+    fused = loss_and_gradients(model, True, idx, targets)
+    assert calls == [1]
+    unfused = loss_and_gradients(model, False, idx, targets)
+    assert fused[0] == pytest.approx(unfused[0], rel=1e-6)
+    assert fused[1].keys() == unfused[1].keys()
+    for path, grad in unfused[1].items():
+        assert_near(fused[1][path], grad, 1e-5, path)
+
+
+def test_a_head_with_a_lora_adapter_takes_the_unfused_path_and_trains(monkeypatch):
+    from tiegrad.adapters import add_lora
+
+    model = tiny("gpt2")
+    add_lora(model, "lm_head", rank=2)
+    calls = []
+    monkeypatch.setattr(T, "linear_cross_entropy", lambda *a, **k: calls.append(1))
+    g = np.random.default_rng(5)
+    idx, targets = g.integers(0, 23, (2, 5)), g.integers(0, 23, (2, 5))
+    loss, grads = loss_and_gradients(model, True, idx, targets)
+    assert calls == []
+    unfused = loss_and_gradients(model, False, idx, targets)
+    assert loss == unfused[0] and grads.keys() == unfused[1].keys()
+    adapter = "lm_head.lora.default.B"
+    assert np.any(grads[adapter]) and np.array_equal(grads[adapter], unfused[1][adapter])
