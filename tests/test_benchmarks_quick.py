@@ -31,6 +31,7 @@ PAIRS = {
     "G2": {("tiegrad", "torch")},
     "L1": {("tiegrad", "torch")},
     "L2": {("tiegrad", "torch")},
+    "M2": {("tiegrad", "torch")},
     "D1": {("tiegrad", "torch DDP")},
     "D2": {
         (tiegrad, torch)
@@ -47,7 +48,7 @@ def quick_report():
 
 def test_quick_run_produces_every_row(quick_report):
     by_id = {w["id"]: w for w in quick_report["workloads"]}
-    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "G2", "L1", "L2", "D1", "D2"]
+    assert list(by_id) == ["W1", "W2", "W3", "W4", "W5", "G1", "G2", "L1", "L2", "M2", "D1", "D2"]
     for wid, pairs in PAIRS.items():
         rows = by_id[wid]["rows"]
         got = {(r["tiegrad"], r["torch"]) for r in rows}
@@ -87,6 +88,17 @@ def test_w5_reports_the_gemm_bound(quick_report):
     assert set(extra["ratio_to_gemm_bound"]) == {"tiegrad", "torch"}
     assert extra["gemm_bound_ms"] == w5["sides"]["GEMM-only"]["median_ms"]  # timed alongside
     assert "GEMM-only lower bound" in w5["notes"][0]
+
+
+def test_m2_reports_the_three_products_bound_and_the_traced_peak(quick_report):
+    (m2,) = [w for w in quick_report["workloads"] if w["id"] == "M2"]
+    extra = m2["extras"]
+    assert extra["gemm_bound_ms"] == m2["sides"]["3 GEMMs"]["median_ms"]  # timed alongside
+    assert set(extra["ratio_to_gemm_bound"]) == {"tiegrad", "torch"}
+    # the tiny head's logits are 250 KiB: what the op holds beyond its inputs and
+    # gradients is a chunk of them and a few vectors
+    assert 0 < extra["tiegrad_peak_beyond_inputs_and_gradients_mib"] < 1
+    assert "tracemalloc" in m2["notes"][1]
 
 
 def test_table_has_a_row_per_pair(quick_report):

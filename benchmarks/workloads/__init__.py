@@ -5,7 +5,8 @@ run), ``make_data()`` (NumPy batches and initial weights, shared by every side) 
 ``build(data, sides=None)`` returning a ``runner.Built``; optionally
 ``extras(stats)`` for figures of its own (W5's GEMM bound, G2's optimizer state). G1
 (issue 18) needs transformers, G2 (issue 41) peft too; L1 and L2 (issue 48) need
-transformers and define ``make_quick_data`` (a two-layer model for the quick run).
+transformers and define ``make_quick_data`` (a two-layer model for the quick run); M2
+(issue 50) times the head's loss alone, with ``make_quick_data`` a tiny head.
 """
 
 from . import (
@@ -15,6 +16,7 @@ from . import (
     g2_lora,
     l1_llama,
     l2_llama_generate,
+    m2_head_loss,
     w1_tied_lm,
     w2_small_mlp,
     w3_shared_reuse,
@@ -34,6 +36,7 @@ WORKLOADS = {
         g2_lora,
         l1_llama,
         l2_llama_generate,
+        m2_head_loss,
         d1_data_parallel,
         d2_sharded,
     )
