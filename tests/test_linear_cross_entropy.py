@@ -4,8 +4,10 @@
 Tolerances: float64 agrees with the unfused ``cross_entropy(linear(h, W))`` to 1e-12 of
 the result's scale and with central differences to ``gradcheck``'s 1e-5; float32 agrees
 with the unfused path and with PyTorch to 1e-5 of the scale (the products sum in
-other orders). ``chunked`` makes the chunks one or two rows and the weight's blocks a
-few rows, so every size of the tests runs several of each.
+other orders). ``chunked`` makes the chunks whole rows of logits, one or two at a time,
+and the weight's blocks a few rows; ``blocks`` makes them a few rows by three classes
+(the two passes of a vocabulary larger than a chunk), so every size of the tests runs
+several of each.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ V, H = 11, 6
 REDUCTIONS = ["mean", "sum", "none"]
 
 
-@pytest.fixture(params=["whole", "chunked"])
+@pytest.fixture(params=["whole", "chunked", "blocks"])
 def chunked(request, monkeypatch):
-    if request.param == "chunked":
-        monkeypatch.setattr(LCE, "TILE_BYTES", 2 * V * 8 - 1)  # one row (float64), two (float32)
+    if request.param == "chunked":  # chunks of whole rows: one row (float64), two (float32)
+        monkeypatch.setattr(LCE, "TILE_BYTES", 2 * V * 8 - 1)
         monkeypatch.setattr(LCE, "BLOCK_BYTES", 3 * H * 8)  # three rows of the weight
+    if request.param == "blocks":  # chunks of 4 rows (float64) or 8 x 3 classes: two passes
+        monkeypatch.setattr(LCE, "TILE_BYTES", 4 * 3 * 8)
+        monkeypatch.setattr(LCE, "MIN_COLUMNS", 3)
     return request.param
 
 

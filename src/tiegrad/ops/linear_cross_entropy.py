@@ -27,9 +27,12 @@ from .loss import loss_count, reduce_losses
 
 OP = "linear_cross_entropy"
 TILE_BYTES = 48 << 20
-"""The most bytes of one chunk of logits (rows x the whole vocabulary), at least a row."""
+"""The most bytes of one chunk of logits (a block of rows x a block of the vocabulary)."""
 BLOCK_BYTES = 8 << 20
 """The most bytes of one block of the weight's gradient summed into it at a time."""
+MIN_COLUMNS = 2048
+"""The fewest classes of a chunk that does not hold the whole vocabulary: a chunk takes
+all rows unless that leaves it fewer (its products then stay efficient)."""
 
 
 def linear_cross_entropy(
@@ -50,16 +53,24 @@ def linear_cross_entropy(
 
     One node with two parents, ``h`` and ``weight``: the weight is an ordinary use, so a
     tied head's gradient is summed with the embedding's once (C4) and a frozen use gets
-    none. The rows are taken in chunks of at most ``TILE_BYTES`` of logits; each chunk's
-    logits are one matrix product, are turned in place into their softmax and then into
-    their gradient (``Backend.cross_entropy_tile_``, else backend operations), which two
-    more products turn into the rows of ``h``'s gradient and a sum into ``weight``'s (in
-    blocks of ``BLOCK_BYTES``). For a "mean" or "sum" wanting a gradient that happens in
-    the forward: the node keeps the two gradients (the size of its inputs) and its VJP
-    scales them by the cotangent. The products of an operand that needs no gradient are
-    skipped, and without any gradient only the first product runs. ``"none"`` keeps
-    nothing: its VJP runs the chunks again with the cotangent's weights. The extra
-    memory is one chunk, one block and a few numbers per row.
+    none. The logits are computed a chunk of at most ``TILE_BYTES`` at a time, never
+    all of them. Where a chunk holds whole rows of logits (a vocabulary of up to
+    ``TILE_BYTES / (rows * itemsize)`` classes), each chunk's logits are one product,
+    are turned in place into their softmax and then into their gradient
+    (``Backend.cross_entropy_tile_``, else backend operations), which two more products
+    turn into the rows of ``h``'s gradient and a sum into ``weight``'s (in blocks of
+    ``BLOCK_BYTES``): three products in all. A larger vocabulary is taken in blocks of
+    classes (all rows at once, unless that leaves fewer than ``MIN_COLUMNS`` classes per
+    block): a first pass gives each row's log-sum-exp online, and a second computes
+    each block's logits again, turns them into their gradient and writes that block of
+    ``weight``'s gradient and adds to ``h``'s: four products, each of full-size
+    operands (the weight read twice rather than once per chunk of rows). For a "mean"
+    or "sum" wanting a gradient that all happens in the forward: the node keeps the two
+    gradients (the size of its inputs) and its VJP scales them by the cotangent. The
+    products of an operand that needs no gradient are skipped, and without any gradient
+    only the logits' products run. ``"none"`` keeps nothing: its VJP runs the chunks
+    again with the cotangent's weights. The extra memory is one chunk, one block of a
+    gradient and a few numbers per row.
     """
     s = session_of(h, weight)
     bk = s.backend
@@ -143,7 +154,9 @@ class _Chunks:
         self.t, self.safe, self.valid, self.ignore_index = targets
         item = h2.dtype.itemsize
         v, width = weight.shape
-        self.step = max(1, TILE_BYTES // max(1, v * item))
+        rows = h2.shape[0]
+        self.step = max(1, min(rows, TILE_BYTES // (max(1, min(v, MIN_COLUMNS)) * item)))
+        self.cols = max(1, min(v, TILE_BYTES // (self.step * item)))
         self.block = max(1, BLOCK_BYTES // max(1, width * item))
 
     def run(self, row_weight: Array | None, want_h: bool, want_w: bool) -> Any:
@@ -155,18 +168,29 @@ class _Chunks:
         v = w.shape[0]
         wt = bk.transpose(w, (1, 0))
         grads = row_weight is not None
+        whole = self.cols == v  # a chunk holds whole rows of logits: one pass
         losses = bk.empty((rows,), h2.dtype)
-        gh = bk.empty((rows, width), h2.dtype) if want_h else None
+        gh = None
+        if want_h:
+            gh = (bk.empty if whole else bk.zeros)((rows, width), h2.dtype)
         gw = bk.zeros((v, width), w.dtype) if want_w else None
-        tile = bk.empty((min(rows, self.step), v), h2.dtype) if rows else None
-        part = bk.empty((min(v, self.block), width), w.dtype) if want_w and rows else None
+        buf = bk.empty((min(rows, self.step) * self.cols,), h2.dtype) if rows else None
+        part = None
+        if want_w and rows and whole:
+            part = bk.empty((min(v, self.block), width), w.dtype)
         for lo in range(0, rows, self.step):
             hi = min(rows, lo + self.step)
-            hc, z = h2[lo:hi], tile[: hi - lo]
-            bk.scaled_matmul(hc, wt, 1.0, out=z)
+            hc = h2[lo:hi]
             rw = None
             if grads:
                 rw = row_weight if row_weight.shape[0] == 1 else row_weight[lo:hi]
+            if not whole:
+                losses[lo:hi], lse = self._log_sum_exp(buf, hc, lo, hi)
+                if grads:
+                    self._blocks_backward(buf, hc, lo, hi, lse, rw, gh, gw)
+                continue
+            z = bk.reshape(buf[: (hi - lo) * v], (hi - lo, v))
+            bk.scaled_matmul(hc, wt, 1.0, out=z)
             losses[lo:hi] = self._tile(z, lo, hi, rw)
             if want_h:
                 bk.scaled_matmul(z, w, 1.0, out=gh[lo:hi])
@@ -178,6 +202,82 @@ class _Chunks:
         if not grads:
             return losses
         return losses, gh, gw
+
+    def _logits(self, buf: Array, hc: Array, b0: int, b1: int) -> Array:
+        """The logits of the rows ``hc`` for classes ``b0 .. b1``, written into ``buf``."""
+        bk = self.bk
+        z = bk.reshape(buf[: hc.shape[0] * (b1 - b0)], (hc.shape[0], b1 - b0))
+        return bk.scaled_matmul(hc, bk.transpose(self.weight[b0:b1], (1, 0)), 1.0, out=z)
+
+    def _log_sum_exp(self, buf: Array, hc: Array, lo: int, hi: int) -> tuple[Array, Array]:
+        """The losses of rows ``lo .. hi`` and the log-sum-exp of their logits, over the
+        vocabulary a block of ``cols`` classes at a time: an online log-sum-exp, each
+        block's exponentials shifted by the largest logit seen so far."""
+        bk, e = self.bk, self.smoothing
+        n, v = hi - lo, self.weight.shape[0]
+        t = self.safe[lo:hi]
+        top = total = picked = summed = shift = None
+        for b0 in range(0, v, self.cols):
+            b1 = min(v, b0 + self.cols)
+            z = self._logits(buf, hc, b0, b1)
+            inside = (t >= b0) & (t < b1)
+            column = bk.reshape(bk.where(inside, t - b0, 0), (n, 1))
+            at = bk.reshape(bk.take_along_axis(z, column, -1), (n,))
+            picked = bk.where(inside, at, 0.0 if picked is None else picked)
+            if e:
+                block_sum = bk.reshape(sum_last(bk, z), (n,))
+                summed = block_sum if summed is None else summed + block_sum
+            m = bk.max(z, axis=-1)
+            top = m if top is None else bk.maximum(top, m)
+            new = bk.where(top == -math.inf, 0.0, top)  # a row of only -inf so far: 0
+            z -= bk.reshape(new, (n, 1))
+            block_total = bk.reshape(sum_last(bk, bk.exp_(z)), (n,))
+            if total is not None:  # the sum so far, rescaled to the new shift
+                block_total = block_total + bk.where(total == 0, 0.0, total * bk.exp(shift - new))
+            total, shift = block_total, new
+        log_total = bk.log(total)
+        lse = shift + log_total
+        per = lse - picked
+        if e:
+            per = smoothed_loss(per, summed - v * shift, log_total, v, e)
+        if self.valid is not None:
+            per = bk.where(self.valid[lo:hi], per, 0.0)
+        return per, lse
+
+    def _blocks_backward(
+        self, buf: Array, hc: Array, lo: int, hi: int, lse: Array, rw: Array, gh: Any, gw: Any
+    ) -> None:
+        """Add the gradients of ``sum(rw * loss)`` over rows ``lo .. hi`` into ``gh`` and
+        ``gw`` (where not None), block by block of the vocabulary from the log-sum-exp:
+        each block's logits again, turned in place into their gradient."""
+        bk, e = self.bk, self.smoothing
+        n, v = hi - lo, self.weight.shape[0]
+        t = self.safe[lo:hi]
+        valid = None if self.valid is None else self.valid[lo:hi]
+        w = bk.broadcast_to(rw, (n,))
+        if valid is not None:
+            w = bk.where(valid, w, 0.0)
+        rows = bk.arange(n, bk.int64)
+        for b0 in range(0, v, self.cols):
+            b1 = min(v, b0 + self.cols)
+            z = self._logits(buf, hc, b0, b1)
+            z -= bk.reshape(lse, (n, 1))
+            z = bk.exp_(z)
+            z *= bk.reshape(w, (n, 1))
+            if e:
+                z -= bk.reshape(w * (e / v), (n, 1))
+            inside = (t >= b0) & (t < b1)
+            z[rows, bk.where(inside, t - b0, 0)] -= bk.where(inside, w * (1.0 - e), 0.0)
+            if valid is not None:  # no gradient in an ignored row, whatever its logits
+                z[~valid] = 0.0
+            if gh is not None:
+                gh[lo:hi] += bk.matmul(z, self.weight[b0:b1])
+            if gw is not None:
+                zt = bk.transpose(z, (1, 0))
+                if lo == 0:
+                    bk.scaled_matmul(zt, hc, 1.0, out=gw[b0:b1])
+                else:
+                    gw[b0:b1] += bk.matmul(zt, hc)
 
     def _tile(self, z: Array, lo: int, hi: int, rw: Array | None) -> Array:
         """The losses of rows ``lo .. hi`` from their logits ``z``, which become the
