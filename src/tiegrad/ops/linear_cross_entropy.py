@@ -156,7 +156,7 @@ class _Chunks:
         v, width = weight.shape
         rows = h2.shape[0]
         self.step = max(1, min(rows, TILE_BYTES // (max(1, min(v, MIN_COLUMNS)) * item)))
-        self.cols = max(1, min(v, TILE_BYTES // (self.step * item)))
+        self.cols = min(v, max(1, TILE_BYTES // (self.step * item)))
         self.block = max(1, BLOCK_BYTES // max(1, width * item))
 
     def run(self, row_weight: Array | None, want_h: bool, want_w: bool) -> Any:
@@ -173,10 +173,12 @@ class _Chunks:
         gh = None
         if want_h:
             gh = (bk.empty if whole else bk.zeros)((rows, width), h2.dtype)
-        gw = bk.zeros((v, width), w.dtype) if want_w else None
+        gw = None  # the first chunk of rows writes it, the others add to it
+        if want_w:
+            gw = (bk.empty if rows else bk.zeros)((v, width), w.dtype)
         buf = bk.empty((min(rows, self.step) * self.cols,), h2.dtype) if rows else None
         part = None
-        if want_w and rows and whole:
+        if want_w and rows > self.step and whole:
             part = bk.empty((min(v, self.block), width), w.dtype)
         for lo in range(0, rows, self.step):
             hi = min(rows, lo + self.step)
@@ -196,6 +198,9 @@ class _Chunks:
                 bk.scaled_matmul(z, w, 1.0, out=gh[lo:hi])
             if want_w:
                 zt = bk.transpose(z, (1, 0))
+                if lo == 0:
+                    bk.scaled_matmul(zt, hc, 1.0, out=gw)
+                    continue
                 for b in range(0, v, self.block):
                     e = min(v, b + self.block)
                     gw[b:e] += bk.scaled_matmul(zt[b:e], hc, 1.0, out=part[: e - b])
