@@ -33,6 +33,7 @@ PAIRS = {
     "L2": {("tiegrad", "torch")},
     "G3": {("tiegrad", "torch")},
     "M1": {("tiegrad recompute", "torch"), ("tiegrad recompute", "torch checkpointing")},
+    "M2": {("tiegrad", "torch")},
     "D1": {("tiegrad", "torch DDP")},
     "D2": {
         (tiegrad, torch)
@@ -61,6 +62,7 @@ def test_quick_run_produces_every_row(quick_report):
         "L2",
         "G3",
         "M1",
+        "M2",
         "D1",
         "D2",
     ]
@@ -103,6 +105,17 @@ def test_w5_reports_the_gemm_bound(quick_report):
     assert set(extra["ratio_to_gemm_bound"]) == {"tiegrad", "torch"}
     assert extra["gemm_bound_ms"] == w5["sides"]["GEMM-only"]["median_ms"]  # timed alongside
     assert "GEMM-only lower bound" in w5["notes"][0]
+
+
+def test_m2_reports_the_three_products_bound_and_the_traced_peak(quick_report):
+    (m2,) = [w for w in quick_report["workloads"] if w["id"] == "M2"]
+    extra = m2["extras"]
+    assert extra["gemm_bound_ms"] == m2["sides"]["3 GEMMs"]["median_ms"]  # timed alongside
+    assert set(extra["ratio_to_gemm_bound"]) == {"tiegrad", "torch"}
+    # the tiny head's logits are 250 KiB: what the op holds beyond its inputs and
+    # gradients is a chunk of them and a few vectors
+    assert 0 < extra["tiegrad_peak_beyond_inputs_and_gradients_mib"] < 1
+    assert "tracemalloc" in m2["notes"][1]
 
 
 def test_table_has_a_row_per_pair(quick_report):

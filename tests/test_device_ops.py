@@ -144,6 +144,18 @@ CASES = {
         ),
         [_r(2, 3, 4)],
     ),
+    "linear_cross_entropy": (  # the head and its loss fused (issue 50)
+        lambda h, w: ops.concat(
+            [
+                ops.reshape(ops.linear_cross_entropy(h, w, TARGETS, label_smoothing=0.1), (1,)),
+                ops.reshape(
+                    ops.linear_cross_entropy(h, w, TARGETS % 4, reduction="none", ignore_index=1),
+                    (6,),
+                ),
+            ]
+        ),
+        [_r(2, 3, 5), _r(4, 5, seed=1)],
+    ),
     "cross_entropy:all-ignored": (
         lambda z: ops.cross_entropy(z, np.full((2, 3), -100)),
         [_r(2, 3, 4)],

@@ -217,6 +217,33 @@ def test_cross_entropy_and_its_backward(shape, smooth):
         assert not want[t == ignore].any()
 
 
+@pytest.mark.parametrize("smooth", [False, True])
+def test_cross_entropy_in_place_gives_the_bits_of_separate_arrays(smooth):
+    # ops.linear_cross_entropy runs both kernels over one chunk of logits: p is x, out is p
+    rng = np.random.default_rng(9 + smooth)
+    rows, n = shape = (37, 203)
+    t = rng.integers(0, n, rows)
+    t[::5] = -100
+    x = values(rng, shape, special=False) * np.float32(5)
+    w = values(rng, (rows,), special=False)
+    hit, spread = 1.0 - 0.1 * smooth, 0.1 / n if smooth else 0.0
+    for kernel, backward, blocks in (
+        (hk.cross_entropy, hk.cross_entropy_backward, [(0, rows)]),
+        (ref.cross_entropy, ref.cross_entropy_backward, _row_blocks(rows)),
+    ):
+        p, out = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        stats, stats_inplace = np.zeros((2, 3, rows), np.float32)  # total: with smoothing
+        inplace = x.copy()
+        for lo, hi in blocks:
+            kernel(x, t, -100, smooth, p, *stats, lo, hi)
+            kernel(inplace, t, -100, smooth, inplace, *stats_inplace, lo, hi)
+        assert same_bits(inplace, p) and same_bits(stats_inplace, stats)
+        for lo, hi in blocks:
+            backward(p, t, -100, w, hit, spread, out, lo, hi)
+            backward(inplace, t, -100, w, hit, spread, inplace, lo, hi)
+        assert same_bits(inplace, out)
+
+
 def test_a_zero_maximum_shifts_by_plus_zero_in_either():
     # +0 and -0 in different lanes of a row: the kernel's lanes and NumPy's order would
     # pick maxima of either sign; both shift by +0, so the targets' shifted logits match.

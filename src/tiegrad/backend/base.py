@@ -272,6 +272,27 @@ class Backend:
         """
         return None
 
+    def cross_entropy_tile_(
+        self,
+        logits: Array,
+        targets: Array,
+        ignore_index: int,
+        label_smoothing: float,
+        weights: Array | None,
+    ) -> Array | None:
+        """Per-row cross-entropy of the 2-D ``logits`` (a temporary the caller owns) by the
+        backend's own kernels, with ``logits`` then overwritten by the gradient of
+        ``sum(weights * loss)`` where ``weights`` (one per row, or one for every row) is
+        given, else left holding scratch values; None without such kernels (``logits``
+        untouched).
+
+        The rows' losses and gradients are ``cross_entropy_rows``' with ``"none"``: a row
+        whose target is ``ignore_index`` has loss and gradient 0. Targets are already
+        range-checked. ``ops.linear_cross_entropy`` runs it on each chunk of its logits,
+        so the chunk needs no second array of its size.
+        """
+        return None
+
     def fused_attention(
         self,
         q: Array,

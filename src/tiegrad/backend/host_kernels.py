@@ -549,7 +549,7 @@ def cross_entropy(
     and, with ``smooth``, ``total[r]`` the sum of its shifted logits. A row whose target
     is ``ignore`` gets ``p`` 0, ``den`` 1, ``picked`` and ``total`` 0: loss and gradient
     0. A target that is neither ``ignore`` nor in ``[0, n)`` raises before anything is
-    written.
+    written. ``p`` may be ``x`` itself: a row is read before it is written.
     """
     rows, n = x.shape
     if (
@@ -609,7 +609,8 @@ def cross_entropy_backward(
     ``out[r] = p[r] * w[r] - w[r] * spread`` (no subtraction where ``float32(spread)`` is
     0), and ``w[r] * hit`` less at the row's target; 0 in a row whose target is
     ``ignore``, whatever ``p`` holds there. A target that is neither ``ignore`` nor in
-    ``[0, n)`` raises before anything is written.
+    ``[0, n)`` raises before anything is written. ``out`` may be ``p`` itself: each
+    element is read before it is written.
     """
     rows, n = p.shape
     if (

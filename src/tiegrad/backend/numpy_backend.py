@@ -85,6 +85,57 @@ def _into(a: Any, b: Any, out: Any) -> bool:
     )
 
 
+def _cross_entropy_kernels(logits: Array, ignore_index: int, written: Any = None) -> Any:
+    """The host kernels for ``cross_entropy`` over the rows of ``logits``: 2-D, not
+    empty, C-contiguous float32 (``_fused_kernels``) with an int64 ``ignore_index``;
+    else None."""
+    kernels = _fused_kernels(logits, written=written)
+    if (
+        kernels is None
+        or logits.ndim != 2
+        or not logits.size
+        or not _INT64_MIN <= ignore_index <= _INT64_MAX
+    ):
+        return None
+    return kernels
+
+
+def _cross_entropy_forward(
+    kernels: Any, logits: Array, t: Array, ignore_index: int, label_smoothing: float, p: Array
+) -> Array:
+    """Each row's loss by the kernel ``cross_entropy``, its softmax written into ``p``
+    (which may be ``logits`` itself)."""
+    rows, c = logits.shape
+    den, picked, total = np.empty((3, rows), np.float32)
+    smooth = bool(label_smoothing)
+    args = (logits, t, ignore_index, smooth, p, den, picked, total)
+    _rows_parallel(kernels, "cross_entropy", rows, c, *args)
+    log_den = np.log(den)
+    loss = log_den - picked
+    if smooth:
+        loss = smoothed_loss(loss, total, log_den, c, label_smoothing)
+    return loss
+
+
+def _cross_entropy_backward(
+    kernels: Any,
+    p: Array,
+    t: Array,
+    ignore_index: int,
+    label_smoothing: float,
+    weights: Any,
+    out: Array,
+) -> None:
+    """The gradient of ``sum(weights * loss)`` written into ``out`` (which may be ``p``)
+    from the softmax ``p`` by the kernel ``cross_entropy_backward``; ``weights`` holds
+    one per row, or one for every row."""
+    rows, c = p.shape
+    w = np.ascontiguousarray(weights, np.float32).reshape(-1)
+    hit, spread = 1.0 - label_smoothing, label_smoothing / c
+    args = (p, t, ignore_index, w, hit, spread, out)
+    _rows_parallel(kernels, "cross_entropy_backward", rows, c, *args)
+
+
 def _is_basic_index(index: Any) -> bool:
     """Whether ``index`` uses basic indexing only (no integer or boolean arrays)."""
     parts = index if isinstance(index, tuple) else (index,)
@@ -279,25 +330,13 @@ class NumpyBackend(Backend):
         is ``log(den) - picked`` (with smoothing, ``smoothed_loss``); a reduced loss is
         NumPy's sum of the rows, times ``1 / count`` for a mean.
         """
-        kernels = _fused_kernels(logits)
-        if (
-            kernels is None
-            or logits.ndim != 2
-            or not logits.size
-            or not _INT64_MIN <= ignore_index <= _INT64_MAX
-        ):
+        kernels = _cross_entropy_kernels(logits, ignore_index)
+        if kernels is None:
             return None
         rows, c = logits.shape
         t = np.ascontiguousarray(targets, dtype=np.int64)
         p = _outputs_apart(logits, 1)[0].reshape(rows, c)
-        den, picked, total = np.empty((3, rows), np.float32)
-        smooth = bool(label_smoothing)
-        args = (logits, t, ignore_index, smooth, p, den, picked, total)
-        _rows_parallel(kernels, "cross_entropy", rows, c, *args)
-        log_den = np.log(den)
-        loss = log_den - picked
-        if smooth:
-            loss = smoothed_loss(loss, total, log_den, c, label_smoothing)
+        loss = _cross_entropy_forward(kernels, logits, t, ignore_index, label_smoothing, p)
         divisor = count if reduction == "mean" else 1
         if reduction != "none":
             loss = _add_reduce(loss)
@@ -305,17 +344,37 @@ class NumpyBackend(Backend):
                 loss = loss * (1.0 / divisor)
         if not want:
             return loss, None
-        hit, spread = 1.0 - label_smoothing, label_smoothing / c
 
         def vjp(g: Array) -> Array:
-            w = np.ascontiguousarray(g if divisor == 1 else g / divisor, np.float32).reshape(-1)
+            w = g if divisor == 1 else g / divisor
             out = _outputs_apart(p, 1)[0].reshape(rows, c)
-            _rows_parallel(
-                kernels, "cross_entropy_backward", rows, c, p, t, ignore_index, w, hit, spread, out
-            )
+            _cross_entropy_backward(kernels, p, t, ignore_index, label_smoothing, w, out)
             return out
 
         return loss, vjp
+
+    def cross_entropy_tile_(
+        self,
+        logits: Array,
+        targets: Array,
+        ignore_index: int,
+        label_smoothing: float,
+        weights: Array | None,
+    ) -> Array | None:
+        """The kernels of ``cross_entropy_rows`` writing over ``logits`` itself: the softmax
+        replaces each row once its shift, target logit and sums are read, then the
+        backward replaces the softmax element by element (both kernels read a row's
+        element before they write it). The same bits as ``cross_entropy_rows``."""
+        kernels = _cross_entropy_kernels(logits, ignore_index, written=logits)
+        if kernels is None:
+            return None
+        t = np.ascontiguousarray(targets, dtype=np.int64)
+        loss = _cross_entropy_forward(kernels, logits, t, ignore_index, label_smoothing, logits)
+        if weights is not None:
+            _cross_entropy_backward(
+                kernels, logits, t, ignore_index, label_smoothing, weights, logits
+            )
+        return loss
 
     def blockwise(self, kernel: Callable[[int, int], None], n: int, item_size: int) -> None:
         """Cache-sized blocks, one after the other on the calling thread.

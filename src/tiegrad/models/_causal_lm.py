@@ -196,19 +196,36 @@ class TiedCausalLM(ConfiguredModel):
         their keys and values are appended to it; ``length + T`` may not exceed
         ``max_seq_len`` (``ShapeError``, the cache unchanged).
         """
+        return self.lm_head(session, self._hidden(session, idx, cache))
+
+    def _hidden(self, session: EagerSession, idx: Any, cache: KVCache | None) -> TensorRef:
+        """The hidden states (B, T, d_model) that ``lm_head`` projects: ``forward`` but
+        the head."""
         idx = self._token_ids(idx)
         seen, t = self._cached_positions(idx, cache), idx.shape[1]
         h = self.embed(session, idx) + self.pos_embed(session, np.arange(seen, seen + t))
         h = self._body(session, self.drop(session, h), cache)
         if cache is not None:
             cache.advance(t)
-        return self.lm_head(session, self.ln_f(session, h))
+        return self.ln_f(session, h)
 
     def loss(
         self, session: EagerSession, idx: Any, targets: Any, ignore_index: int = -100
     ) -> TensorRef:
-        """Mean cross entropy of the next-token logits against ``targets`` (B, T)."""
-        return ops.cross_entropy(self(session, idx), targets, ignore_index=ignore_index)
+        """Mean cross entropy of the next-token logits against ``targets`` (B, T).
+
+        A plain head (a ``Linear`` without bias, tied or not, a use frozen or not) and the
+        loss are one op, ``ops.linear_cross_entropy``: the (B, T, vocab_size) logits are
+        never held, and the head's weight is an ordinary use (its tie's gradients sum
+        once, C4). Any other head (one with a LoRA adapter) takes the unfused path,
+        ``ops.cross_entropy`` of ``forward``'s logits, so its adapter trains.
+        """
+        h = self._hidden(session, idx, None)
+        head = self.lm_head
+        if type(head) is Linear and head.bias is None:
+            weight = session.use(head.weight)
+            return ops.linear_cross_entropy(h, weight, targets, ignore_index=ignore_index)
+        return ops.cross_entropy(head(session, h), targets, ignore_index=ignore_index)
 
     def _cached_positions(self, idx: Any, cache: KVCache | None) -> int:
         """How many positions ``cache`` holds before ``idx`` (B, T) (0 without one),

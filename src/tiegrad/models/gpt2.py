@@ -383,10 +383,12 @@ class GPT2(TiedCausalLM):
         (``max_seq_len``). With a ``KVCache`` (``new_cache()``) the ids continue its
         positions and their keys and values are appended to it (``generate`` feeds the
         prompt, then one token per step)."""
+        return self.lm_head(session, self._hidden(session, idx, cache))
+
+    def _hidden(self, session: EagerSession, idx: Any, cache: KVCache | None) -> TensorRef:
         idx = self._token_ids(idx)
         self._cached_positions(idx, cache)
-        body = self.transformer(session, idx, cache, recompute=self._recomputes(cache))
-        return self.lm_head(session, body)
+        return self.transformer(session, idx, cache, recompute=self._recomputes(cache))
 
     @classmethod
     def from_pretrained(

@@ -450,6 +450,9 @@ class LlamaLM(TiedCausalLM):
         their keys and values are appended to it; ``length + T`` may not exceed
         ``max_position_embeddings`` (``ShapeError``, the cache unchanged).
         """
+        return self.lm_head(session, self._hidden(session, idx, cache))
+
+    def _hidden(self, session: EagerSession, idx: Any, cache: KVCache | None) -> TensorRef:
         idx = self._token_ids(idx)
         seen, t = self._cached_positions(idx, cache), idx.shape[1]
         tables = ops.rope_tables(
@@ -463,7 +466,7 @@ class LlamaLM(TiedCausalLM):
             h = checkpoint_if(recompute, layer, session, h, rope, cache, i)
         if cache is not None:
             cache.advance(t)
-        return self.lm_head(session, self.model.norm(session, h))
+        return self.model.norm(session, h)
 
     @classmethod
     def from_pretrained(

@@ -16,6 +16,7 @@ from .dropout import dropout
 from .elementwise import cos, exp, gelu, log, relu, rsqrt, sigmoid, silu, sin, sqrt, tanh
 from .embedding import embedding
 from .linear import affine, linear
+from .linear_cross_entropy import linear_cross_entropy
 from .loss import cross_entropy, mse_loss
 from .norm import layer_norm, rms_norm
 from .pieces import chunk, repeat_interleave, split
@@ -52,6 +53,7 @@ __all__ = [
     "getitem",
     "layer_norm",
     "linear",
+    "linear_cross_entropy",
     "log",
     "log_softmax",
     "matmul",

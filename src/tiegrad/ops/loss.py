@@ -103,8 +103,8 @@ def cross_entropy(
     del shifted
     if vmask is not None:  # an ignored position is 0, even where its logits are not finite
         per = bk.where(valid, per, 0.0)
-    count = _count(bk, reduction, vmask, host_count)
-    out = _reduce(bk, per, reduction, count)
+    count = loss_count(bk, reduction, vmask, host_count)
+    out = reduce_losses(bk, per, reduction, count)
     if want:
         probs *= 1.0 / den  # the softmax, kept for the VJP
     del den
@@ -129,7 +129,7 @@ def cross_entropy(
     return s._record(out, (logits.id,), vjp)
 
 
-def _count(bk: Any, reduction: str, mask: Any, host_count: int | None) -> float:
+def loss_count(bk: Any, reduction: str, mask: Any, host_count: int | None) -> float:
     """The divisor of a mean: the positions not ignored (counted on the host when the
     targets are a NumPy array, else from the device ``mask``); 1.0 for other reductions."""
     if reduction != "mean":
@@ -137,7 +137,7 @@ def _count(bk: Any, reduction: str, mask: Any, host_count: int | None) -> float:
     return float(bk.sum(mask) if host_count is None else host_count)
 
 
-def _reduce(bk: Any, per: Any, reduction: str, count: float) -> Any:
+def reduce_losses(bk: Any, per: Any, reduction: str, count: float) -> Any:
     """The per-position losses reduced: as they are, summed, or summed over ``count``
     (half precision in float32, ``scaled_sum``)."""
     if reduction == "none":
@@ -164,8 +164,8 @@ def _fused_cross_entropy(
     bk = s.backend
     rows_loss, rows_vjp = fused
     shape = tuple(logits.value.shape)
-    count = _count(bk, reduction, valid, host_count)
-    out = _reduce(bk, bk.reshape(rows_loss, shape[:-1]), reduction, count)
+    count = loss_count(bk, reduction, valid, host_count)
+    out = reduce_losses(bk, bk.reshape(rows_loss, shape[:-1]), reduction, count)
     rows = math.prod(shape[:-1])
 
     def vjp(g):  # runs only when ``rows_vjp`` exists: the op wanted the gradient
