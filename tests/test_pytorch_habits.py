@@ -8,7 +8,9 @@ a PyTorch user expects; attributes tiegrad spells otherwise name tiegrad's way.
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -191,6 +193,24 @@ def test_param_grad_is_the_storages_summed_gradient_until_zero_grad():  # C4
     assert embed.grad is None
     with pytest.raises(MissingGradientError, match="zero_grad"):
         opt.step()
+
+
+def test_zero_grad_frees_the_latest_gradients_as_set_to_none_frees_grad():
+    """The session lets go of them too: a loop that clears before its forward, as
+    PyTorch's, holds no gradients while it records the next step."""
+    model = tiny_lm()
+    opt = AdamW(model.parameters(), lr=1e-2)
+    s = EagerSession()
+    model.loss(s, *batch(0)).backward()
+    opt.step()
+    alive = [weakref.ref(g) for g in s.last_gradients.values()]
+    opt.zero_grad()
+    assert s.last_gradients is None
+    loss = model.loss(s, *batch(1))  # the next forward
+    gc.collect()
+    assert alive and not any(ref() is not None for ref in alive)
+    loss.backward()
+    opt.step()
 
 
 def test_param_grad_of_a_storage_the_backward_did_not_reach_is_none():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -218,6 +219,57 @@ def test_backward_through_released_outputs():
     out = T.sum(T.add(T.add(x, 1.0), x))
     gc.collect()
     np.testing.assert_array_equal(s.backward(out)[x], [2.0, 2.0, 2.0])
+
+
+def saving_node(s: EagerSession, parent, log: list):
+    """A node whose VJP saves a forward value of its own (held by the VJP alone) and
+    logs, when it runs, which saved values of the other saving nodes are still alive."""
+    saved = parent.value * 3.0
+    alive = weakref.ref(saved)
+
+    def vjp(g):
+        log.append([w() is not None for w in log[0]])
+        return (g * (saved / parent_value),)
+
+    parent_value = parent.value
+    log[0].append(alive)
+    return s._record(saved.copy(), (parent.id,), vjp)
+
+
+def test_a_released_sweep_frees_each_vjps_saved_values_once_it_has_run():
+    """As PyTorch frees saved tensors during backward: when the earlier node's VJP runs,
+    the later node's saved value is gone (retain_graph=True keeps both for a second run)."""
+    for retain in (False, True):
+        s = EagerSession()
+        log: list = [[]]
+        x = s.leaf(np.ones(4))
+        out = T.sum(saving_node(s, saving_node(s, x, log), log))
+        g = s.backward(out, retain_graph=retain)
+        np.testing.assert_array_equal(g[x], np.full(4, 9.0))
+        assert log[1:] == [[True, True], [True, retain]]
+        if retain:
+            np.testing.assert_array_equal(s.backward(out)[x], np.full(4, 9.0))
+
+
+def test_an_error_during_a_released_sweep_releases_the_tape():
+    """A VJP that raises after others have freed their saved values: the error comes
+    through unchanged and the tape is released (its refs stale), as after a backward;
+    the latest gradients are those of the previous backward."""
+    s = EagerSession()
+    x = s.leaf(np.ones(3))
+    before = s.backward(T.sum(x * 2.0))
+    x = s.leaf(np.ones(3))
+
+    def broken(g):
+        raise ValueError("broken vjp")
+
+    bad = s._record(x.value * 2, (x.id,), broken)
+    out = T.sum(T.mul(bad, 2.0))
+    with pytest.raises(ValueError, match="broken vjp"):
+        s.backward(out)
+    assert len(s) == 0 and s.last_gradients is before
+    with pytest.raises(TapeError, match="stale"):
+        s.backward(out)
 
 
 # -- errors -----------------------------------------------------------------------------

@@ -115,8 +115,9 @@ class TiegradTrainer:
     ``loss_fn(model, session, x, y)`` records the forward pass and returns the loss ref; the
     step is ``backward``, then ``session.reset()`` (nothing pins the storages any more, so
     the update is written in place), then ``optimizer.step(gradients)``: the gradients keep
-    their recording's uses and are grouped by storage (C4). Without an ``optimizer`` a step
-    is forward and backward only.
+    their recording's uses and are grouped by storage (C4). As the PyTorch step, a step
+    starts with ``optimizer.zero_grad()``, which frees the previous step's gradients before
+    the forward. Without an ``optimizer`` a step is forward and backward only.
     """
 
     def __init__(
@@ -139,6 +140,8 @@ class TiegradTrainer:
         s = self.session
         x, y = self.batches[self.i % len(self.batches)]
         self.i += 1
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
         loss = self.loss_fn(self.model, s, x, y)
         grads = s.backward(loss)
         self.loss = loss.value

@@ -8,7 +8,9 @@ transformers model is saved with ``save_pretrained`` into a temporary folder and
 sides load it from there (``tiegrad.models.from_pretrained``,
 ``LlamaForCausalLM.from_pretrained``), so they start from the same weights with the tie
 restored on both. The torch side is PyTorch eager with ``attn_implementation="eager"``
-and ``use_cache=False``. The quick run (``make_quick_data``) uses a two-layer model of
+and ``use_cache=False``. ``TIEGRAD_L1_LAYERS=N`` in the environment gives the full-size model
+``N`` layers instead of 30 (a reduced run for profiling; the goals are for
+30). The quick run (``make_quick_data``) uses a two-layer model of
 the same family. Issue 48's goals: step time ratio <= 0.9 and peak RSS ratio <= 0.8
 (``extras``). ``device_sides`` runs the step on a GPU (``benchmarks.device_w1``).
 transformers is imported only when L1 or L2 runs.
@@ -16,6 +18,7 @@ transformers is imported only when L1 or L2 runs.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -28,6 +31,7 @@ from ._common import TiegradTrainer, TorchTrainer, model_loss, token_batches, wa
 
 ID = "L1"
 TITLE = "Llama fine-tune"
+LAYERS_VARIABLE = "TIEGRAD_L1_LAYERS"
 STEPS = (1, 3)  # a step takes seconds on 2 cores: each timed step adds a settling step
 SHAPE = {
     "vocab_size": 49152,
@@ -83,9 +87,19 @@ def _data(shape: Mapping[str, int], batch: int, seq: int) -> dict[str, Any]:
     }
 
 
+def full_shape() -> dict[str, int]:
+    """``SHAPE`` with ``num_hidden_layers`` from ``TIEGRAD_L1_LAYERS`` where it is set."""
+    layers = os.environ.get(LAYERS_VARIABLE)
+    if layers is None:
+        return dict(SHAPE)
+    if not layers.isdigit() or int(layers) < 1:
+        raise ValueError(f"{LAYERS_VARIABLE}={layers!r}: expected a positive layer count")
+    return {**SHAPE, "num_hidden_layers": int(layers)}
+
+
 def make_data() -> dict[str, Any]:
     """The batches and a temporary folder holding the saved model (removed with the dict)."""
-    return _data(SHAPE, BATCH, SEQ)
+    return _data(full_shape(), BATCH, SEQ)
 
 
 def make_quick_data() -> dict[str, Any]:

@@ -101,8 +101,14 @@ def latest_gradients() -> Gradients | None:
 def forget_latest_gradients() -> None:
     """Make ``latest_gradients()`` None in the calling thread (``optimizer.zero_grad``).
 
-    The session keeps its ``last_gradients``; only the thread's pointer to them goes.
+    The session of that latest backward lets go of them too (its ``last_gradients``
+    becomes None), so their memory is freed unless the caller holds the result, as
+    ``zero_grad(set_to_none=True)`` frees PyTorch's ``.grad``.
     """
+    ref = getattr(_latest, "session", None)
+    session = None if ref is None else ref()
+    if session is not None:
+        session.last_gradients = None
     _latest.session = None
     _latest.unstepped = False
 

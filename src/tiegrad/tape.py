@@ -427,7 +427,10 @@ class Tape:
         The tape is then released (``reset``), as PyTorch frees the graph: refs
         recorded so far keep their values (``loss.item()``) and remain keys of the
         result, but new ops on them raise ``TapeError``. ``retain_graph=True`` keeps
-        the tape for another backward or further recording.
+        the tape for another backward or further recording. Without it the sweep
+        frees each VJP, and the forward values only it held, as soon as it has run, as
+        PyTorch frees saved tensors; so an error raised during the sweep (by a VJP or
+        a callback) also releases the tape, and the refs become stale.
 
         A node's VJP runs only if it received a cotangent; each cotangent is dropped
         once propagated unless its id is retained. ``retain`` defaults to every leaf
@@ -467,11 +470,52 @@ class Tape:
             # must not reach it (PyTorch copies too).
             seed = bk.copy(seed) if seed.dtype == ov.dtype else bk.astype(seed, ov.dtype)
         keep = set(self._grad_leaves) if retain is None else {self._resolve_id(r) for r in retain}
-        meta, parents, vjps, rg = self._meta, self._parents, self._vjps, self._rg
+        meta, rg = self._meta, self._rg
         result: dict[int, Array] = {}
         cot: dict[int, Array] = {oid: seed} if rg[oid] or oid in keep else {}
-        made: set[int] = set()  # nodes whose cotangent is a sum this sweep made: added into
         hooks = sorted(on_final, key=lambda h: -h[0])
+        try:
+            k = self._sweep(oid, cot, keep, result, hooks, retain_graph)
+        except BaseException:
+            if not retain_graph:  # VJPs already run have freed what they saved
+                self.reset()
+            raise
+        for i in keep:
+            if i not in result and rg[i]:
+                shape, dtype = meta[i]
+                result[i] = bk.zeros(tuple(shape), dtype)
+        for _, callback in hooks[k:]:
+            callback(result)
+        _hand_out(bk, result)
+        grads = self._result(result, retain_graph)
+        if retain_graph:
+            self._retained_backward = True
+        else:
+            self.reset()
+            self._released = grads
+        return grads
+
+    def _sweep(
+        self,
+        oid: int,
+        cot: dict[int, Array],
+        keep: set[int],
+        result: dict[int, Array],
+        hooks: list[tuple[int, Callable[[Mapping[int, Array]], None]]],
+        retain_graph: bool,
+    ) -> int:
+        """The reverse sweep of ``backward`` from node ``oid``: fills ``result`` with the
+        gradients of the ``keep`` nodes; returns how many ``hooks`` it called.
+
+        Memory is freed as PyTorch frees it during a backward: a cotangent is dropped
+        once its node's VJP has propagated it, and without ``retain_graph`` each VJP is
+        dropped once it has run, and with it the forward values it saved (a value that
+        no other VJP or ref holds is freed at once, so the step's activations go as the
+        sweep reaches them instead of all at the end).
+        """
+        bk = self.backend
+        meta, parents, vjps, rg = self._meta, self._parents, self._vjps, self._rg
+        made: set[int] = set()  # cotangents that are sums this sweep made: added in place
         k = 0
         due = hooks[0][0] if hooks else -1
         for i in range(oid, -1, -1):
@@ -487,7 +531,11 @@ class Tape:
             vjp = vjps[i]
             if vjp is None:
                 continue
-            for pid, pg in zip(parents[i], vjp(g)):
+            if not retain_graph:
+                vjps[i] = None
+            sent = vjp(g)
+            del vjp, g
+            for pid, pg in zip(parents[i], sent):
                 if pg is None or not rg[pid]:
                     continue
                 if pg.shape != meta[pid][0]:
@@ -503,20 +551,8 @@ class Tape:
                 else:
                     cot[pid] = add_new(prev, pg)
                     made.add(pid)
-        for i in keep:
-            if i not in result and rg[i]:
-                shape, dtype = meta[i]
-                result[i] = bk.zeros(tuple(shape), dtype)
-        for _, callback in hooks[k:]:
-            callback(result)
-        _hand_out(bk, result)
-        grads = self._result(result, retain_graph)
-        if retain_graph:
-            self._retained_backward = True
-        else:
-            self.reset()
-            self._released = grads
-        return grads
+            del sent
+        return k
 
     def backward_from(self, out: TensorRef, seed: Any, retain_graph: bool) -> TapeGradients:
         """``out.backward(seed)``, PyTorch's habit: ``backward(out, seed)``."""

@@ -40,7 +40,13 @@ def _sin_vjp(bk, xv, g):
     return (g * bk.cos(xv),)
 
 
-def _silu_vjp(xv, sig, g):
+def _sigmoid_of(bk, xv):
+    """``sigmoid(x)`` as ``(1 + tanh(x / 2)) / 2``: no overflow for any finite ``x``."""
+    return 0.5 * (1.0 + bk.tanh(0.5 * xv))
+
+
+def _silu_vjp(bk, xv, g):
+    sig = _sigmoid_of(bk, xv)
     return (g * (sig * (1.0 + xv * (1.0 - sig))),)
 
 
@@ -119,17 +125,21 @@ def tanh(x: TensorRef) -> TensorRef:
 def sigmoid(x: TensorRef) -> TensorRef:
     """Logistic function, as ``(1 + tanh(x / 2)) / 2`` (no overflow); VJP: ``g * y * (1 - y)``."""
     s = session_of(x)
-    out = 0.5 * (1.0 + s.backend.tanh(0.5 * x.value))
+    out = _sigmoid_of(s.backend, x.value)
     return s._record(out, (x.id,), partial(_sigmoid_vjp, out))
 
 
 def silu(x: TensorRef) -> TensorRef:
     """SiLU (swish), ``x * sigmoid(x)`` as PyTorch's ``F.silu``, with ``sigmoid``'s form
-    (no overflow); VJP: ``g * y * (1 + x * (1 - y))`` with ``y = sigmoid(x)``."""
+    (no overflow); VJP: ``g * y * (1 + x * (1 - y))`` with ``y = sigmoid(x)``.
+
+    As PyTorch, the VJP keeps only the input and computes ``y`` again (the same bits as
+    the forward's): a SwiGLU MLP holds no sigmoid-sized array per layer until backward.
+    """
     s = session_of(x)
+    bk = s.backend
     xv = x.value
-    sig = 0.5 * (1.0 + s.backend.tanh(0.5 * xv))
-    return s._record(xv * sig, (x.id,), partial(_silu_vjp, xv, sig))
+    return s._record(xv * _sigmoid_of(bk, xv), (x.id,), partial(_silu_vjp, bk, xv))
 
 
 def relu(x: TensorRef) -> TensorRef:

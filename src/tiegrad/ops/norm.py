@@ -210,6 +210,7 @@ def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6, offset: float = 0.0)
     want_x = needs_grad(s, x)
     want_w = w is not None and needs_grad(s, w)
     rows = math.prod(shape[:-1])
+    x_dtype = xv.dtype  # the VJP keeps the normalized rows, not the input (the residual)
 
     def vjp(g):
         gc = g if half is None or half_to_float32(bk, g.dtype) is None else bk.astype(g, half)
@@ -219,7 +220,7 @@ def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6, offset: float = 0.0)
             gw = bk.astype(sum_rows(bk, bk.reshape(gc * seen, (rows, d))), wv.dtype)
         if want_x:
             gs = gc if scale is None else gc * scale
-            gx = bk.astype(rstd * (gs - h * (sum_last(bk, gs * h) / max(d, 1))), xv.dtype)
+            gx = bk.astype(rstd * (gs - h * (sum_last(bk, gs * h) / max(d, 1))), x_dtype)
         return (gx,) if w is None else (gx, gw)
 
     return s._record(out, tuple(r.id for r in refs), vjp)

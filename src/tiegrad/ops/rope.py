@@ -69,19 +69,22 @@ def rotary(x: Any, cos: Any, sin: Any) -> TensorRef:
     out[..., h:r] = hi
     out[..., r:] = xv[..., r:]
     wants = (needs_grad(s, x), needs_grad(s, cos), needs_grad(s, sin))
+    x_dtype = xv.dtype
+    # the input only for the tables' gradients: a model's constant tables keep no x alive
+    rotated = (x1, x2) if wants[1] or wants[2] else None
 
     def vjp(g):
         g1, g2 = g[..., :h], g[..., h:r]
         gx = gc = gs = None
         if wants[0]:
-            gx = bk.empty(xs, xv.dtype)
+            gx = bk.empty(xs, x_dtype)
             gx[..., :h] = g1 * c1 + g2 * s2
             gx[..., h:r] = g2 * c2 - g1 * s1
             gx[..., r:] = g[..., r:]
         if wants[1]:
-            gc = unbroadcast(bk, bk.concat([g1 * x1, g2 * x2], -1), cs)
+            gc = unbroadcast(bk, bk.concat([g1 * rotated[0], g2 * rotated[1]], -1), cs)
         if wants[2]:
-            gs = unbroadcast(bk, bk.concat([-(g1 * x2), g2 * x1], -1), cs)
+            gs = unbroadcast(bk, bk.concat([-(g1 * rotated[1]), g2 * rotated[0]], -1), cs)
         return gx, gc, gs
 
     return s._record(out, (x.id, cos.id, sin.id), vjp)
