@@ -60,8 +60,8 @@ def resize_vocab(
     if train not in TRAIN:
         raise ConfigError(f"resize_vocab {label}: train must be one of {TRAIN}, got {train!r:.40}")
     slots = model.named_slots()
-    owners = {path.rsplit(".", 1)[0] for path in paths}
-    adapted = [p for p, _ in slots if any(p.startswith(f"{m}.lora.") for m in owners)]
+    layers = {path.rsplit(".", 1)[0] for path in paths}
+    adapted = [p for p, _ in slots if any(p.startswith(f"{m}.lora.") for m in layers)]
     if adapted:
         raise ConfigError(
             f"resize_vocab {label}: LoRA adapters on the embedding or the head "
